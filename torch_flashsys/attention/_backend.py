@@ -1,0 +1,42 @@
+"""Which attention backend can run where: Triton (GPU or interpreter) or the PyTorch tiled path."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@functools.cache
+def triton_installed() -> bool:
+    """True when the ``triton`` package can be imported (it is a Linux-only dependency)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_active() -> bool:
+    """True when ``TRITON_INTERPRET=1``: Triton kernels then run on CPU tensors (slowly).
+
+    Triton reads the variable when a kernel is defined, so it must be set before this package's
+    kernels are first used (``tests/conftest.py`` sets it before anything imports triton).
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_can_run_on(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on tensors that live on ``device``."""
+    if not triton_installed():
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and interpreter_active()
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``backend="auto"`` to ``"triton"`` or ``"torch"`` for tensors on ``device``."""
+    if backend == "auto":
+        return "triton" if triton_can_run_on(device) else "torch"
+    return backend

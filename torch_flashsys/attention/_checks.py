@@ -1,0 +1,159 @@
+"""Input validation for flash_attention, in one place. Every rule raises with the argument's name."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_flashsys.attention._backend import (
+    BACKENDS,
+    interpreter_active,
+    resolve_backend,
+    triton_installed,
+)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_HEAD_DIMS = "16..256, multiples of 8"
+
+_NAME = "flash_attention"
+
+
+def _fail(exc: type[Exception], msg: str) -> None:
+    raise exc(f"{_NAME}: {msg}")
+
+
+def triton_head_dim_ok(head_dim: int) -> bool:
+    return 16 <= head_dim <= 256 and head_dim % 8 == 0
+
+
+def check_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: object,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    backend: str,
+) -> str:
+    """Validate flash_attention's arguments; return the concrete backend ("triton" or "torch")."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+    if attn_mask is not None:
+        _fail(
+            NotImplementedError,
+            "attn_mask is not supported; use is_causal=True for causal masking, or "
+            "torch.nn.functional.scaled_dot_product_attention for arbitrary masks",
+        )
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        _fail(ValueError, f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    if dropout_p > 0.0:
+        _fail(
+            NotImplementedError,
+            f"dropout_p > 0 is not supported (got {dropout_p}); apply dropout outside attention "
+            "or use torch.nn.functional.scaled_dot_product_attention",
+        )
+    if not isinstance(is_causal, bool):
+        _fail(TypeError, f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if not isinstance(enable_gqa, bool):
+        _fail(TypeError, f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+    ):
+        _fail(TypeError, f"scale must be a finite float or None, got {scale!r}")
+    if backend not in BACKENDS:
+        _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend!r}")
+
+    # Ranks and shapes.
+    if query.dim() not in (3, 4):
+        _fail(
+            ValueError,
+            "query must be 3-D (batch, seq, head_dim) or 4-D (batch, heads, seq, head_dim), "
+            f"got {query.dim()}-D with shape {tuple(query.shape)}",
+        )
+    if key.dim() != query.dim() or value.dim() != query.dim():
+        _fail(
+            ValueError,
+            "query, key and value must have the same number of dimensions, got "
+            f"{query.dim()}, {key.dim()} and {value.dim()}",
+        )
+    e_q, e_k, e_v = query.shape[-1], key.shape[-1], value.shape[-1]
+    if not e_q == e_k == e_v:
+        _fail(
+            ValueError,
+            f"query, key and value must have the same head dim (last dimension), got {e_q}, "
+            f"{e_k} and {e_v}",
+        )
+    if key.shape[:-1] != value.shape[:-1]:
+        _fail(
+            ValueError,
+            "key and value must have the same shape except the head dim, got "
+            f"{tuple(key.shape)} and {tuple(value.shape)} (sequence lengths "
+            f"{key.shape[-2]} and {value.shape[-2]})",
+        )
+    if query.dim() == 4 and query.shape[0] != key.shape[0]:
+        _fail(
+            ValueError,
+            f"query and key must have the same batch size, got {query.shape[0]} and {key.shape[0]}",
+        )
+    if key.shape[-2] == 0:
+        _fail(ValueError, "key and value must have at least one position (seq length 0 given)")
+    h_q, h_kv = query.shape[-3], key.shape[-3]
+    if h_q != h_kv:
+        if not enable_gqa:
+            _fail(
+                ValueError,
+                f"query has {h_q} heads but key/value have {h_kv}; pass enable_gqa=True for "
+                "grouped-query attention",
+            )
+        if h_kv == 0 or h_q % h_kv != 0:
+            _fail(
+                ValueError,
+                f"with enable_gqa=True the query heads ({h_q}) must be a multiple of the key/value "
+                f"heads ({h_kv})",
+            )
+
+    # Dtypes and devices.
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            _fail(
+                TypeError,
+                f"{name} must be float16, bfloat16 or float32, got {t.dtype}",
+            )
+    if not query.dtype == key.dtype == value.dtype:
+        _fail(
+            TypeError,
+            "query, key and value must have the same dtype, got "
+            f"{query.dtype}, {key.dtype} and {value.dtype}",
+        )
+    if not query.device == key.device == value.device:
+        _fail(
+            ValueError,
+            "query, key and value must be on the same device, got "
+            f"{query.device}, {key.device} and {value.device}",
+        )
+
+    resolved = resolve_backend(backend, query.device)
+    if resolved == "triton":
+        if not triton_installed():
+            _fail(RuntimeError, "backend='triton' needs the triton package (pip install triton)")
+        if query.device.type != "cuda" and not (
+            query.device.type == "cpu" and interpreter_active()
+        ):
+            _fail(
+                RuntimeError,
+                f"backend='triton' needs CUDA tensors, got tensors on {query.device}; use "
+                "backend='torch', or set TRITON_INTERPRET=1 before importing triton to run the "
+                "kernels on CPU tensors through the Triton interpreter",
+            )
+        if not triton_head_dim_ok(e_q):
+            _fail(
+                ValueError,
+                f"backend='triton' supports head dims {TRITON_HEAD_DIMS}, got {e_q}; "
+                "use backend='torch' for other head dims",
+            )
+    return resolved
