@@ -1,0 +1,97 @@
+"""Run a function on N real gloo processes (torch.multiprocessing spawn) and collect the results.
+
+Usage::
+
+    def body(rank, world_size, *args):   # module-level function (it is pickled by name)
+        ...  # torch.distributed is initialised (gloo) when body runs
+        return {"params": [...]}        # anything torch.save can write
+
+    results = run_distributed(body, world_size=2, args=(...,))   # list, one entry per rank
+
+A rank that raises makes run_distributed raise with that rank's traceback; a run that does not
+finish within ``timeout`` seconds (a hang) is killed and reported, so tests never hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, out_dir, args, backend):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException as exc:  # reported to the parent, which raises
+        torch.save(
+            {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RankError(RuntimeError):
+    """Raised in the parent when a rank raised; ``errors`` maps rank -> 'Type: message'."""
+
+    def __init__(self, errors: dict[int, str], tracebacks: dict[int, str]):
+        self.errors = errors
+        first = min(errors)
+        super().__init__(f"rank(s) {sorted(errors)} raised; rank {first}:\n{tracebacks[first]}")
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    timeout: float = 120.0,
+    backend: str = "gloo",
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, _free_port(), out_dir, args, backend),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"distributed run of {fn.__name__} hung (> {timeout} s)")
+        results, errors, tbs = [], {}, {}
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                errors[rank], tbs[rank] = "no result written", "(process died)"
+                continue
+            rec = torch.load(path, weights_only=False)
+            if "error" in rec:
+                errors[rank], tbs[rank] = rec["error"], rec["tb"]
+            results.append(rec.get("ok"))
+        if errors:
+            raise RankError(errors, tbs)
+        return results
