@@ -1,0 +1,146 @@
+"""Building blocks of the reference LM: RMSNorm, SwiGLU, rotary embeddings, causal attention."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from torch_flashsys.models._config import ATTENTION_CHOICES
+
+
+def _init_linear(layer: nn.Linear, std: float = 0.02) -> None:
+    nn.init.trunc_normal_(layer.weight, std=std, a=-3 * std, b=3 * std)
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, computed in float32.
+
+    x: (..., d_model) -> (..., d_model), same dtype.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward ``w2(silu(w1 x) * w3 x)``. x: (..., d_model) -> (..., d_model)."""
+
+    def __init__(self, d_model: int, d_ff: int, *, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"bias": False, "device": device, "dtype": dtype}
+        self.w1 = nn.Linear(d_model, d_ff, **kw)
+        self.w3 = nn.Linear(d_model, d_ff, **kw)
+        self.w2 = nn.Linear(d_ff, d_model, **kw)
+        for layer in (self.w1, self.w2, self.w3):
+            _init_linear(layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE), half-split form: feature ``i`` pairs with ``i + dim/2``.
+
+    x: (batch, heads, seq, head_dim) -> same shape; position ``p`` rotates pair ``i`` by
+    ``p * theta ** (-2i / head_dim)``. The cos/sin tables are non-persistent buffers (not in the
+    state dict) built in float32 for ``context_length`` positions.
+    """
+
+    def __init__(self, head_dim: int, context_length: int, theta: float = 10_000.0, *, device=None):
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+        angles = torch.outer(torch.arange(context_length, device=device).float(), inv_freq)
+        self.register_buffer("cos", angles.cos(), persistent=False)  # (context_length, head_dim/2)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[-2]
+        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def _nvtx(name: str, enabled: bool) -> contextlib.AbstractContextManager:
+    """An NVTX range on CUDA (visible in nsys), a no-op context elsewhere."""
+    return torch.cuda.nvtx.range(name) if enabled else contextlib.nullcontext()
+
+
+def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(d) + causal mask) v`` with the (seq, seq) scores materialised.
+
+    q, k, v: (batch, heads, seq, head_dim) -> (batch, heads, seq, head_dim). On CUDA the three
+    steps are NVTX ranges "attention/scores", "attention/softmax", "attention/final_matmul".
+    """
+    cuda = q.is_cuda
+    seq = q.shape[-2]
+    with _nvtx("attention/scores", cuda):
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        future = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    with _nvtx("attention/softmax", cuda):
+        probs = torch.softmax(scores, dim=-1)
+    with _nvtx("attention/final_matmul", cuda):
+        return probs @ v
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, flash_backend: str = "auto"
+) -> torch.Tensor:
+    """Causal attention by ``impl`` ("naive" | "sdpa" | "flash"). (B, H, L, D) -> (B, H, L, D)."""
+    if impl == "flash":
+        from torch_flashsys.attention import flash_attention
+
+        return flash_attention(q, k, v, is_causal=True, backend=flash_backend)
+    if impl == "sdpa":
+        # Looked up at call time, so torch_flashsys.sdpa_override() also reroutes this path.
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if impl == "naive":
+        return naive_causal_attention(q, k, v)
+    raise ValueError(f"causal_attention: impl must be one of {ATTENTION_CHOICES}, got {impl!r}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE on queries and keys.
+
+    x: (batch, seq, d_model) -> (batch, seq, d_model). Fused QKV projection ``qkv_proj``
+    (d_model -> 3 d_model, no bias) and output projection ``out_proj`` (no bias). ``rope`` is
+    passed to ``forward`` so that all layers share the LM's tables.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        attention: str = "flash",
+        flash_backend: str = "auto",
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.attention = attention
+        self.flash_backend = flash_backend
+        kw = {"bias": False, "device": device, "dtype": dtype}
+        self.qkv_proj = nn.Linear(d_model, 3 * d_model, **kw)
+        self.out_proj = nn.Linear(d_model, d_model, **kw)
+        _init_linear(self.qkv_proj)
+        _init_linear(self.out_proj)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        b, seq, d_model = x.shape
+        qkv = self.qkv_proj(x).view(b, seq, 3, self.num_heads, d_model // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, heads, seq, head_dim)
+        q, k = rope(q), rope(k)
+        out = causal_attention(q, k, v, self.attention, self.flash_backend)
+        return self.out_proj(out.transpose(1, 2).reshape(b, seq, d_model))
