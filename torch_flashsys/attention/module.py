@@ -1,17 +1,254 @@
-"""FlashAttention nn.Module (not implemented yet)."""
+"""FlashAttention: a self-attention nn.Module on flash_attention, weight-compatible with MHA."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch import nn
+
+from torch_flashsys.attention._backend import BACKENDS
+
+_NAME = "FlashAttention"
 
 
-class FlashAttention(torch.nn.Module):
-    """Not implemented yet: constructing one raises ``NotImplementedError``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "torch_flashsys.FlashAttention is not implemented yet; call "
-            "torch_flashsys.flash_attention inside your own module meanwhile"
+def _mha_unsupported_reason(mha: nn.MultiheadAttention) -> str | None:
+    """Why ``mha`` cannot become an equivalent :class:`FlashAttention` (None: it can)."""
+    if not mha._qkv_same_embed_dim:
+        return f"kdim/vdim ({mha.kdim}/{mha.vdim}) differ from embed_dim ({mha.embed_dim})"
+    if mha.bias_k is not None:
+        return "add_bias_kv=True is not supported"
+    if mha.add_zero_attn:
+        return "add_zero_attn=True is not supported"
+    if mha.dropout > 0.0:
+        return (
+            f"attention dropout ({mha.dropout}) is not supported; set its .dropout = 0.0 first "
+            "to drop it"
         )
+    return None
+
+
+def _is_causal_mask(mask: torch.Tensor, seq: int) -> bool:
+    """True when ``mask`` (bool: True = masked, or additive float) is exactly the causal mask.
+
+    mask: (seq, seq) or (n, seq, seq), as nn.MultiheadAttention takes it.
+    """
+    if mask.shape[-2:] != (seq, seq) or mask.dim() not in (2, 3):
+        return False
+    future = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return bool((mask == future).all())
+    if not mask.is_floating_point():
+        return False
+    ref = torch.zeros(seq, seq, dtype=mask.dtype, device=mask.device).masked_fill(
+        future, float("-inf")
+    )
+    return bool((mask == ref).all())
+
+
+class FlashAttention(nn.Module):
+    """Multi-head (or grouped-query) self-attention computed by :func:`flash_attention`.
+
+    x: (batch, seq, embed_dim) -> (batch, seq, embed_dim); with ``batch_first=False``
+    (seq, batch, embed_dim) -> (seq, batch, embed_dim); unbatched (seq, embed_dim) also works.
+
+    A fused QKV projection ``in_proj_weight`` / ``in_proj_bias``, attention per head, and an output
+    projection ``out_proj``. With ``num_kv_heads == num_heads`` (the default) the parameters have
+    the names, shapes and initialisation of :class:`torch.nn.MultiheadAttention`, so an MHA's
+    state dict loads as is (see :meth:`from_mha`). With ``num_kv_heads < num_heads``
+    (grouped-query attention) ``in_proj_weight`` is ``((num_heads + 2 * num_kv_heads) * head_dim,
+    embed_dim)``: query rows, then key rows, then value rows.
+
+    Two call forms:
+
+    - ``forward(x)`` returns the output tensor.
+    - nn.MultiheadAttention's form ``forward(query, key, value, key_padding_mask=None,
+      need_weights=True, attn_mask=None, average_attn_weights=True, is_causal=False)`` returns
+      ``(out, None)``, so the module can replace ``self_attn`` in ``nn.TransformerEncoderLayer``.
+      Self-attention only: ``key`` and ``value`` must be ``query`` itself. Attention is causal
+      when the module was built with ``causal=True``, when ``is_causal=True``, or when
+      ``attn_mask`` is exactly the causal mask (bool or additive float, as
+      ``nn.Transformer.generate_square_subsequent_mask`` makes it). Anything it cannot honour
+      raises ``NotImplementedError``: other ``attn_mask`` values, a ``key_padding_mask``,
+      ``need_weights=True`` (the default of MHA: pass ``need_weights=False``).
+
+    Args:
+        embed_dim: model width; ``embed_dim // num_heads`` is the head dim.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (a divisor of ``num_heads``); default ``num_heads``.
+        bias: add biases to the input and output projections (as in MHA).
+        causal: always apply the causal mask.
+        batch_first: inputs are (batch, seq, embed_dim); ``False``: (seq, batch, embed_dim).
+        backend: ``backend`` of :func:`flash_attention` ("auto", "triton", "torch").
+
+    Example:
+        >>> attn = FlashAttention(256, 4, causal=True, backend="torch")
+        >>> attn(torch.randn(2, 100, 256)).shape
+        torch.Size([2, 100, 256])
+    """
+
+    # Read by nn.TransformerEncoderLayer: False keeps it off its fused "fast path", which would
+    # run a native kernel on our weights instead of calling this module.
+    _qkv_same_embed_dim = False
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        causal: bool = False,
+        batch_first: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (
+            ("embed_dim", embed_dim),
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{_NAME}: {name} must be a positive int, got {value!r}")
+        if embed_dim % num_heads != 0:
+            raise ValueError(
+                f"{_NAME}: embed_dim ({embed_dim}) must be a multiple of num_heads ({num_heads})"
+            )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"{_NAME}: num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                f"({num_kv_heads})"
+            )
+        if backend not in BACKENDS:
+            raise ValueError(f"{_NAME}: backend must be one of {BACKENDS}, got {backend!r}")
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.causal = bool(causal)
+        self.batch_first = bool(batch_first)
+        self.backend = backend
+        kw = {"device": device, "dtype": dtype}
+        proj_dim = (num_heads + 2 * num_kv_heads) * self.head_dim
+        self.in_proj_weight = nn.Parameter(torch.empty(proj_dim, embed_dim, **kw))
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(proj_dim, **kw))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        # nn.MultiheadAttention's initialisation (out_proj.weight keeps nn.Linear's default).
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
+
+    @classmethod
+    def from_mha(
+        cls, mha: nn.MultiheadAttention, *, causal: bool = False, backend: str = "auto"
+    ) -> FlashAttention:
+        """A FlashAttention with ``mha``'s weights, device, dtype, batch_first and training mode.
+
+        Raises ``ValueError`` for MHAs it cannot reproduce (kdim/vdim != embed_dim,
+        add_bias_kv, add_zero_attn, dropout > 0).
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(
+                f"{_NAME}.from_mha: expected an nn.MultiheadAttention, got {type(mha).__name__}"
+            )
+        reason = _mha_unsupported_reason(mha)
+        if reason is not None:
+            raise ValueError(f"{_NAME}.from_mha: cannot convert this MultiheadAttention: {reason}")
+        weight = mha.in_proj_weight
+        new = cls(
+            mha.embed_dim,
+            mha.num_heads,
+            bias=mha.in_proj_bias is not None,
+            causal=causal,
+            batch_first=mha.batch_first,
+            backend=backend,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        new.load_state_dict(mha.state_dict())
+        return new.train(mha.training)
+
+    def extra_repr(self) -> str:
+        kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, "
+            f"bias={self.in_proj_bias is not None}, causal={self.causal}, "
+            f"batch_first={self.batch_first}, backend={self.backend!r}"
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, None]:
+        mha_form = key is not None or value is not None
+        if mha_form:
+            if key is not query or value is not query:
+                raise NotImplementedError(
+                    f"{_NAME}: self-attention only; key and value must be the query tensor "
+                    "itself (use nn.MultiheadAttention for cross-attention)"
+                )
+            if need_weights:
+                raise NotImplementedError(
+                    f"{_NAME}: need_weights=True is not supported (flash attention never forms "
+                    "the attention weights); pass need_weights=False"
+                )
+        if key_padding_mask is not None:
+            raise NotImplementedError(
+                f"{_NAME}: key_padding_mask is not supported (got a mask of shape "
+                f"{tuple(key_padding_mask.shape)}); pad-free batches or "
+                "nn.MultiheadAttention are needed for padding"
+            )
+        if not isinstance(query, torch.Tensor) or query.is_nested:
+            raise TypeError(f"{_NAME}: query must be a dense torch.Tensor")
+        if query.dim() not in (2, 3) or query.shape[-1] != self.embed_dim:
+            layout = "(batch, seq, embed_dim)" if self.batch_first else "(seq, batch, embed_dim)"
+            raise ValueError(
+                f"{_NAME}: input must be {layout} or (seq, embed_dim) with embed_dim="
+                f"{self.embed_dim}, got shape {tuple(query.shape)}"
+            )
+        x = query.unsqueeze(0) if query.dim() == 2 else query
+        if not self.batch_first and query.dim() == 3:
+            x = x.transpose(0, 1)
+        causal = self.causal or bool(is_causal)
+        if attn_mask is not None:
+            if not _is_causal_mask(attn_mask, x.shape[1]):
+                raise NotImplementedError(
+                    f"{_NAME}: attn_mask is supported only when it is exactly the causal mask "
+                    f"(got dtype {attn_mask.dtype}, shape {tuple(attn_mask.shape)}); pass "
+                    "is_causal=True without a mask, or use nn.MultiheadAttention"
+                )
+            causal = True
+        out = self._attend(x, causal)
+        if not self.batch_first and query.dim() == 3:
+            out = out.transpose(0, 1)
+        out = out.squeeze(0) if query.dim() == 2 else out
+        return (out, None) if mha_form else out
+
+    def _attend(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
+        """(batch, seq, embed_dim) -> (batch, seq, embed_dim)."""
+        from torch_flashsys.attention import flash_attention
+
+        b, seq, _ = x.shape
+        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias)
+        q, k, v = qkv.split((h * d, h_kv * d, h_kv * d), dim=-1)
+        q = q.view(b, seq, h, d).transpose(1, 2)  # (b, h, seq, d)
+        k = k.view(b, seq, h_kv, d).transpose(1, 2)
+        v = v.view(b, seq, h_kv, d).transpose(1, 2)
+        out = flash_attention(q, k, v, is_causal=causal, enable_gqa=h_kv != h, backend=self.backend)
+        return self.out_proj(out.transpose(1, 2).reshape(b, seq, self.embed_dim))

@@ -1,0 +1,247 @@
+"""Drop-in helpers: replace_attention (swap nn.MultiheadAttention) and sdpa_override (reroute SDPA).
+
+Exported as ``torch_flashsys.replace_attention``, ``torch_flashsys.sdpa_override`` and, from
+``torch_flashsys.attention``, ``enable_sdpa_override`` / ``disable_sdpa_override``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_flashsys.attention.module import FlashAttention, _mha_unsupported_reason
+
+__all__ = ["disable_sdpa_override", "enable_sdpa_override", "replace_attention", "sdpa_override"]
+
+
+# --------------------------------------------------------------------------------------------
+# replace_attention
+
+
+def _is_cross_attention(parent: nn.Module, child_name: str) -> bool:
+    # nn.TransformerDecoderLayer.multihead_attn attends to the encoder's memory.
+    return isinstance(parent, nn.TransformerDecoderLayer) and child_name == "multihead_attn"
+
+
+def replace_attention(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    should_replace: Callable[[str, nn.MultiheadAttention], bool] | None = None,
+) -> list[str]:
+    """Swap the self-attention ``nn.MultiheadAttention`` modules of ``model`` for FlashAttention.
+
+    In place, keeping weights, device, dtype, ``batch_first`` and training mode. Masks still
+    arrive through MHA's call form: causal masks and ``is_causal=True`` become causal flash
+    attention; padding masks and other masks raise ``NotImplementedError`` at call time.
+
+    Swapped: every ``nn.MultiheadAttention`` (batch_first or not) except the cross-attention
+    ``multihead_attn`` of ``nn.TransformerDecoderLayer``, those ``should_replace(name, mha)``
+    rejects, and those FlashAttention cannot reproduce (kdim/vdim != embed_dim, add_bias_kv,
+    add_zero_attn, attention dropout > 0): these are left alone with a ``UserWarning`` naming
+    them and why. A swapped module called as cross-attention raises at call time; exclude it with
+    ``should_replace``. ``nn.TransformerEncoder`` modules get ``use_nested_tensor = False``
+    (their nested-tensor path exists only for padding masks, which FlashAttention rejects).
+
+    Args:
+        model: any module; it is changed in place.
+        backend: ``backend`` of the new modules (see :func:`flash_attention`).
+        should_replace: optional filter ``(qualified_name, mha) -> bool``.
+
+    Returns:
+        The qualified names of the swapped modules (as in ``model.named_modules()``).
+
+    Example:
+        >>> layer = nn.TransformerEncoderLayer(64, 4, dropout=0.0, batch_first=True)
+        >>> encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        >>> replace_attention(encoder, backend="torch")
+        ['layers.0.self_attn', 'layers.1.self_attn']
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"replace_attention: model must be an nn.Module, got {type(model)}")
+    if isinstance(model, nn.MultiheadAttention):
+        raise TypeError(
+            "replace_attention: model is itself an nn.MultiheadAttention and cannot be swapped "
+            "in place; use FlashAttention.from_mha(mha)"
+        )
+    swapped: list[str] = []
+    skipped: list[str] = []
+    converted: dict[int, FlashAttention] = {}  # one replacement per shared MHA instance
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, nn.MultiheadAttention):
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if _is_cross_attention(parent, child_name):
+                continue
+            if should_replace is not None and not should_replace(name, child):
+                continue
+            reason = _mha_unsupported_reason(child)
+            if reason is not None:
+                skipped.append(f"{name} ({reason})")
+                continue
+            if id(child) not in converted:
+                converted[id(child)] = FlashAttention.from_mha(child, backend=backend)
+            setattr(parent, child_name, converted[id(child)])
+            swapped.append(name)
+    if skipped:
+        warnings.warn(
+            "replace_attention: left these nn.MultiheadAttention modules unchanged: "
+            + "; ".join(skipped),
+            UserWarning,
+            stacklevel=2,
+        )
+    if swapped:
+        for module in model.modules():
+            if isinstance(module, nn.TransformerEncoder):
+                module.use_nested_tensor = False
+    return swapped
+
+
+# --------------------------------------------------------------------------------------------
+# sdpa_override
+
+_state: dict[str, Any] = {"saved": None}  # the SDPA that disable_sdpa_override() restores
+
+
+def _supported(query: Any, key: Any, value: Any, args: dict[str, Any], backend: str) -> bool:
+    """Whether flash_attention computes exactly what SDPA would for these arguments."""
+    from torch_flashsys.attention._checks import check_inputs
+
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) and not t.is_nested for t in tensors):
+        return False
+    # SDPA broadcasts leading dims; flash_attention needs equal batch sizes (and equal leading
+    # dims for 3-D inputs, where check_inputs would read dim -3 as heads).
+    if query.dim() == 3 and not (query.shape[0] == key.shape[0] == value.shape[0]):
+        return False
+    try:
+        check_inputs(
+            query,
+            key,
+            value,
+            args["attn_mask"],
+            args["dropout_p"],
+            args["is_causal"],
+            args["scale"],
+            args["enable_gqa"],
+            backend,
+        )
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _make_router(original: Callable[..., torch.Tensor], backend: str) -> Callable[..., Any]:
+    from torch_flashsys.attention import flash_attention
+
+    @functools.wraps(original)
+    def scaled_dot_product_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        **extra: Any,
+    ) -> torch.Tensor:
+        args = {
+            "attn_mask": attn_mask,
+            "dropout_p": dropout_p,
+            "is_causal": is_causal,
+            "scale": scale,
+            "enable_gqa": enable_gqa,
+        }
+        if not extra and _supported(query, key, value, args, backend):
+            return flash_attention(query, key, value, **args, backend=backend)
+        if enable_gqa:  # passed only when set: older torch versions lack the argument
+            extra["enable_gqa"] = enable_gqa
+        return original(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            **extra,
+        )
+
+    scaled_dot_product_attention._flashsys_router = True  # type: ignore[attr-defined]
+    scaled_dot_product_attention._flashsys_original = original  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def _check_backend(fn: str, backend: str) -> None:
+    from torch_flashsys.attention._backend import BACKENDS
+
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def enable_sdpa_override(*, backend: str = "auto") -> None:
+    """Route ``torch.nn.functional.scaled_dot_product_attention`` to flash_attention until
+    :func:`disable_sdpa_override`. Calling it again only changes ``backend``.
+
+    See :func:`sdpa_override` for what is routed where.
+    """
+    _check_backend("enable_sdpa_override", backend)
+    current = F.scaled_dot_product_attention
+    original = current._flashsys_original if _is_router(current) else current
+    if _state["saved"] is None:
+        _state["saved"] = current
+    F.scaled_dot_product_attention = _make_router(original, backend)
+
+
+def disable_sdpa_override() -> None:
+    """Undo :func:`enable_sdpa_override` (restore the SDPA it replaced). No-op when not enabled."""
+    if _state["saved"] is not None:
+        F.scaled_dot_product_attention = _state["saved"]
+        _state["saved"] = None
+
+
+def _is_router(fn: object) -> bool:
+    return bool(getattr(fn, "_flashsys_router", False))
+
+
+@contextlib.contextmanager
+def sdpa_override(*, backend: str = "auto") -> Iterator[None]:
+    """Context manager: calls of ``torch.nn.functional.scaled_dot_product_attention`` inside it
+    run :func:`flash_attention` where it supports the arguments, the original SDPA otherwise.
+
+    Routed to flash_attention: float16/bfloat16/float32 query/key/value of 3-D
+    ``(batch, seq, head_dim)`` or 4-D ``(batch, heads, seq, head_dim)`` shape with equal batch
+    sizes, ``attn_mask=None``, ``dropout_p=0``, any ``is_causal``/``scale``, ``enable_gqa``
+    with a divisible head count, and (for the Triton backend) head dims 16..256 in multiples of 8.
+    Everything else (masks, dropout, float64, broadcast batch dims, nested tensors, unknown
+    keyword arguments) goes to the original SDPA unchanged. Results of routed calls match SDPA
+    to floating-point rounding; gradients flow through both.
+
+    The original function is restored on exit, also when the block raises. The patch is
+    process-wide (all threads) and affects code that looks the function up at call time
+    (``F.scaled_dot_product_attention(...)``, including nn.MultiheadAttention's internals), not
+    a reference imported earlier with ``from torch.nn.functional import ...``. Usable as a
+    decorator too.
+
+    Example:
+        >>> q = k = v = torch.randn(1, 2, 16, 32)
+        >>> with sdpa_override(backend="torch"):
+        ...     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash_attention
+    """
+    _check_backend("sdpa_override", backend)
+    previous = F.scaled_dot_product_attention
+    original = previous._flashsys_original if _is_router(previous) else previous
+    F.scaled_dot_product_attention = _make_router(original, backend)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
