@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -11,10 +10,12 @@ import torch
 BACKENDS = ("auto", "triton", "torch")
 
 
-@functools.cache
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None  # a Linux-only dependency
+
+
 def triton_installed() -> bool:
-    """True when the ``triton`` package can be imported (it is a Linux-only dependency)."""
-    return importlib.util.find_spec("triton") is not None
+    """True when the ``triton`` package can be imported."""
+    return _TRITON_INSTALLED
 
 
 def interpreter_active() -> bool:

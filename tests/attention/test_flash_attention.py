@@ -1,0 +1,111 @@
+"""flash_attention against float64 SDPA (math path), both backends, on CPU.
+
+The Triton backend runs through the Triton interpreter here (conftest sets TRITON_INTERPRET=1 on
+machines without CUDA); bfloat16 is covered on CPU by the torch backend only, because the
+interpreter's bf16 tl.dot is broken (tests/attention/test_gpu.py covers it on CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.attention.cases import Case, cases, check_against_reference
+from torch_flashsys import flash_attention
+from torch_flashsys.attention._backend import triton_can_run_on
+
+needs_interpreter = pytest.mark.skipif(
+    not triton_can_run_on(torch.device("cpu")),
+    reason="Triton kernels cannot run on CPU here (no triton or TRITON_INTERPRET unset)",
+)
+
+
+def _run(backend):
+    def run(q, k, v, case: Case):
+        return flash_attention(
+            q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=case.gqa,
+            backend=backend, return_lse=True,
+        )  # fmt: skip
+
+    return run
+
+
+@given(
+    case=cases(max_seq=150), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16])
+)
+def test_torch_backend_matches_float64(case, dtype):
+    run = _run("torch")
+    check_against_reference(case, dtype, lambda q, k, v: run(q, k, v, case))
+
+
+@needs_interpreter
+@settings(max_examples=12)
+@given(case=cases(max_seq=40), dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_triton_backend_matches_float64(case, dtype):
+    run = _run("triton")
+    check_against_reference(case, dtype, lambda q, k, v: run(q, k, v, case))
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # (batch, kv_heads, group, seq_q, seq_k, head_dim, causal): edges of the tiling
+        (1, 1, 1, 1, 1, 16, True),  # single position
+        (1, 1, 1, 16, 16, 16, True),  # exactly one tile
+        (1, 1, 1, 17, 33, 80, True),  # ragged tiles, non-power-of-two head dim, L < S
+        (1, 1, 2, 48, 17, 40, True),  # L > S causal: rows past S see every key
+        (2, 1, 4, 20, 20, 96, False),  # MQA-style group of 4, padded head dim 96 -> 128
+    ],
+)
+def test_triton_backend_tile_edges(shape):
+    b, hk, g, lq, lk, d, causal = shape
+    case = Case(b, hk, g, lq, lk, d, causal, None, False, False, seed=sum(shape))
+    run = _run("triton")
+    check_against_reference(case, torch.float32, lambda q, k, v: run(q, k, v, case))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_output_keeps_query_layout_and_autograd_node_saves_inputs(backend):
+    case = Case(2, 2, 1, 19, 23, 32, True, None, False, True, seed=7)
+    q, k, v = case.make(torch.float32)
+    out = flash_attention(q, k, v, is_causal=True, backend=backend)
+    assert out.stride() == q.stride(), "output should keep the (B, L, H, E) layout of the query"
+    saved = out.grad_fn.saved_tensors
+    assert len(saved) == 5
+    lse_like = [t for t in saved if t.shape == q.shape[:-1]]
+    assert len(lse_like) == 1 and lse_like[0].dtype == torch.float32
+    for t in (q, k, v):
+        assert any(s.data_ptr() == t.data_ptr() and s.shape == t.shape for s in saved)
+
+
+@needs_interpreter
+def test_triton_backward_is_deterministic():
+    case = Case(1, 2, 2, 37, 45, 32, True, None, False, False, seed=3)
+    grads = []
+    for _ in range(2):
+        q, k, v = case.make(torch.float32)
+        out = flash_attention(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
+        out.backward(torch.ones_like(out))
+        grads.append([t.grad for t in (q, k, v)])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_empty_batch(backend):
+    q = torch.randn(0, 2, 5, 16, requires_grad=True)
+    out = flash_attention(q, q, q, backend=backend)
+    assert out.shape == q.shape
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_auto_backend_follows_device_and_interpreter():
+    q = torch.randn(1, 1, 4, 16)
+    out_auto = flash_attention(q, q, q)
+    expected = "triton" if triton_can_run_on(q.device) else "torch"
+    out_named = flash_attention(q, q, q, backend=expected)
+    assert torch.equal(out_auto, out_named)
