@@ -28,13 +28,19 @@ def _version_of(dist_name: str) -> str:
 def collect() -> dict[str, object]:
     """The report as a dict (what ``python -m torch_flashsys`` prints)."""
     cuda = torch.cuda.is_available()
-    devices = [
-        f"{i}: {torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
-        for i in range(torch.cuda.device_count())
-    ] if cuda else []
+    devices = (
+        [
+            f"{i}: {torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+            for i in range(torch.cuda.device_count())
+        ]
+        if cuda
+        else []
+    )
     kernel_device = torch.device("cuda" if cuda else "cpu")
     if triton_can_run_on(kernel_device):
-        kernels = "yes, on CUDA" if cuda else "yes, through the Triton interpreter (TRITON_INTERPRET=1)"
+        kernels = (
+            "yes, on CUDA" if cuda else "yes, through the Triton interpreter (TRITON_INTERPRET=1)"
+        )
     elif not triton_installed():
         kernels = "no: triton is not installed"
     else:

@@ -62,7 +62,15 @@ def attn_bwd(
     dlse4 = None if dlse is None else dlse.expand_as(lse).reshape(lse4.shape).contiguous()
     with _device_guard(q):
         dq, dk, dv = attention_backward(
-            _as_4d(dout), _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse4, dlse4, is_causal, scale
+            _as_4d(dout),
+            _as_4d(q),
+            _as_4d(k),
+            _as_4d(v),
+            _as_4d(out),
+            lse4,
+            dlse4,
+            is_causal,
+            scale,
         )
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 

@@ -12,32 +12,24 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_flashsys.attention._backend import interpreter_active
-from torch_flashsys.attention._triton_fwd import LOG2E
+from torch_flashsys.attention._triton_utils import LOG2E, make_configs, smem_pruner
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): LSE is stored in natural log, kernels use exp2
 
 
-def _configs(block_m: tuple[int, ...], block_n: tuple[int, ...]) -> list[triton.Config]:
-    if interpreter_active():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm in block_m
-        for bn in block_n
-        for w, s in ((4, 2), (8, 2), (4, 3))
-        if bm * bn <= 128 * 128
-    ]
+# dK/dV: few query rows per step against a resident key tile; dQ: the transpose of that.
+_DKDV_SHAPES = [(32, 128, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 3),
+                (16, 64, 4, 2)]  # fmt: skip
+_DQ_SHAPES = [(128, 32, 4, 2), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3),
+              (64, 16, 4, 2)]  # fmt: skip
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Large head dims need smaller tiles to fit shared memory and registers."""
-    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    if block_d is None or block_d <= 64:
-        return configs
-    limit = 128 * 64 if block_d <= 128 else 64 * 64
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= limit]
-    return kept or configs[:1]
+def _dkdv_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int:
+    return block_d * (2 * block_n + stages * 2 * block_m)  # resident K, V; pipelined Q, dO
+
+
+def _dq_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int:
+    return block_d * (2 * block_m + stages * 2 * block_n)  # resident Q, dO; pipelined K, V
 
 
 # D_i = sum_d dO[i, d] * O[i, d] - dLSE_i   (dLSE: gradient flowing into the returned lse, if any)
@@ -114,9 +106,9 @@ def _attn_bwd_dkdv_inner(
 
 
 @triton.autotune(
-    configs=_configs(block_m=(32, 64), block_n=(64, 128)),
+    configs=make_configs(_DKDV_SHAPES),
     key=["HEAD_DIM", "CAUSAL"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": smem_pruner(_dkdv_footprint)},
 )
 @triton.jit(do_not_specialize=["seq_q", "seq_k"])
 def _attn_bwd_dkdv(
@@ -239,9 +231,9 @@ def _attn_bwd_dq_inner(
 
 
 @triton.autotune(
-    configs=_configs(block_m=(64, 128), block_n=(32, 64)),
+    configs=make_configs(_DQ_SHAPES),
     key=["HEAD_DIM", "CAUSAL"],
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": smem_pruner(_dq_footprint)},
 )
 @triton.jit(do_not_specialize=["seq_q", "seq_k"])
 def _attn_bwd_dq(
@@ -296,8 +288,12 @@ def _attn_bwd_dq(
         n_full = seq_k // BLOCK_N
         hi = seq_k
     cols = offs_n.to(tl.int64)
-    kT_ptrs = K + b * stride_kb + hk * stride_kh + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
-    vT_ptrs = V + b * stride_vb + hk * stride_vh + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd
+    kT_ptrs = (
+        K + b * stride_kb + hk * stride_kh + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
+    )
+    vT_ptrs = (
+        V + b * stride_vb + hk * stride_vh + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd
+    )
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse2, delta, kT_ptrs, vT_ptrs, stride_kn, stride_vn,
         offs_m, offs_n, mask_d, 0, n_full * BLOCK_N, seq_k, qk_scale,

@@ -10,30 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_flashsys.attention._backend import interpreter_active
+from torch_flashsys.attention._triton_utils import LOG2E, make_configs, smem_pruner
 
-LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, so scores are pre-multiplied by it
 _LN2 = tl.constexpr(0.6931471805599453)  # ln(2): turns the base-2 logsumexp into a natural one
 
-
-def _configs() -> list[triton.Config]:
-    """A small search space; under the interpreter one small tile so loops and edges get exercised."""
-    if interpreter_active():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    shapes = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in shapes
-    ]
+_FWD_SHAPES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3),
+               (64, 32, 4, 2)]  # fmt: skip
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Large head dims need smaller tiles to fit shared memory and registers."""
-    block_d = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    if block_d is None or block_d <= 128:
-        return configs
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 64]
-    return kept or configs[-1:]
+def _fwd_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int:
+    return block_d * (block_m + stages * 2 * block_n)  # Q tile + pipelined K and V tiles
 
 
 # S = Q K^T * scale;  O = softmax(S) V;  LSE = logsumexp(S, dim=-1)  (one query tile per program)
@@ -75,9 +61,9 @@ def _attn_fwd_inner(
 
 
 @triton.autotune(
-    configs=_configs(),
+    configs=make_configs(_FWD_SHAPES),
     key=["HEAD_DIM", "CAUSAL"],  # tensor dtypes are part of the autotune key automatically
-    prune_configs_by={"early_config_prune": _prune},
+    prune_configs_by={"early_config_prune": smem_pruner(_fwd_footprint)},
 )
 @triton.jit(do_not_specialize=["seq_q", "seq_k"])  # lengths of 1 would become constexpr
 def _attn_fwd(
@@ -111,7 +97,9 @@ def _attn_fwd(
     mask_d = offs_d < HEAD_DIM  # head dims that are not a power of two are padded to BLOCK_D
     rows = offs_m.to(tl.int64)  # 64-bit offsets: a (b, l, h, d) layout can pass 2**31 elements
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q_ptrs = (
+        Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    )
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -119,7 +107,9 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     if CAUSAL:
-        n_full = tl.minimum((start_m + 1) // BLOCK_N, seq_k // BLOCK_N)  # tiles left of the diagonal
+        n_full = tl.minimum(
+            (start_m + 1) // BLOCK_N, seq_k // BLOCK_N
+        )  # tiles left of the diagonal
         hi = tl.minimum(seq_k, start_m + BLOCK_M)  # later keys are masked for every row: skipped
     else:
         n_full = seq_k // BLOCK_N
@@ -144,7 +134,9 @@ def _attn_fwd(
     )  # fmt: skip
 
     acc = acc / l_i[:, None]
-    o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od
+    o_ptrs = (
+        O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :] * stride_od
+    )
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
     lse = (m_i + tl.math.log2(l_i)) * _LN2
     tl.store(LSE + bh.to(tl.int64) * seq_q + rows, lse, mask=mask_m)

@@ -1,0 +1,126 @@
+"""Small shared harness for the benchmark scripts: environment stamp, timing, tables, output files.
+
+Every result row carries the device, torch/triton versions, date and command (``env_stamp()``), so
+a table copied into docs/benchmarks.md says where it came from.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from typing import Any
+
+import torch
+
+
+def env_stamp() -> dict[str, str]:
+    """Device, versions, date and command of this run."""
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    else:
+        device = f"CPU ({os.cpu_count()} cores)"
+    try:
+        triton_version = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton_version = "none"
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "date": _dt.date.today().isoformat(),
+        "command": " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable), *sys.argv]),
+    }
+
+
+def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
+    """Median with 20th/80th percentiles, plus mean and standard deviation (milliseconds)."""
+    xs = sorted(samples_ms)
+    q = statistics.quantiles(xs, n=5, method="inclusive") if len(xs) > 1 else [xs[0]] * 4
+    return {
+        "median_ms": statistics.median(xs),
+        "p20_ms": q[0],
+        "p80_ms": q[3],
+        "mean_ms": statistics.fmean(xs),
+        "std_ms": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+    }
+
+
+def time_fn(fn: Callable[[], Any], warmup: int = 3, reps: int = 20) -> dict[str, float]:
+    """Wall-clock timing with device synchronisation; returns :func:`percentiles` of ``reps`` runs.
+
+    On CUDA prefer :func:`bench_gpu` (``triton.testing.do_bench``), which also flushes the L2 cache.
+    """
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return percentiles(samples)
+
+
+def bench_gpu(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> dict[str, float]:
+    """``triton.testing.do_bench``: median and 20th/80th percentiles in milliseconds."""
+    from triton.testing import do_bench
+
+    p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+    return {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    def fmt(x: Any) -> str:
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(path: str | None, rows: Sequence[dict[str, Any]]) -> None:
+    """Write rows (each stamped with :func:`env_stamp`) to ``path`` (.json or .csv); None: skip."""
+    if not path:
+        return
+    stamp = env_stamp()
+    stamped = [{**stamp, **r} for r in rows]
+    if path.endswith(".json"):
+        with open(path, "w") as f:
+            json.dump(stamped, f, indent=2)
+    elif path.endswith(".csv"):
+        keys = list(dict.fromkeys(k for r in stamped for k in r))
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(stamped)
+    else:
+        raise ValueError(f"--out must end in .json or .csv, got {path!r}")
+
+
+def progress(iterable, desc: str, total: int | None = None):
+    """tqdm progress bar when tqdm is installed, the bare iterable otherwise."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False)
+
+
+def print_report(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    stamp = env_stamp()
+    print(f"\n### {title}\n")
+    print(f"{stamp['device']}, torch {stamp['torch']}, triton {stamp['triton']}, {stamp['date']}")
+    print(f"`{stamp['command']}`\n")
+    print(markdown_table(rows, columns))

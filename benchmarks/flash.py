@@ -1,0 +1,266 @@
+"""Attention benchmark: flash_attention beside naive PyTorch, torch.compile'd naive and SDPA's backends.
+
+Times forward, backward and forward+backward (``triton.testing.do_bench`` median with 20th/80th
+percentiles on CUDA), reports TFLOP/s and the memory in use before the backward; out-of-memory is a
+row marked OOM, not a crash. ``--seq``/``--dim`` take comma-separated lists: their product is a
+sweep. Examples::
+
+    python benchmarks/flash.py --preset cs336                 # bf16, causal, (16, 16384, 64)
+    python benchmarks/flash.py --batch 8 --heads 1 --dim 16,32,64,128 \
+        --seq 256,1024,4096,8192,16384 --dtype bf16 --out sweep.csv --plot sweep.png
+    python benchmarks/flash.py --smoke                        # tiny, CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._harness import (
+    bench_gpu,
+    print_report,
+    progress,
+    time_fn,
+    write_results,
+)
+from torch_flashsys import flash_attention
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRESETS = {
+    # The CS336 (2025) FlashAttention-2 leaderboard setting.
+    "cs336": dict(batch=16, heads=0, seq="16384", dim="64", dtype="bf16", causal=True),
+}
+
+
+def naive_attention(q, k, v, is_causal):
+    """Scores, softmax and the final matmul as three PyTorch ops (NVTX ranges for nsys)."""
+    nvtx = torch.cuda.nvtx.range if q.is_cuda else _null_range
+    with nvtx("scores"):
+        s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        if is_causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+            s = s.masked_fill(mask, float("-inf"))
+    with nvtx("softmax"):
+        p = torch.softmax(s, dim=-1)
+    with nvtx("final matmul"):
+        return p @ v
+
+
+class _null_range:
+    def __init__(self, *_):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+def _sdpa(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, is_causal):
+        # SDPA's fused kernels want 4-D; a 3-D (B, L, E) problem is (B, 1, L, E) (a view).
+        squeeze = q.dim() == 3
+        if squeeze:
+            q, k, v = (t.unsqueeze(1) for t in (q, k, v))
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return out.squeeze(1) if squeeze else out
+
+    return run
+
+
+def implementations(device: str) -> dict:
+    impls = {
+        "flash_attention": lambda q, k, v, c: flash_attention(q, k, v, is_causal=c),
+        "naive": naive_attention,
+    }
+    if device == "cuda":
+        impls["naive (compiled)"] = torch.compile(naive_attention)
+        for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+            impls[f"sdpa {name.lower()}"] = _sdpa(name)
+    else:
+        impls["flash_attention (torch)"] = lambda q, k, v, c: flash_attention(
+            q, k, v, is_causal=c, backend="torch"
+        )
+        impls["sdpa math"] = _sdpa("MATH")
+    return impls
+
+
+def attention_flops(batch, heads, seq, dim, causal, mode):
+    fwd = 4 * batch * max(heads, 1) * seq * seq * dim * (0.5 if causal else 1.0)
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
+
+
+def measure(impl, shape, dtype, causal, device, modes, reps):
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_()
+        for _ in range(3)
+    )
+    dout = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    timer = bench_gpu if device == "cuda" else (lambda fn: time_fn(fn, warmup=1, reps=reps))
+    results = {}
+    if "fwd" in modes:
+        with torch.no_grad():
+            results["fwd"] = timer(lambda: impl(q, k, v, causal))
+    if "bwd" in modes:
+        out = impl(q, k, v, causal)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            results["mem_before_bwd_MiB"] = torch.cuda.memory_allocated() / 2**20
+
+        def bwd():
+            for t in (q, k, v):
+                t.grad = None
+            out.backward(dout, retain_graph=True)
+
+        results["bwd"] = timer(bwd)
+        del out
+
+    if "fwd+bwd" in modes:
+
+        def fwd_bwd():
+            for t in (q, k, v):
+                t.grad = None
+            impl(q, k, v, causal).backward(dout)
+
+        results["fwd+bwd"] = timer(fwd_bwd)
+    return results
+
+
+def check_correctness(shape, dtype, causal, device):
+    """Our output and gradients against SDPA's math path in float64 on a slice of the problem."""
+    small = (min(shape[0], 2), *shape[1:-2], min(shape[-2], 1024), shape[-1])
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (
+        torch.randn(small, device=device, dtype=dtype, generator=gen).requires_grad_()
+        for _ in range(3)
+    )
+    out = flash_attention(q, k, v, is_causal=causal)
+    out.sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal)
+    ref.sum().backward()
+    errs = [(out.double() - ref).abs().max().item()]
+    errs += [
+        (a.grad.double() - b.grad).abs().max().item() for a, b in ((q, q64), (k, k64), (v, v64))
+    ]
+    return max(errs)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="named setting (overrides shape args)")
+    p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
+    p.add_argument(
+        "--heads", type=int, default=1,
+        help="heads; 0 means 3-D inputs (batch, seq, dim) as in the cs336 preset (default 1)",
+    )  # fmt: skip
+    p.add_argument("--seq", default="1024", help="sequence length(s), comma-separated")
+    p.add_argument("--dim", default="64", help="head dim(s), comma-separated")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="default bf16")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--impls", default="all",
+        help="comma-separated implementation names to run, or 'all' (see the table for names)",
+    )  # fmt: skip
+    p.add_argument("--modes", default="fwd,bwd,fwd+bwd", help="subset of fwd,bwd,fwd+bwd")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions on CPU (CUDA: do_bench)")
+    p.add_argument("--no-check", action="store_true", help="skip the float64 correctness check")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, a few seconds")
+    p.add_argument("--out", help="write rows to a .json or .csv file")
+    p.add_argument("--plot", help="save a forward+backward time plot (PNG) to this path")
+    args = p.parse_args(argv)
+
+    if args.preset:
+        for key, value in PRESETS[args.preset].items():
+            setattr(args, key, value)
+    if args.smoke:
+        args.batch, args.heads, args.seq, args.dim, args.reps = 2, 2, "64,128", "16,32", 2
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = DTYPES[args.dtype]
+    if device == "cpu" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        dtype = torch.float32  # the Triton interpreter's bf16 dot is broken
+    modes = [m for m in ("fwd", "bwd", "fwd+bwd") if m in args.modes.split(",")]
+    impls = implementations(device)
+    if args.impls != "all":
+        impls = {n: f for n, f in impls.items() if n in args.impls.split(",")}
+
+    rows = []
+    configs = list(itertools.product(map(int, args.dim.split(",")), map(int, args.seq.split(","))))
+    for dim, seq in progress(configs, desc="configs"):
+        shape = (args.batch, seq, dim) if args.heads == 0 else (args.batch, args.heads, seq, dim)
+        if not args.no_check:
+            err = check_correctness(shape, dtype, args.causal, device)
+            print(f"check {shape}: max abs error vs float64 = {err:.3g}", file=sys.stderr)
+        for name, impl in progress(impls.items(), desc=f"d={dim} L={seq}", total=len(impls)):
+            row = {"impl": name, "shape": "x".join(map(str, shape)), "dtype": args.dtype,
+                   "causal": args.causal}  # fmt: skip
+            try:
+                res = measure(impl, shape, dtype, args.causal, device, modes, args.reps)
+                for mode in modes:
+                    row[f"{mode} ms"] = res[mode]["median_ms"]
+                    row[f"{mode} p20-p80"] = f"{res[mode]['p20_ms']:.3g}-{res[mode]['p80_ms']:.3g}"
+                    flops = attention_flops(args.batch, args.heads, seq, dim, args.causal, mode)
+                    row[f"{mode} TFLOP/s"] = flops / (res[mode]["median_ms"] * 1e-3) / 1e12
+                if "mem_before_bwd_MiB" in res:
+                    row["mem before bwd MiB"] = res["mem_before_bwd_MiB"]
+            except torch.cuda.OutOfMemoryError:
+                row["fwd+bwd ms"] = "OOM"
+            except RuntimeError as exc:  # e.g. an SDPA backend that does not support this input
+                if "out of memory" in str(exc).lower():
+                    row["fwd+bwd ms"] = "OOM"
+                else:
+                    row["fwd+bwd ms"] = f"n/a ({str(exc).splitlines()[0][:60]})"
+            finally:
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            rows.append(row)
+
+    write_results(args.out, rows)
+    if args.plot:
+        _plot(rows, args.plot)
+    columns = ["impl", "shape", "dtype"]
+    for mode in modes:
+        columns += [f"{mode} ms", f"{mode} TFLOP/s"]
+    if device == "cuda" and "bwd" in modes:
+        columns.append("mem before bwd MiB")
+    print_report("Attention benchmark", rows, columns)
+
+
+def _plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in dict.fromkeys(r["impl"] for r in rows):
+        pts = [(r["shape"], r["fwd+bwd ms"]) for r in rows
+               if r["impl"] == name and isinstance(r.get("fwd+bwd ms"), float)]  # fmt: skip
+        if pts:
+            ax.plot([s for s, _ in pts], [t for _, t in pts], marker="o", label=name)
+    ax.set_yscale("log")
+    ax.set_ylabel("forward+backward (ms, median)")
+    ax.set_xlabel("shape")
+    ax.tick_params(axis="x", rotation=60)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""flash_attention on CUDA: bf16/fp16/fp32 (TF32), long sequences, huge batch*heads and >2**31
+elements, CUDA graphs. Every test here is `gpu`-marked and skips on machines without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.attention.cases import ATOL_TF32, Case, cases, check_against_reference, max_err
+from tests.reference import attention_reference
+from torch_flashsys import flash_attention
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _atol(dtype):
+    return ATOL_TF32 if dtype == torch.float32 else None  # fp32 dots run as TF32 on the GPU
+
+
+def _run(case: Case):
+    def run(q, k, v):
+        return flash_attention(
+            q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=case.gqa,
+            backend="triton", return_lse=True,
+        )  # fmt: skip
+
+    return run
+
+
+@settings(max_examples=30)
+@given(
+    case=cases(max_seq=300, head_dims=(16, 32, 64, 80, 128, 256), max_batch=3),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_triton_matches_float64_on_cuda(case, dtype):
+    check_against_reference(case, dtype, _run(case), device="cuda", atol=_atol(dtype))
+
+
+@pytest.mark.parametrize("seq", [4096, 16384])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_long_sequences(seq, dtype):
+    case = Case(1, 1, 1, seq, seq, 64, True, None, False, False, seed=seq)
+    check_against_reference(case, dtype, _run(case), device="cuda", grads=seq <= 4096)
+
+
+def test_batch_heads_beyond_grid_limit_and_2_31_elements():
+    """B*H = 2**17 + 1 > 65535 programs per grid axis; q has > 2**31 elements (64-bit offsets)."""
+    batch, seq, dim = 2**17 + 1, 128, 128
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(batch, seq, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(3)
+    )
+    assert q.numel() > 2**31
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = flash_attention(q, k, v, is_causal=True)
+    out.backward(torch.ones_like(out))
+    for idx in (0, batch // 2, batch - 1):  # spot-check heads, incl. ones past the 2**31 offset
+        sl = slice(idx, idx + 1)
+        qs, ks, vs = (t.detach()[sl].double().requires_grad_() for t in (q, k, v))
+        ref, _ = attention_reference(qs, ks, vs, is_causal=True)
+        ref.backward(torch.ones_like(ref))
+        assert max_err(out[sl], ref) < 2e-2
+        assert max_err(q.grad[sl], qs.grad) < 5e-2 * (1 + qs.grad.abs().max().item())
+        assert max_err(v.grad[sl], vs.grad) < 5e-2 * (1 + vs.grad.abs().max().item())
+
+
+def test_deterministic_backward_on_cuda():
+    case = Case(2, 2, 4, 1000, 1000, 64, True, None, False, True, seed=5)
+    grads = []
+    for _ in range(2):
+        q, k, v = case.make(torch.bfloat16, "cuda")
+        out = flash_attention(q, k, v, is_causal=True, enable_gqa=True)
+        out.backward(torch.ones_like(out))
+        grads.append([t.grad for t in (q, k, v)])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_cuda_graph_capture():
+    case = Case(2, 2, 1, 256, 256, 64, True, None, False, False, seed=9)
+    q, k, v = case.make(torch.float16, "cuda")
+    flash_attention(q, k, v, is_causal=True).sum().backward()  # warm up: autotune, compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attention(q, k, v, is_causal=True)
+    with torch.no_grad():
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), is_causal=True)
+    assert max_err(out, ref) < 5e-3
