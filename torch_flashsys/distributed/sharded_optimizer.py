@@ -1,17 +1,422 @@
-"""ShardedOptimizer: ZeRO-1 optimizer-state sharding."""
+"""ShardedOptimizer: ZeRO-1 optimizer-state sharding for any ``torch.optim.Optimizer``."""
 
 from __future__ import annotations
 
+import copy
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.optim.optimizer import ParamsT
+
+from torch_flashsys.distributed._shard_state import State, check_plain_format, gather_states
+from torch_flashsys.distributed._sharding import (
+    ParamBucket,
+    assign_owners,
+    broadcast_buckets,
+    build_buckets,
+)
+from torch_flashsys.distributed._verify import describe_tensors, verify_same_across_ranks
+
+_NOT_HYPER = ("params", "param_names")  # group keys that are not hyperparameters
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Not implemented yet: constructing one raises ``NotImplementedError``."""
+    """Shard the state of any optimizer across the ranks of a process group (ZeRO stage 1).
 
-    def __init__(self, params: Any, optimizer_cls: type, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "torch_flashsys.ShardedOptimizer is not implemented yet; use "
-            "torch.distributed.optim.ZeroRedundancyOptimizer meanwhile"
+    Each parameter is owned by one rank (whole parameters, largest first to the least-loaded
+    rank); rank ``r`` keeps optimizer state only for the parameters it owns, so each rank holds
+    about ``1 / world_size`` of the state. ``step()`` updates the owned parameters with the local
+    optimizer ``self.optim``, then every rank receives every other rank's updated parameters
+    through one broadcast per (dtype, owner) flat buffer. The result equals the plain optimizer
+    on every rank, provided the gradients are the same on every rank (e.g. averaged by
+    :class:`~torch_flashsys.BucketedDDP` or torch DDP).
+
+    Args:
+        params: tensors or param-group dicts, as for any ``torch.optim.Optimizer``. Every rank must
+            pass the same parameters (shapes, dtypes, requires_grad) in the same order.
+        optimizer_cls: the optimizer to shard, a ``torch.optim.Optimizer`` subclass
+            (``torch.optim.AdamW``, ...).
+        process_group: the ranks to shard across (default: the default group).
+        **kwargs: passed to ``optimizer_cls`` (``lr=...``, ``betas=...``).
+
+    Trainable parameters become views into per-(device, dtype, owner) flat buffers (their values,
+    shapes and identities are unchanged; non-contiguous ones become contiguous). ``.optim`` is
+    this rank's local optimizer and ``.optim.state`` its part of the state; ``.state`` of this
+    object stays empty, as in torch's ZeroRedundancyOptimizer.
+
+    Checkpoints: ``consolidate_state_dict(to=0)`` on every rank, then ``state_dict()`` on rank 0
+    gives the plain ``optimizer_cls`` format (CPU tensors); ``load_state_dict`` takes that format
+    on every rank. ``sharded_state_dict()`` / ``load_sharded_state_dict()`` save and load each
+    rank's shard without gathering.
+
+    Example:
+        >>> model = torch.nn.parallel.DistributedDataParallel(net)   # or BucketedDDP(net)
+        >>> opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        >>> loss_fn(model(x), y).backward()
+        >>> opt.step()
+        >>> opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        optimizer_cls: type[torch.optim.Optimizer],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not (
+            isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
+        ):
+            raise TypeError(
+                "ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass (the "
+                f"class, e.g. torch.optim.AdamW, not an instance), got {optimizer_cls!r}"
+            )
+        if issubclass(optimizer_cls, ShardedOptimizer):
+            raise TypeError("ShardedOptimizer: optimizer_cls cannot be ShardedOptimizer itself")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ShardedOptimizer: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group() on every rank before constructing it"
+            )
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "ShardedOptimizer: process_group must be a torch.distributed.ProcessGroup or None, "
+                f"got {type(process_group).__name__}"
+            )
+        self._ready = False  # add_param_group only collects groups until __init__ is done
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self._global_ranks = [
+            dist.get_global_rank(self.process_group, r) for r in range(self.world_size)
+        ]
+        self._optimizer_cls = optimizer_cls
+        if isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+            params = list(params)
+            if not params:
+                raise ValueError("ShardedOptimizer: params is empty (no parameters to optimize)")
+        super().__init__(params, dict(kwargs))
+
+        self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._loads = [[0] * self.world_size, [0] * self.world_size]  # trainable, frozen bytes
+        self._owners = [r for g in self.param_groups for r in self._assign(g["params"])]
+        try:
+            self.optim = optimizer_cls([self._local_group(g) for g in self.param_groups], **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(
+                f"ShardedOptimizer: {optimizer_cls.__name__} rejected its arguments {kwargs}: {exc}"
+            ) from exc
+        self.defaults = dict(self.optim.defaults)  # so add_param_group fills in the same values
+        self._pull_hyperparams()
+        verify_same_across_ranks(
+            "ShardedOptimizer",
+            self._describe(0),
+            self.process_group,
+            what="the parameters, param groups or optimizer options",
         )
+        self._layout = self._current_layout()
+        self._buckets: list[ParamBucket] = build_buckets(self._params, self._owners)
+        self._consolidated: tuple[int, State | None] | None = None
+        self._ready = True
+
+    # ----------------------------------------------------------------- partition and groups
+    def _assign(self, params: list[torch.Tensor]) -> list[int]:
+        sizes = [p.numel() * p.element_size() for p in params]
+        return assign_owners(sizes, [p.requires_grad for p in params], self._loads)
+
+    def _owned(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        return [p for p in params if self._owners[self._index[p]] == self.rank]
+
+    def _local_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        local = _hyper(group)
+        local["params"] = self._owned(group["params"])
+        return local
+
+    def _describe(self, first_group: int) -> list[tuple[str, str]]:
+        """What every rank must agree on: optimizer class, group options, parameter layout."""
+        cls = self._optimizer_cls
+        items = [("optimizer_cls", f"{cls.__module__}.{cls.__qualname__}")]
+        named = []
+        for gi in range(first_group, len(self.param_groups)):
+            group = self.param_groups[gi]
+            options = repr(sorted(_hyper(group).items()))
+            items.append((f"param group {gi} options", re.sub(r" at 0x[0-9a-f]+", "", options)))
+            devices = sorted({p.device.type for p in group["params"]})
+            items.append((f"param group {gi} device types", repr(devices)))
+            named += [(f"group {gi} param {j}", p) for j, p in enumerate(group["params"])]
+        return items + describe_tensors(named, kind="parameter")
+
+    def _pull_hyperparams(self) -> None:
+        """Copy the local optimizer's hyperparameters (its defaults filled in) to ``param_groups``."""
+        for group, local in zip(self.param_groups, self.optim.param_groups, strict=True):
+            group.update(_hyper(local))
+
+    def _push_hyperparams(self) -> None:
+        """Copy hyperparameters set on ``param_groups`` (e.g. by LR schedulers) to ``.optim``."""
+        for group, local in zip(self.param_groups, self.optim.param_groups, strict=True):
+            local.update(_hyper(group))
+
+    def _current_layout(self) -> list[tuple[bool, torch.dtype]]:
+        return [(p.requires_grad, p.dtype) for p in self._params]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (e.g. layers unfrozen mid-training); its parameters are sharded too.
+
+        A collective once the optimizer is built: call it on every rank with the same group.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(
+                f"ShardedOptimizer.add_param_group: param_group must be a dict, got "
+                f"{type(param_group).__name__}"
+            )
+        params = param_group.get("params")
+        if isinstance(params, Iterable) and not isinstance(params, (torch.Tensor, set)):
+            param_group["params"] = params = list(params)
+            tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+            if len({id(p) for p in tensors}) != len(tensors):
+                raise ValueError(
+                    f"ShardedOptimizer: param group {len(self.param_groups)} lists a parameter "
+                    "more than once (pass tied parameters once)"
+                )
+            if self._ready and any(p in self._index for p in tensors):
+                raise ValueError(
+                    "ShardedOptimizer.add_param_group: some parameters are already in another "
+                    "param group of this optimizer"
+                )
+        super().add_param_group(param_group)
+        if not self._ready:
+            return
+        group = self.param_groups[-1]
+        try:
+            verify_same_across_ranks(
+                "ShardedOptimizer.add_param_group",
+                self._describe(len(self.param_groups) - 1),
+                self.process_group,
+                what="the added param group",
+            )
+        except RuntimeError:
+            self.param_groups.pop()
+            raise
+        new = list(group["params"])
+        self._index.update({p: len(self._params) + i for i, p in enumerate(new)})
+        self._params += new
+        self._owners += self._assign(new)
+        self.optim.add_param_group(self._local_group(group))
+        group.update(_hyper(self.optim.param_groups[-1]))  # anything the local one filled in
+        self._rebuild_buckets()
+
+    def _rebuild_buckets(self) -> None:
+        self._buckets = build_buckets(self._params, self._owners, self._buckets)
+        self._layout = self._current_layout()
+        self._consolidated = None
+
+    # ----------------------------------------------------------------- step
+    def _check_buckets(self) -> None:
+        """Rebuild the buckets if trainability or dtypes changed, or a view was replaced."""
+        layout = self._current_layout()
+        if layout != self._layout:
+            # The bucket layout changes: make sure every rank changes it the same way.
+            verify_same_across_ranks(
+                "ShardedOptimizer.step",
+                [
+                    (f"parameter {i}", f"requires_grad={rg} dtype={dt}")
+                    for i, (rg, dt) in enumerate(layout)
+                ],
+                self.process_group,
+                what="which parameters are trainable, or their dtypes,",
+            )
+            self._rebuild_buckets()
+        elif not all(b.intact() for b in self._buckets):
+            self._rebuild_buckets()  # same layout on every rank: no collective needed
+
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:
+        """Update this rank's shard with ``.optim``, then receive every other rank's shard.
+
+        closure: re-evaluates the model and returns the loss; the local optimizer calls it as the
+        plain one would (once per step for SGD/Adam, on every rank). kwargs go to
+        ``.optim.step``. Returns what the local optimizer returns (the closure's loss).
+        """
+        self._check_buckets()
+        self._push_hyperparams()
+        # Optimizers with a closure-less step(self) still work when no closure is given.
+        step_kwargs = kwargs if closure is None else {"closure": closure, **kwargs}
+        loss = self.optim.step(**step_kwargs)
+        broadcast_buckets(self._buckets, self.process_group, self._global_ranks)
+        self._consolidated = None
+        return loss
+
+    # ----------------------------------------------------------------- checkpoints
+    def _packed_groups(self) -> list[dict[str, Any]]:
+        """``param_groups`` with parameters replaced by global indices (the plain format)."""
+        packed = []
+        for group in self.param_groups:
+            entry = {k: v for k, v in group.items() if k != "params"}
+            entry["params"] = [self._index[p] for p in group["params"]]
+            packed.append(entry)
+        return packed
+
+    def _local_states(self) -> State:
+        state = self.optim.state
+        return {
+            self._index[p]: state[p]
+            for p in self._params
+            if self._owners[self._index[p]] == self.rank and state.get(p)
+        }
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on rank ``to`` (CPU tensors). Call on every rank.
+
+        Then ``state_dict()`` on rank ``to`` returns it in the plain ``optimizer_cls`` format.
+        """
+        verify_same_across_ranks(
+            "ShardedOptimizer.consolidate_state_dict",
+            [("to", repr(to))],
+            self.process_group,
+            what="the argument `to`",
+        )
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise ValueError(
+                f"ShardedOptimizer.consolidate_state_dict: to must be a rank in "
+                f"[0, {self.world_size}) of the process group, got {to!r}"
+            )
+        self._push_hyperparams()
+        merged = gather_states(self._local_states(), to, self.process_group, self._global_ranks)
+        self._consolidated = (to, merged)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The consolidated state in the plain ``optimizer_cls.state_dict()`` format.
+
+        Only on the rank given to the latest ``consolidate_state_dict`` (with no ``step``,
+        ``add_param_group`` or load since). Tensors are on the CPU; a plain ``optimizer_cls``
+        over the same parameters loads it (``load_state_dict`` moves them to the parameters).
+        """
+        if self._consolidated is None:
+            raise RuntimeError(
+                "ShardedOptimizer.state_dict: the optimizer state has not been consolidated on "
+                f"this rank since the last step. Call consolidate_state_dict(to={self.rank}) on "
+                "all ranks beforehand if you meant to save the global state, or save "
+                "sharded_state_dict() on every rank (no gathering)"
+            )
+        to, merged = self._consolidated
+        if merged is None:
+            raise RuntimeError(
+                f"ShardedOptimizer.state_dict: the state was consolidated to rank {to}, not this "
+                f"rank ({self.rank}); call state_dict() on rank {to}, or consolidate_state_dict("
+                f"to={self.rank}) on all ranks first"
+            )
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = {
+            "state": {i: dict(s) for i, s in merged.items()},
+            "param_groups": self._packed_groups(),
+        }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = post_hook(self, state_dict) or state_dict
+        return state_dict
+
+    def _load_local(self, state: Any, saved_groups: list[dict[str, Any]]) -> None:
+        """Load this rank's part of a plain-format ``state``/``saved_groups`` into ``.optim``."""
+        local_state, local_groups, j = {}, [], 0
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            indices = []
+            for p in self._owned(group["params"]):
+                i = self._index[p]
+                if i in state:
+                    local_state[j] = {
+                        k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                        for k, v in state[i].items()
+                    }
+                indices.append(j)
+                j += 1
+            local_groups.append({**_hyper(saved), "params": indices})
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            group.update(_hyper(saved))
+        self._consolidated = None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a plain-format state dict (from ``state_dict()`` or a plain ``optimizer_cls``).
+
+        Call on every rank with the same dict; each rank keeps only its shard. No collectives.
+        """
+        caller = "ShardedOptimizer.load_state_dict"
+        if isinstance(state_dict, dict) and "shard" in state_dict:
+            raise ValueError(
+                f"{caller}: this is one rank's shard from sharded_state_dict(); load it with "
+                "load_sharded_state_dict()"
+            )
+        sizes = [len(g["params"]) for g in self.param_groups]
+        state, groups = check_plain_format(caller, state_dict, sizes)
+        self._load_local(state, groups)
+
+    def _shard_layout(self) -> list[str]:
+        return [f"{tuple(p.shape)} {p.dtype}" for p in self._params]
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shard: no gathering, no collectives (save one file per rank).
+
+        Format: the plain one restricted to this rank's state (``"state"`` keyed by global
+        parameter index, all ``"param_groups"``), plus ``"shard"``: ``{"rank", "world_size",
+        "owners" (owner rank of each parameter index), "params" (shape and dtype of each)}``.
+        Like ``torch.optim.Optimizer.state_dict()``, it references the live state tensors.
+        """
+        return {
+            "state": self._local_states(),
+            "param_groups": self._packed_groups(),
+            "shard": {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "owners": list(self._owners),
+                "params": self._shard_layout(),
+            },
+        }
+
+    def _shard_problem(self, shard_dict: Any) -> str | None:
+        if not isinstance(shard_dict, dict) or "shard" not in shard_dict:
+            return "expected a dict from sharded_state_dict() (with a 'shard' entry)"
+        meta = shard_dict["shard"]
+        if (meta.get("world_size"), meta.get("rank")) != (self.world_size, self.rank):
+            return (
+                f"the shard was saved by rank {meta.get('rank')} of {meta.get('world_size')}, "
+                f"this is rank {self.rank} of {self.world_size} (each rank must load its own "
+                "shard from the same world size; otherwise save and load the consolidated "
+                "state_dict())"
+            )
+        if meta.get("params") != self._shard_layout() or meta.get("owners") != self._owners:
+            return (
+                "the shard was saved for different parameters (shapes, dtypes, order or "
+                "partition); build the optimizer over the same parameters and param groups"
+            )
+        try:
+            state, _ = check_plain_format(
+                "", shard_dict, [len(g["params"]) for g in self.param_groups]
+            )
+        except (TypeError, ValueError) as exc:
+            return str(exc).lstrip(": ")
+        if any(self._owners[i] != self.rank for i in state):
+            return "the shard holds state for parameters this rank does not own"
+        return None
+
+    def load_sharded_state_dict(self, shard_dict: dict[str, Any]) -> None:
+        """Load this rank's shard saved by ``sharded_state_dict()``. Call on every rank.
+
+        A collective (one small all-gather), so that a wrong file on any rank raises the same
+        error on every rank instead of hanging the next step.
+        """
+        caller = "ShardedOptimizer.load_sharded_state_dict"
+        problem = self._shard_problem(shard_dict)
+        verify_same_across_ranks(
+            caller, [("shard", problem or "ok")], self.process_group, what="the loaded shard"
+        )
+        if problem is not None:
+            raise ValueError(f"{caller}: {problem}")
+        self._load_local(shard_dict["state"], shard_dict["param_groups"])

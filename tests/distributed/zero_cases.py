@@ -1,0 +1,230 @@
+"""Rank bodies for tests/distributed/test_sharded_optimizer.py (run through harness.run_distributed).
+
+``run_training_cases`` trains, on every rank, one model with ShardedOptimizer and an identical copy
+with the plain optimizer (same data on every rank, so the plain one is the exact reference), over
+a list of drawn cases, and returns what the parent test compares. A case is a dict:
+
+    seed, optimizer ("sgd" | "adam" | "adamw"), vocab, d, widths (hidden sizes), tied (output
+    weight = embedding), frozen (a frozen layer), float64 (one layer in float64), scalar (a 0-dim
+    parameter), groups (1-3 param groups with different hyperparameters), steps, closure,
+    scheduler (StepLR), add_group (a layer unfrozen and added mid-training), checkpoint (None |
+    "consolidated" | "sharded": save after half the steps, rebuild, load, continue)
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_flashsys import ShardedOptimizer
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+class ZeroNet(nn.Module):
+    """tokens (batch,) -> logits (batch, vocab): embedding, MLP (maybe one float64 layer), head."""
+
+    def __init__(self, case: dict) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(case["seed"])
+        vocab, d = case["vocab"], case["d"]
+        self.embed = nn.Embedding(vocab, d)
+        dims = [d, *case["widths"], d]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
+        if case["float64"]:
+            self.layers[0].double()
+        self.late = nn.Linear(d, d)  # frozen until added mid-training (case["add_group"])
+        self.late.requires_grad_(False)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if case["tied"]:
+            self.head.weight = self.embed.weight
+        self.scale = nn.Parameter(torch.tensor(1.0)) if case["scalar"] else None
+        self.unused = nn.Linear(2, 3)  # in the optimizer, never gets a gradient
+        if case["frozen"]:
+            self.layers[-1].requires_grad_(False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = torch.tanh(layer(x.to(layer.weight.dtype))).float()
+        x = x + self.late(x)
+        if self.scale is not None:
+            x = x * self.scale
+        return self.head(x)
+
+
+def hyperparameters(case: dict, group: int) -> dict:
+    """Different hyperparameters per group (group -1: the defaults passed as kwargs)."""
+    lr = 0.05 * (1 + group + 1) / 2
+    if case["optimizer"] == "sgd":
+        return {"lr": lr, "momentum": 0.9, "weight_decay": 0.01 * (group + 1)}
+    if case["optimizer"] == "adam":
+        return {"lr": lr, "betas": (0.9, 0.99 - 0.01 * (group + 1)), "weight_decay": 0.0}
+    return {"lr": lr, "weight_decay": 0.1 * (group + 1)}
+
+
+def param_groups(model: ZeroNet, case: dict) -> list[dict]:
+    """The model's parameters (frozen and unused included, ``late`` excluded) in case["groups"]."""
+    params = [p for n, p in model.named_parameters() if not n.startswith("late.")]
+    groups = [
+        {"params": params[i :: case["groups"]], **hyperparameters(case, i)}
+        for i in range(case["groups"])
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def batch(case: dict, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(case["seed"] * 1000 + step)
+    return torch.randint(0, case["vocab"], (6,), generator=g)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of per-element state (state tensors shaped like their parameter; not step counts)."""
+    return sum(
+        v.numel() * v.element_size()
+        for p, s in optimizer.state.items()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0
+    )
+
+
+class _CountBroadcasts:
+    """Counts torch.distributed.broadcast calls while active (ShardedOptimizer calls it by name)."""
+
+    def __enter__(self):
+        self.count, self._orig = 0, dist.broadcast
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self._orig(*args, **kwargs)
+
+        dist.broadcast = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.broadcast = self._orig
+
+
+class _Trainer:
+    """One model + optimizer (sharded or plain) following a case's schedule."""
+
+    def __init__(self, case: dict, sharded: bool, model: ZeroNet | None = None) -> None:
+        self.case, self.sharded = case, sharded
+        self.model = model if model is not None else ZeroNet(case)
+        cls, groups = OPTIMIZERS[case["optimizer"]], param_groups(self.model, case)
+        defaults = hyperparameters(case, -1)
+        if sharded:
+            self.opt = ShardedOptimizer(groups, cls, **defaults)
+        else:
+            self.opt = cls(groups, **defaults)
+        self.sched = (
+            torch.optim.lr_scheduler.StepLR(self.opt, 1, 0.7) if case["scheduler"] else None
+        )
+
+    def add_late_group(self) -> None:
+        self.model.late.requires_grad_(True)
+        self.opt.add_param_group({"params": list(self.model.late.parameters()), "lr": 0.02})
+
+    def step(self, step: int) -> float:
+        tokens = batch(self.case, step)
+
+        def closure():
+            self.opt.zero_grad()
+            loss = nn.functional.cross_entropy(self.model(tokens), tokens)
+            loss.backward()
+            return loss
+
+        if self.case["closure"]:
+            loss = self.opt.step(closure)
+        else:
+            loss = closure()
+            self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
+        self.opt.zero_grad(set_to_none=step % 2 == 0)
+        return float(loss.detach())
+
+
+def _rebuild(old: _Trainer, added: bool) -> _Trainer:
+    """A fresh model (same parameter values) and a fresh optimizer, as after a restart."""
+    model = copy.deepcopy(old.model)
+    case = dict(old.case, scheduler=False)
+    new = _Trainer(case, old.sharded, model)
+    if added:
+        new.opt.add_param_group({"params": list(model.late.parameters()), "lr": 0.02})
+    new.case = old.case
+    if old.sched is not None:
+        new.sched = torch.optim.lr_scheduler.StepLR(new.opt, 1, 0.7)
+        new.sched.load_state_dict(old.sched.state_dict())
+    return new
+
+
+def _checkpoint(trainer: _Trainer, plain: _Trainer, tmpdir: str, tag: str) -> dict:
+    """Save trainer's optimizer in case["checkpoint"] form, rebuild, load; compare formats."""
+    rank, out = dist.get_rank(), {}
+    kind, added = trainer.case["checkpoint"], trainer.model.late.weight.requires_grad
+    if kind == "consolidated":
+        trainer.opt.consolidate_state_dict(to=dist.get_world_size() - 1)
+        path = os.path.join(tmpdir, f"{tag}.pt")
+        if rank == dist.get_world_size() - 1:
+            sd = trainer.opt.state_dict()
+            torch.save(sd, path)
+            # The plain format, loadable by the plain optimizer class:
+            fresh = _rebuild(plain, added)
+            fresh.opt.load_state_dict(copy.deepcopy(sd))
+            out["consolidated"], out["plain_sd"] = sd, plain.opt.state_dict()
+            out["reloaded_plain_sd"] = fresh.opt.state_dict()
+        dist.barrier()
+        sd = torch.load(path, weights_only=False)
+        new = _rebuild(trainer, added)
+        new.opt.load_state_dict(sd)
+    else:
+        path = os.path.join(tmpdir, f"{tag}_rank{rank}.pt")
+        torch.save(trainer.opt.sharded_state_dict(), path)
+        new = _rebuild(trainer, added)
+        new.opt.load_sharded_state_dict(torch.load(path, weights_only=False))
+    trainer.model, trainer.opt, trainer.sched = new.model, new.opt, new.sched
+    return out
+
+
+def train_case(case: dict, tmpdir: str, tag: str) -> dict:
+    torch.manual_seed(0)
+    sharded, plain = _Trainer(case, True), _Trainer(case, False)
+    out: dict = {"broadcasts": []}
+    for step in range(case["steps"]):
+        if case["add_group"] and step == 1:
+            sharded.add_late_group()
+            plain.add_late_group()
+        if case["checkpoint"] and step == case["steps"] // 2:
+            out.update(_checkpoint(sharded, plain, tmpdir, tag))
+        with _CountBroadcasts() as counter:
+            out.setdefault("losses", []).append((sharded.step(step), plain.step(step)))
+        out["broadcasts"].append(counter.count)
+    trainable_dtypes = {p.dtype for p in sharded.model.parameters() if p.requires_grad}
+    out["max_broadcasts"] = dist.get_world_size() * len(trainable_dtypes)
+    out["sharded"] = [p.detach().clone() for p in sharded.model.parameters()]
+    out["plain"] = [p.detach().clone() for p in plain.model.parameters()]
+    out["state_bytes"] = state_bytes(sharded.opt.optim)
+    out["total_state_bytes"] = state_bytes(plain.opt)
+    out["largest_state_bytes"] = max(
+        (
+            sum(v.numel() * v.element_size() for v in s.values() if v.shape == p.shape)
+            for p, s in plain.opt.state.items()
+        ),
+        default=0,
+    )
+    out["lr"] = [g["lr"] for g in sharded.opt.param_groups]
+    out["local_lr"] = [g["lr"] for g in sharded.opt.optim.param_groups]
+    return out
+
+
+def run_training_cases(rank: int, world_size: int, cases: list[dict], tmpdir: str) -> list[dict]:
+    return [train_case(case, tmpdir, f"case{i}") for i, case in enumerate(cases)]
