@@ -1,0 +1,179 @@
+"""The reference LM: the three attention choices agree with a float64 model, layers, sizes, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.attention.cases import assert_close
+from torch_flashsys.attention._checks import triton_head_dim_ok
+from torch_flashsys.models import (
+    ATTENTION_CHOICES,
+    MODEL_SIZES,
+    ModelConfig,
+    TransformerLM,
+    build_model,
+)
+from torch_flashsys.models._layers import RMSNorm, RotaryEmbedding, naive_causal_attention
+
+VOCAB = 50
+
+
+def _run(model: TransformerLM, tokens: torch.Tensor, dout: torch.Tensor):
+    """(logits, {name: grad}) for loss = sum(logits * dout)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens)
+    (logits * dout.to(logits.dtype)).sum().backward()
+    return logits.detach(), {n: p.grad.detach() for n, p in model.named_parameters()}
+
+
+@settings(max_examples=4)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 2),
+    seq=st.integers(1, 19),
+    flash_backend=st.sampled_from(["torch", "auto"]),  # auto on CPU: Triton interpreter
+)
+def test_attention_choices_match_float64(seed, batch, seq, flash_backend):
+    torch.manual_seed(seed)
+    model = build_model("tiny", context_length=24, vocab_size=VOCAB, attention="naive")
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+    dout = torch.randn(batch, seq, VOCAB, generator=gen)
+
+    ref_logits, ref_grads = _run(copy.deepcopy(model).double(), tokens, dout)
+    model.set_attention("sdpa")
+    base_logits, base_grads = _run(model, tokens, dout)  # PyTorch's own float32 error
+    for attention in ATTENTION_CHOICES:
+        model.set_attention(attention, flash_backend=flash_backend)
+        assert model.attention == attention
+        logits, grads = _run(model, tokens, dout)
+        assert logits.shape == (batch, seq, VOCAB) and logits.dtype == torch.float32
+        assert_close(f"{attention} logits", logits, base_logits, ref_logits, torch.float32)
+        for name, grad in grads.items():
+            assert_close(
+                f"{attention} d{name}", grad, base_grads[name], ref_grads[name], torch.float32
+            )
+
+
+@settings(max_examples=5)
+@given(seed=st.integers(0, 2**31 - 1), seq=st.integers(1, 12))
+def test_naive_attention_is_causal_softmax_attention(seed, seq):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, seq, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(naive_causal_attention(q, k, v), ref)
+
+
+def test_causality_future_tokens_do_not_change_past_logits():
+    torch.manual_seed(0)
+    for attention in ATTENTION_CHOICES:
+        model = build_model("tiny", context_length=16, vocab_size=VOCAB, attention=attention)
+        model.set_attention(attention, flash_backend="torch")
+        a = torch.randint(0, VOCAB, (2, 16))
+        b = a.clone()
+        b[:, 9:] = torch.randint(0, VOCAB, (2, 7))
+        torch.testing.assert_close(model(a)[:, :9], model(b)[:, :9])
+
+
+@settings(max_examples=5)
+@given(seed=st.integers(0, 2**31 - 1), m=st.integers(0, 20), n=st.integers(0, 20))
+def test_rope_scores_depend_only_on_relative_position(seed, m, n):
+    gen = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(16, context_length=48).double()
+    q, k = (torch.randn(16, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    def score(pos_q: int, pos_k: int) -> torch.Tensor:
+        seq_q, seq_k = torch.zeros(1, 1, 48, 16).double(), torch.zeros(1, 1, 48, 16).double()
+        seq_q[..., pos_q, :], seq_k[..., pos_k, :] = q, k
+        return rope(seq_q)[..., pos_q, :] @ rope(seq_k)[..., pos_k, :].transpose(-1, -2)
+
+    torch.testing.assert_close(score(m, n), score(m + 7, n + 7))
+    if m == n:  # no rotation between equal positions: the plain dot product
+        torch.testing.assert_close(score(m, n).squeeze(), q @ k)
+
+
+def test_rmsnorm_matches_torch():
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(32, generator=gen))
+    x = torch.randn(3, 5, 32, generator=gen)
+    ref = torch.nn.functional.rms_norm(x.double(), (32,), norm.weight.double(), eps=1e-5)
+    torch.testing.assert_close(norm(x), ref.float())
+
+
+@pytest.mark.parametrize("size", list(MODEL_SIZES))
+def test_sizes(size):
+    model = build_model(size, context_length=128, device="meta")
+    cfg, dims = model.config, MODEL_SIZES[size]
+    assert (cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.num_heads) == (
+        dims["d_model"],
+        dims["d_ff"],
+        dims["num_layers"],
+        dims["num_heads"],
+    )
+    assert cfg.vocab_size == 10_000 and len(model.layers) == cfg.num_layers
+    assert triton_head_dim_ok(cfg.head_dim), f"{size}: head dim {cfg.head_dim} not Triton-ready"
+    d, f, layers, v = cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.vocab_size
+    per_layer = 4 * d * d + 3 * d * f + 2 * d
+    assert model.num_parameters() == layers * per_layer + 2 * v * d + d
+
+
+def test_state_dict_is_shared_by_attention_choices():
+    torch.manual_seed(0)
+    a = build_model("tiny", context_length=8, vocab_size=VOCAB, attention="flash")
+    b = build_model("tiny", context_length=8, vocab_size=VOCAB, attention="naive")
+    b.load_state_dict(a.state_dict())
+    assert not any("rope" in k for k in a.state_dict())  # RoPE tables are not parameters
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (
+            lambda: ModelConfig(d_model=60, d_ff=8, num_layers=1, num_heads=8),
+            ValueError,
+            "multiple",
+        ),
+        (lambda: ModelConfig(d_model=24, d_ff=8, num_layers=1, num_heads=8), ValueError, "even"),
+        (lambda: ModelConfig(d_model=0, d_ff=8, num_layers=1, num_heads=1), ValueError, "d_model"),
+        (lambda: build_model("tiny", attention="fast"), ValueError, "attention must be one of"),
+        (lambda: build_model("huge"), ValueError, "size must be one of"),
+        (lambda: TransformerLM({"d_model": 8}), TypeError, "ModelConfig"),
+        (lambda: build_model("tiny").set_attention("x"), ValueError, "set_attention"),
+    ],
+)
+def test_constructor_errors(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_forward_errors():
+    model = build_model("tiny", context_length=8, vocab_size=VOCAB, attention="sdpa")
+    with pytest.raises(ValueError, match="2-D"):
+        model(torch.zeros(8, dtype=torch.long))
+    with pytest.raises(ValueError, match="exceeds context_length 8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_attention_choices_agree(dtype):
+    torch.manual_seed(0)
+    model = build_model("tiny", context_length=256, vocab_size=VOCAB, device="cuda")
+    tokens = torch.randint(0, VOCAB, (4, 256), device="cuda")
+    ref = copy.deepcopy(model).double()
+    ref.set_attention("naive")
+    ref_logits = ref(tokens)
+    model = model.to(dtype)
+    outs = {}
+    for attention in ATTENTION_CHOICES:  # naive also exercises the NVTX ranges
+        model.set_attention(attention)
+        outs[attention] = model(tokens)
+    for attention in ("naive", "flash"):
+        assert_close(attention, outs[attention], outs["sdpa"], ref_logits, dtype)
