@@ -1,0 +1,284 @@
+"""FlashAttention (nn.Module): MHA weight compatibility, outputs and grads vs a float64 MHA, GQA,
+the MHA call form inside nn.TransformerEncoderLayer, and its errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from tests.attention.cases import assert_close
+from tests.reference import attention_reference, naive_attention
+from torch_flashsys.attention import FlashAttention
+
+
+def _mha(
+    embed_dim, num_heads, *, bias=True, batch_first=True, seed=0, **kw
+) -> nn.MultiheadAttention:
+    torch.manual_seed(seed)
+    mha = nn.MultiheadAttention(embed_dim, num_heads, bias=bias, batch_first=batch_first, **kw)
+    if bias:  # MHA initialises biases to zero; make them count
+        with torch.no_grad():
+            mha.in_proj_bias.normal_()
+            mha.out_proj.bias.normal_()
+    return mha
+
+
+def _causal_mask(seq: int, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    return nn.Transformer.generate_square_subsequent_mask(seq, dtype=dtype)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_parameters_have_mha_names_shapes_and_init(bias):
+    mha = nn.MultiheadAttention(48, 3, bias=bias, batch_first=True)
+    fa = FlashAttention(48, 3, bias=bias)
+    mha_sd, fa_sd = mha.state_dict(), fa.state_dict()
+    assert list(fa_sd) == list(mha_sd)
+    assert all(
+        fa_sd[k].shape == mha_sd[k].shape and fa_sd[k].dtype == mha_sd[k].dtype for k in fa_sd
+    )
+    if bias:  # MHA's init: zero biases, xavier-uniform fused projection
+        assert fa.in_proj_bias.count_nonzero() == 0 and fa.out_proj.bias.count_nonzero() == 0
+    bound = (6 / (48 + 3 * 48)) ** 0.5
+    assert fa.in_proj_weight.abs().max() <= bound
+    fa.load_state_dict(mha_sd)  # strict
+    for k in fa_sd:
+        assert torch.equal(fa.state_dict()[k], mha_sd[k])
+    mha.load_state_dict(fa.state_dict())  # and back
+
+
+@pytest.mark.parametrize("causal", ["none", "module", "is_causal", "float_mask", "bool_mask"])
+@settings(max_examples=4)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 23),
+    heads_dim=st.sampled_from([(1, 16), (2, 16), (3, 24), (4, 8)]),
+    bias=st.booleans(),
+    batch_first=st.booleans(),
+    unbatched=st.booleans(),
+)
+def test_matches_float64_mha(seed, batch, seq, heads_dim, bias, batch_first, unbatched, causal):
+    heads, head_dim = heads_dim
+    embed = heads * head_dim
+    mha = _mha(embed, heads, bias=bias, batch_first=batch_first, seed=seed)
+    fa = FlashAttention.from_mha(mha, causal=causal == "module", backend="torch")
+    assert fa.batch_first == batch_first
+    mha64 = copy.deepcopy(mha).double()
+    gen = torch.Generator().manual_seed(seed)
+    shape = (
+        (seq, embed) if unbatched else (batch, seq, embed) if batch_first else (seq, batch, embed)
+    )
+    x = torch.randn(shape, generator=gen)
+    dout = torch.randn(shape, generator=gen)
+
+    kw: dict = {"need_weights": False}
+    if causal != "none":
+        kw["attn_mask"] = _causal_mask(seq, torch.bool if causal == "bool_mask" else torch.float32)
+        kw["is_causal"] = causal in ("is_causal", "float_mask")  # bool_mask: detected from the mask
+    fa_kw = dict(kw)
+    if causal == "module":
+        fa_kw = {"need_weights": False}
+    if causal == "is_causal":
+        fa_kw = {"need_weights": False, "is_causal": True}  # the hint alone, no mask
+
+    def run(module, x, call_kw, form="mha"):
+        x = x.detach().clone().requires_grad_()
+        module.zero_grad(set_to_none=True)
+        if form == "mha":
+            out, weights = module(x, x, x, **call_kw)
+            assert weights is None
+        else:
+            out = module(x)
+        (out * dout.to(out.dtype)).sum().backward()
+        grads = [x.grad] + [p.grad for p in module.parameters()]
+        return out.detach(), grads
+
+    mask64 = {**kw}
+    if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
+        mask64["attn_mask"] = kw["attn_mask"].double()
+    ref, ref_grads = run(mha64, x.double(), mask64)
+    base, base_grads = run(mha, x, kw)  # PyTorch's own float32 error
+    forms = ["mha", "module"] if causal in ("none", "module") else ["mha"]
+    for form in forms:
+        out, grads = run(fa, x, fa_kw, form)
+        assert out.shape == shape and out.dtype == torch.float32
+        assert_close(f"{form} out", out, base, ref, torch.float32)
+        for i, (g, b, r) in enumerate(zip(grads, base_grads, ref_grads, strict=True)):
+            assert_close(f"{form} grad {i}", g, b, r, torch.float32)
+
+
+def test_triton_backend_through_interpreter_matches_mha():
+    mha = _mha(32, 2, seed=1)
+    fa = FlashAttention.from_mha(mha, causal=True)  # backend "auto": Triton (interpreted on CPU)
+    x = torch.randn(2, 19, 32, requires_grad=True)
+    mask = _causal_mask(19, torch.float32)
+    ref = copy.deepcopy(mha).double()(x.double(), x.double(), x.double(), attn_mask=mask.double())[
+        0
+    ]
+    base = mha(x, x, x, attn_mask=mask, need_weights=False)[0]
+    out = fa(x)
+    assert_close("out", out, base, ref, torch.float32)
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@settings(max_examples=6)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    seq=st.integers(1, 17),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([2, 3]),
+    causal=st.booleans(),
+)
+def test_gqa_matches_float64_reference(seed, seq, kv_heads, group, causal):
+    heads, head_dim = kv_heads * group, 16
+    embed = heads * head_dim
+    torch.manual_seed(seed)
+    fa = FlashAttention(embed, heads, num_kv_heads=kv_heads, causal=causal, backend="torch")
+    proj_rows = (heads + 2 * kv_heads) * head_dim
+    assert fa.in_proj_weight.shape == (proj_rows, embed) and fa.in_proj_bias.shape == (proj_rows,)
+    with torch.no_grad():
+        fa.in_proj_bias.normal_()
+    x = torch.randn(2, seq, embed, generator=torch.Generator().manual_seed(seed))
+
+    def reference(attend, x, w, b, wo, bo):
+        qkv = x @ w.T + b
+        q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), -1)
+        q, k, v = (t.unflatten(-1, (-1, head_dim)).transpose(1, 2) for t in (q, k, v))
+        return attend(q, k, v, is_causal=causal).transpose(1, 2).flatten(2) @ wo.T + bo
+
+    params = [fa.in_proj_weight, fa.in_proj_bias, fa.out_proj.weight, fa.out_proj.bias]
+    float64 = lambda *a, **kw: attention_reference(*a, **kw)[0]
+    ref = reference(float64, x.double(), *(p.detach().double() for p in params))
+    base = reference(naive_attention, x, *(p.detach() for p in params))  # PyTorch's fp32 error
+    assert_close("gqa out", fa(x), base, ref, torch.float32)
+
+
+def test_inside_transformer_encoder_layer_train_and_eval():
+    """Same outputs as MHA in a real layer (train, eval, eval under no_grad: MHA's fused fast
+    path), causal or not, and the same training trajectory."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=64, dropout=0.0, batch_first=True)
+    ours = copy.deepcopy(layer)
+    ours.self_attn = FlashAttention.from_mha(layer.self_attn, backend="torch")
+    ref64 = copy.deepcopy(layer).double()
+    x = torch.randn(3, 11, 32)
+    mask = nn.Transformer.generate_square_subsequent_mask(11)
+    for training in (True, False):
+        for m in (layer, ours, ref64):
+            m.train(training)
+        for kw in ({}, {"src_mask": mask, "is_causal": True}):
+            ref = ref64(
+                x.double(), **{k: (v.double() if k == "src_mask" else v) for k, v in kw.items()}
+            )
+            with torch.no_grad():
+                assert_close(
+                    f"train={training} {kw.keys()}",
+                    ours(x, **kw),
+                    layer(x, **kw),
+                    ref,
+                    torch.float32,
+                )
+    # Training: a few SGD steps in lockstep with the float64 MHA layer.
+    ours.train(), ref64.train()
+    opt, opt64 = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, ref64))
+    target = torch.randn(3, 11, 32)
+    for _ in range(5):
+        for m, o, dt in ((ours, opt, torch.float32), (ref64, opt64, torch.float64)):
+            o.zero_grad()
+            loss = (m(x.to(dt), src_mask=mask.to(dt), is_causal=True) - target.to(dt)).pow(2).mean()
+            loss.backward()
+            o.step()
+    for (name, p), p64 in zip(ours.named_parameters(), ref64.parameters(), strict=True):
+        torch.testing.assert_close(p.double(), p64, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"need_weights": True}, NotImplementedError, "need_weights=True"),
+        (
+            {"need_weights": False, "key_padding_mask": torch.zeros(2, 5, dtype=torch.bool)},
+            NotImplementedError,
+            "key_padding_mask",
+        ),
+        ({"need_weights": False, "attn_mask": torch.zeros(5, 5)}, NotImplementedError, "attn_mask"),
+        (
+            {"need_weights": False, "attn_mask": torch.ones(5, 5, dtype=torch.bool).tril(-1)},
+            NotImplementedError,
+            "exactly the causal mask",
+        ),
+        (
+            {"need_weights": False, "attn_mask": torch.full((5, 5), -1e9).triu(1)},
+            NotImplementedError,
+            "attn_mask",
+        ),
+    ],
+)
+def test_call_errors(kwargs, error, match):
+    fa = FlashAttention(32, 2, backend="torch")
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(error, match=match):
+        fa(x, x, x, **kwargs)
+
+
+def test_other_errors():
+    fa = FlashAttention(32, 2, backend="torch")
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(NotImplementedError, match="self-attention only"):
+        fa(x, x.clone(), x.clone(), need_weights=False)
+    with pytest.raises(ValueError, match=r"embed_dim=32, got shape \(2, 5, 31\)"):
+        fa(torch.randn(2, 5, 31))
+    with pytest.raises(ValueError, match="got shape"):
+        fa(torch.randn(1, 2, 5, 32))
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((30, 4), {}, ValueError, "multiple of num_heads"),
+        ((32, 4), {"num_kv_heads": 3}, ValueError, "multiple of num_kv_heads"),
+        ((32, 0), {}, ValueError, "num_heads must be a positive int"),
+        ((32, 4), {"num_kv_heads": 0}, ValueError, "num_kv_heads"),
+        ((32, 4), {"backend": "cuda"}, ValueError, "backend must be one of"),
+    ],
+)
+def test_constructor_errors(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        FlashAttention(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("mha_kwargs", "match"),
+    [
+        ({"kdim": 16, "vdim": 16}, "kdim/vdim"),
+        ({"add_bias_kv": True}, "add_bias_kv"),
+        ({"add_zero_attn": True}, "add_zero_attn"),
+        ({"dropout": 0.1}, "dropout"),
+    ],
+)
+def test_from_mha_rejects_what_it_cannot_reproduce(mha_kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FlashAttention.from_mha(nn.MultiheadAttention(32, 2, **mha_kwargs))
+    with pytest.raises(TypeError, match=r"nn\.MultiheadAttention"):
+        FlashAttention.from_mha(nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_matches_mha(dtype):
+    mha = _mha(128, 2, seed=0).cuda()  # head dim 64
+    ref = copy.deepcopy(mha).double()
+    fa = FlashAttention.from_mha(copy.deepcopy(mha).to(dtype), causal=True)
+    x = torch.randn(4, 300, 128, device="cuda")
+    mask = _causal_mask(300, torch.float32).cuda()
+    out64 = ref(x.double(), x.double(), x.double(), attn_mask=mask.double(), need_weights=False)[0]
+    base = mha.to(dtype)(*(x.to(dtype),) * 3, attn_mask=mask.to(dtype), need_weights=False)[0]
+    assert_close("out", fa(x.to(dtype)), base, out64, dtype)
