@@ -74,23 +74,24 @@ def replace_attention(
     swapped: list[str] = []
     skipped: list[str] = []
     converted: dict[int, FlashAttention] = {}  # one replacement per shared MHA instance
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            if not isinstance(child, nn.MultiheadAttention):
-                continue
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if _is_cross_attention(parent, child_name):
-                continue
-            if should_replace is not None and not should_replace(name, child):
-                continue
-            reason = _mha_unsupported_reason(child)
-            if reason is not None:
-                skipped.append(f"{name} ({reason})")
-                continue
-            if id(child) not in converted:
-                converted[id(child)] = FlashAttention.from_mha(child, backend=backend)
-            setattr(parent, child_name, converted[id(child)])
-            swapped.append(name)
+    # remove_duplicate=False: a module registered under two names is swapped under both.
+    for name, child in list(model.named_modules(remove_duplicate=False)):
+        if not isinstance(child, nn.MultiheadAttention):
+            continue
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if _is_cross_attention(parent, child_name):
+            continue
+        if should_replace is not None and not should_replace(name, child):
+            continue
+        reason = _mha_unsupported_reason(child)
+        if reason is not None:
+            skipped.append(f"{name} ({reason})")
+            continue
+        if id(child) not in converted:
+            converted[id(child)] = FlashAttention.from_mha(child, backend=backend)
+        setattr(parent, child_name, converted[id(child)])
+        swapped.append(name)
     if skipped:
         warnings.warn(
             "replace_attention: left these nn.MultiheadAttention modules unchanged: "

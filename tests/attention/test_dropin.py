@@ -1,0 +1,304 @@
+"""replace_attention on real torch Transformers, and sdpa_override's routing and restoration."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import torch_flashsys.attention as attention_pkg
+from tests.attention.cases import assert_close
+from tests.reference import attention_reference
+from torch_flashsys.attention import FlashAttention
+from torch_flashsys.attention._dropin import (
+    disable_sdpa_override,
+    enable_sdpa_override,
+    replace_attention,
+    sdpa_override,
+)
+from torch_flashsys.models import build_model
+
+ORIGINAL_SDPA = F.scaled_dot_product_attention
+
+
+@pytest.fixture
+def flash_calls():
+    """Counts flash_attention calls (the override binds flash_attention when it is entered)."""
+    with mock.patch.object(
+        attention_pkg, "flash_attention", wraps=attention_pkg.flash_attention
+    ) as spy:
+        yield spy
+
+
+@pytest.fixture(autouse=True)
+def _sdpa_restored():
+    yield
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA, "a test left SDPA patched"
+
+
+# ---------------------------------------------------------------------------------------------
+# replace_attention
+
+
+def _encoder(batch_first: bool = True, layers: int = 2) -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(
+        32, 2, dim_feedforward=64, dropout=0.0, batch_first=batch_first
+    )
+    # enable_nested_tensor stays at its default (True) where torch allows it: batch_first.
+    return nn.TransformerEncoder(layer, num_layers=layers, enable_nested_tensor=batch_first)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_replace_attention_on_transformer_encoder(batch_first, flash_calls):
+    original = _encoder(batch_first)
+    ours = copy.deepcopy(original)
+    names = replace_attention(ours, backend="torch")
+    assert names == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert all(isinstance(layer.self_attn, FlashAttention) for layer in ours.layers)
+    ref64 = copy.deepcopy(original).double()
+    x = torch.randn((3, 9, 32) if batch_first else (9, 3, 32))
+    mask = nn.Transformer.generate_square_subsequent_mask(9)
+    for training in (True, False):
+        for m in (original, ours, ref64):
+            m.train(training)
+        for kw in ({}, {"mask": mask, "is_causal": True}, {"mask": mask}):
+            kw64 = {k: v.double() if k == "mask" else v for k, v in kw.items()}
+            ref = ref64(x.double(), **kw64)
+            calls = flash_calls.call_count
+            # no_grad in eval: the original takes torch's fused fast path; ours must not.
+            with torch.no_grad():
+                out = ours(x, **kw)
+            assert flash_calls.call_count == calls + 2  # one per layer
+            assert_close(f"{training=} {list(kw)}", out, original(x, **kw), ref, torch.float32)
+
+    # It trains: SGD steps in lockstep with the float64 original.
+    ours.train(), ref64.train()
+    target = torch.randn(x.shape)
+    for model, dtype in ((ours, torch.float32), (ref64, torch.float64)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(5):
+            opt.zero_grad()
+            out = model(x.to(dtype), mask=mask.to(dtype), is_causal=True)
+            (out - target.to(dtype)).pow(2).mean().backward()
+            opt.step()
+    for (name, p), p64 in zip(ours.named_parameters(), ref64.parameters(), strict=True):
+        torch.testing.assert_close(p.double(), p64, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_replaced_encoder_rejects_padding_masks_instead_of_nesting():
+    ours = _encoder().eval()
+    replace_attention(ours, backend="torch")
+    assert ours.use_nested_tensor is False
+    x = torch.randn(2, 5, 32)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="key_padding_mask"):
+        ours(x, src_key_padding_mask=pad)
+
+
+def test_replace_attention_on_full_transformer_keeps_cross_attention():
+    torch.manual_seed(0)
+    model = nn.Transformer(
+        32, 2, num_encoder_layers=1, num_decoder_layers=2, dim_feedforward=48, dropout=0.0,
+        batch_first=True,
+    )  # fmt: skip
+    ours = copy.deepcopy(model)
+    names = replace_attention(ours, backend="torch")
+    assert names == [
+        "encoder.layers.0.self_attn",
+        "decoder.layers.0.self_attn",
+        "decoder.layers.1.self_attn",
+    ]
+    assert all(isinstance(d.multihead_attn, nn.MultiheadAttention) for d in ours.decoder.layers)
+    src, tgt = torch.randn(2, 7, 32), torch.randn(2, 6, 32)
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(6)
+    ref = copy.deepcopy(model).double()(src.double(), tgt.double(), tgt_mask=tgt_mask.double())
+    out = ours(src, tgt, tgt_mask=tgt_mask)
+    assert_close("transformer", out, model(src, tgt, tgt_mask=tgt_mask), ref, torch.float32)
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        shared = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.a, self.b = shared, shared  # one module registered twice
+        self.dropped = nn.MultiheadAttention(32, 2, dropout=0.1, batch_first=True)
+        self.kdim = nn.MultiheadAttention(32, 2, kdim=16, vdim=16, batch_first=True)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.MultiheadAttention(32, 4))])
+
+
+def test_replace_attention_skips_filters_and_shares():
+    model = _Custom().eval()
+    with pytest.warns(UserWarning, match=r"dropped \(attention dropout.*kdim \(kdim/vdim"):
+        names = replace_attention(model, backend="torch")
+    assert names == ["a", "b", "blocks.0.0"]
+    assert model.a is model.b and isinstance(model.a, FlashAttention)
+    assert not model.a.training and model.blocks[0][0].batch_first is False
+    assert isinstance(model.dropped, nn.MultiheadAttention)
+
+    model = _Custom()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        names = replace_attention(model, should_replace=lambda name, mha: name.startswith("blocks"))
+    assert names == ["blocks.0.0"] and isinstance(model.a, nn.MultiheadAttention)
+
+
+def test_replace_attention_errors():
+    with pytest.raises(TypeError, match=r"FlashAttention\.from_mha"):
+        replace_attention(nn.MultiheadAttention(32, 2))
+    with pytest.raises(TypeError, match=r"must be an nn\.Module"):
+        replace_attention("model")  # type: ignore[arg-type]
+    assert replace_attention(nn.Linear(2, 2)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# sdpa_override
+
+
+@st.composite
+def _supported_call(draw):
+    rank3 = draw(st.booleans())
+    batch, kv_heads = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    group = 1 if rank3 else draw(st.sampled_from([1, 2]))
+    seq_q, seq_k, dim = (
+        draw(st.integers(1, 20)),
+        draw(st.integers(1, 20)),
+        draw(st.sampled_from([8, 16, 40])),
+    )
+    q_shape = (batch, seq_q, dim) if rank3 else (batch, kv_heads * group, seq_q, dim)
+    kv_shape = (batch, seq_k, dim) if rank3 else (batch, kv_heads, seq_k, dim)
+    kwargs = {"is_causal": draw(st.booleans())}
+    if draw(st.booleans()):
+        kwargs["scale"] = draw(st.floats(0.05, 1.0))
+    if group > 1:
+        kwargs["enable_gqa"] = True
+    return q_shape, kv_shape, kwargs, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=10)
+@given(call=_supported_call(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_sdpa_override_routes_supported_calls(call, dtype):
+    q_shape, kv_shape, kwargs, seed = call
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(q_shape, generator=gen).to(dtype).requires_grad_()
+    k, v = (torch.randn(kv_shape, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    with mock.patch.object(
+        attention_pkg, "flash_attention", wraps=attention_pkg.flash_attention
+    ) as spy:
+        with sdpa_override(backend="torch"):
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        assert spy.call_count == 1
+    base = ORIGINAL_SDPA(q, k, v, **kwargs)
+    ref, _ = attention_reference(q, k, v, is_causal=kwargs["is_causal"], scale=kwargs.get("scale"))
+    assert out.shape == base.shape and out.dtype == dtype
+    assert_close("routed", out, base, ref, dtype)
+    out.float().sum().backward()
+    assert q.grad is not None and k.grad.shape == k.shape
+
+
+def test_sdpa_override_positional_arguments_and_triton_backend(flash_calls):
+    q = torch.randn(1, 2, 9, 16)
+    with sdpa_override():  # backend "auto": the Triton kernels, interpreted on CPU
+        out = F.scaled_dot_product_attention(q, q, q, None, 0.0, True)
+    assert flash_calls.call_count == 1
+    torch.testing.assert_close(out, ORIGINAL_SDPA(q, q, q, is_causal=True), atol=2e-5, rtol=0)
+
+
+def _unsupported_calls():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s, dtype=torch.float32: torch.randn(*s, generator=g).to(dtype)
+    q = r(2, 2, 6, 16)
+    return [
+        ("attn_mask", (q, q, q), {"attn_mask": r(6, 6)}),
+        ("bool attn_mask", (q, q, q), {"attn_mask": torch.ones(6, 6, dtype=torch.bool).tril()}),
+        ("float64", (q.double(),) * 3, {"is_causal": True}),
+        ("broadcast batch", (q, r(1, 2, 6, 16), r(1, 2, 6, 16)), {}),
+        ("5-D", (r(1, 2, 2, 6, 16),) * 3, {}),
+        ("value head dim differs", (q, q, r(2, 2, 6, 8)), {}),
+        ("heads 1 vs 2 broadcast", (r(1, 1, 6, 16), r(1, 2, 6, 16), r(1, 2, 6, 16)), {}),
+        ("3-D broadcast batch", (r(2, 6, 16), r(1, 6, 16), r(1, 6, 16)), {}),
+        ("head dim 12 under Triton", (r(1, 1, 6, 12),) * 3, {}),  # the "auto" call below
+    ]
+
+
+@pytest.mark.parametrize(("name", "args", "kwargs"), _unsupported_calls())
+def test_sdpa_override_sends_unsupported_calls_to_the_original(name, args, kwargs, flash_calls):
+    expected = ORIGINAL_SDPA(*args, **kwargs)
+    backend = "auto" if "Triton" in name else "torch"
+    with sdpa_override(backend=backend):
+        out = F.scaled_dot_product_attention(*args, **kwargs)
+    assert flash_calls.call_count == 0, name
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_sdpa_override_unsupported_dropout_and_unknown_kwargs(flash_calls):
+    q = torch.randn(1, 1, 6, 16)
+    with sdpa_override(backend="torch"):
+        assert F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).shape == q.shape
+        with pytest.raises(TypeError):  # the original's own error for an unknown argument
+            F.scaled_dot_product_attention(q, q, q, not_an_argument=1)
+    assert flash_calls.call_count == 0
+
+
+def test_sdpa_override_restores_after_exception_and_nesting():
+    with pytest.raises(RuntimeError, match="boom"), sdpa_override(backend="torch"):
+        assert F.scaled_dot_product_attention is not ORIGINAL_SDPA
+        raise RuntimeError("boom")
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    with sdpa_override(backend="torch"):
+        outer = F.scaled_dot_product_attention
+        with sdpa_override(backend="torch"):
+            assert F.scaled_dot_product_attention is not outer
+        assert F.scaled_dot_product_attention is outer
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+    @sdpa_override(backend="torch")
+    def decorated():
+        return F.scaled_dot_product_attention
+
+    assert decorated() is not ORIGINAL_SDPA
+    with pytest.raises(ValueError, match="sdpa_override: backend must be one of"):
+        sdpa_override(backend="cuda").__enter__()
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_enable_disable_sdpa_override(flash_calls):
+    q = torch.randn(1, 1, 5, 16)
+    try:
+        enable_sdpa_override(backend="torch")
+        enable_sdpa_override(backend="torch")  # again: still one level to undo
+        F.scaled_dot_product_attention(q, q, q)
+        assert flash_calls.call_count == 1
+    finally:
+        disable_sdpa_override()
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    disable_sdpa_override()  # not enabled: no-op
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    with pytest.raises(ValueError, match="enable_sdpa_override: backend"):
+        enable_sdpa_override(backend="nope")
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_sdpa_override_reaches_models_that_call_sdpa(flash_calls):
+    """Unmodified code that calls F.scaled_dot_product_attention: the LM's "sdpa" attention and
+    nn.MultiheadAttention's own (slow-path) implementation."""
+    torch.manual_seed(0)
+    model = build_model("tiny", context_length=12, vocab_size=40, attention="sdpa")
+    tokens = torch.randint(0, 40, (2, 12))
+    mha = nn.MultiheadAttention(32, 2, batch_first=True)
+    x = torch.randn(2, 7, 32)
+    expected, expected_mha = model(tokens), mha(x, x, x, need_weights=False)[0]
+    with sdpa_override(backend="torch"):
+        logits = model(tokens)
+        assert flash_calls.call_count == len(model.layers)
+        out_mha = mha(x, x, x, need_weights=False)[0]
+        assert flash_calls.call_count == len(model.layers) + 1
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_mha, expected_mha, atol=1e-5, rtol=1e-5)
