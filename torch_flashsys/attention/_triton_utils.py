@@ -22,11 +22,13 @@ def autotune_enabled() -> bool:
 
 
 def make_configs(shapes: Sequence[Shape]) -> list[triton.Config]:
-    """Configs for ``shapes``; under the interpreter one 16x16 tile, so every loop and edge runs."""
+    """Configs for ``shapes``; under the interpreter one 16x16 tile, so every loop and edge runs.
+
+    With autotuning off the list stays whole and :func:`smem_pruner` picks the first config that
+    fits (Triton skips pruning when a kernel has a single config).
+    """
     if interpreter_active():
         shapes = [(16, 16, 4, 1)]
-    elif not autotune_enabled():
-        shapes = shapes[:1]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in shapes
@@ -65,7 +67,7 @@ def smem_pruner(footprint: Callable[[int, int, int, int], int]):
 
         kept = [c for c in configs if bytes_of(c) <= budget]
         if kept:
-            return kept
+            return kept if autotune_enabled() else kept[:1]
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
 
     return prune
