@@ -37,7 +37,10 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int | None) -> 
         p = params[i]
         key, nbytes = (p.device, p.dtype), p.numel() * p.element_size()
         current = open_.get(key)
-        if current and bucket_bytes is not None and open_bytes[key] + nbytes > bucket_bytes:
+        full = bucket_bytes is not None and (
+            bucket_bytes == 0 or open_bytes.get(key, 0) + nbytes > bucket_bytes
+        )
+        if current and full:
             closed.append(current)
             current = None
         if current is None:

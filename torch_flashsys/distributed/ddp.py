@@ -63,8 +63,9 @@ class BucketedDDP(torch.nn.Module):
         bucket_size_mb: most gradient MiB per all-reduce bucket; ``None``: one bucket per dtype;
             ``0``: one parameter per bucket.
         process_group: group to average over (default: the whole world).
-        broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 at the start
-            of each forward that follows a synchronizing forward, as torch DDP does.
+        broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 at
+            construction and at the start of each forward that follows a synchronizing forward,
+            as torch DDP does; ``False``: buffers stay rank-local (never broadcast).
         grad_compression: ``"bf16"`` / ``"fp16"``: all-reduce a low-precision copy of each bucket
             and write the average back (torch DDP's compression hooks); ``None``: full precision.
 
@@ -112,7 +113,9 @@ class BucketedDDP(torch.nn.Module):
         # raises with the others instead of leaving them hanging in the first collective.
         named = list(module.named_parameters())
         problem = _option_problem(bucket_size_mb, broadcast_buffers, grad_compression)
-        items = describe_tensors(named) + describe_tensors(module.named_buffers(), kind="buffer")
+        items = describe_tensors(named)
+        if broadcast_buffers is True:  # buffers are broadcast, so they must match too
+            items += describe_tensors(module.named_buffers(), kind="buffer")
         items += [
             ("option bucket_size_mb", repr(bucket_size_mb)),
             ("option broadcast_buffers", repr(broadcast_buffers)),
@@ -128,9 +131,11 @@ class BucketedDDP(torch.nn.Module):
                 "BucketedDDP: module has no parameter that requires a gradient; "
                 "there is nothing to synchronize"
             )
-        broadcast_coalesced(
-            [p.detach() for _, p in named] + list(module.buffers()), self._src, process_group
+        # As torch DDP: broadcast_buffers=False leaves buffers rank-local from the start.
+        states = [p.detach() for _, p in named] + (
+            list(module.buffers()) if broadcast_buffers else []
         )
+        broadcast_coalesced(states, self._src, process_group)
 
         params = [p for _, p in trainable]
         limit = None if bucket_size_mb is None else int(bucket_size_mb * 2**20)

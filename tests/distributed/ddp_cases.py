@@ -1,0 +1,482 @@
+"""Models, data and per-rank bodies for tests/distributed/test_ddp.py (run via run_distributed).
+
+Every body trains the same model three ways on the same data: BucketedDDP, torch DDP, and plain
+single-process training on the full batch (the concatenation of every rank's shard). Losses are
+means over equal-sized shards, so the averaged DDP gradient equals the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from torch_flashsys.distributed import BucketedDDP
+
+F64 = torch.float64
+
+
+class Tied(nn.Module):
+    """Embedding tied to the output head; ``mix`` is applied twice (one grad hook per backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, dtype=F64)
+        self.mix = nn.Linear(6, 6, dtype=F64)
+        self.head = nn.Linear(6, 11, bias=False, dtype=F64)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(torch.tanh(self.mix(self.emb(tokens)))))
+
+
+class Frozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.to(F64)
+        self.b.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+class Branches(nn.Module):
+    """``sometimes`` runs only on flagged samples (some ranks/steps have none); ``never`` never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.sometimes, self.never = (nn.Linear(8, 4, dtype=F64) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+        out = self.trunk(x)
+        if flags.any():
+            extra = torch.zeros_like(out)
+            extra[flags] = self.sometimes(x[flags])
+            out = out + extra
+        return out
+
+
+class Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        self.to(F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Mixed(nn.Module):
+    """float64 and float32 parameters: one bucket buffer per dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16, dtype=F64)
+        self.b = nn.Linear(16, 16, dtype=torch.float32)
+        self.c = nn.Linear(16, 4, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)).float())).double())
+
+
+MODELS: dict[str, type[nn.Module]] = {
+    "tied": Tied,
+    "frozen": Frozen,
+    "branches": Branches,
+    "norm": Norm,
+    "mixed": Mixed,
+}
+
+
+def build(kind: str, seed: int, rank: int) -> nn.Module:
+    """A model whose initial state depends on ``rank`` (the wrappers must broadcast rank 0's)."""
+    torch.manual_seed(seed * 7 + rank)
+    model = MODELS[kind]()
+    with torch.no_grad():
+        for buf in model.buffers():
+            if buf.is_floating_point():
+                buf.add_(0.1 * rank + 0.05)
+    return model
+
+
+def shard(kind: str, seed: int, step: int, rank: int, micro: int = 0) -> tuple[tuple, torch.Tensor]:
+    """Rank ``rank``'s (inputs, target) for one (micro)step; the same on every process."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + micro * 101 + rank * 7)
+    if kind == "tied":
+        return (torch.randint(0, 11, (3, 5), generator=g),), torch.randn(
+            3, 5, 11, generator=g, dtype=F64
+        )
+    x, target = torch.randn(6, 8, generator=g, dtype=F64), torch.randn(6, 4, generator=g, dtype=F64)
+    if kind == "branches":  # rank 0 only, even (micro)steps only: locally and globally unused
+        flags = torch.zeros(6, dtype=torch.bool)
+        flags[:3] = rank == 0 and (step + micro) % 2 == 0
+        return (x, flags), target
+    return (x,), target
+
+
+def full_batch(
+    kind: str, seed: int, step: int, ranks: Sequence[int], micro: int = 0
+) -> tuple[tuple, torch.Tensor]:
+    """The concatenation of the shards of ``ranks``: what one process would train on."""
+    parts = [shard(kind, seed, step, r, micro) for r in ranks]
+    args = tuple(torch.cat([p[0][i] for p in parts]) for i in range(len(parts[0][0])))
+    return args, torch.cat([p[1] for p in parts])
+
+
+def snapshot(model: nn.Module) -> dict[str, dict[str, Any]]:
+    grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
+    return {
+        "params": {n: p.detach().cpu() for n, p in model.named_parameters()},
+        "grads": grads,
+        "buffers": {n: b.cpu() for n, b in model.named_buffers()},
+    }
+
+
+def grads_are_bucket_views(ddp: BucketedDDP) -> bool:
+    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp._buckets}
+    return all(
+        p.grad.untyped_storage().data_ptr() in storages
+        for p in ddp.module.parameters()
+        if p.grad is not None
+    )
+
+
+def train(
+    kind: str,
+    seed: int,
+    init_rank: int,
+    wrap: Callable[[nn.Module], nn.Module],
+    batches: list[list[tuple[tuple, torch.Tensor]]],
+    zero_grad_to_none: bool = True,
+    unsynced: int = 0,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """AdamW steps from ``build(kind, seed, init_rank)``; each step's list holds micro-batches,
+    the first ``unsynced`` of them run (forward and backward) under ``no_sync()``."""
+    wrapped = wrap(build(kind, seed, init_rank).to(device))
+    module = getattr(wrapped, "module", wrapped)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05, weight_decay=0.1)
+    for micro_batches in batches:
+        opt.zero_grad(set_to_none=zero_grad_to_none)
+        for i, (args, target) in enumerate(micro_batches):
+            args, target = tuple(a.to(device) for a in args), target.to(device)
+            with wrapped.no_sync() if i < unsynced else contextlib.nullcontext():
+                loss = (wrapped(*args) - target).pow(2).mean()
+                loss.backward()
+        opt.step()
+    out = snapshot(module)
+    if isinstance(wrapped, BucketedDDP):
+        out["views"] = grads_are_bucket_views(wrapped)
+    return out
+
+
+def _torch_ddp_local_buffers(module: nn.Module) -> TorchDDP:
+    with warnings.catch_warnings():  # torch 2.13 deprecates the name (forward_sync_buffers)
+        warnings.simplefilter("ignore", FutureWarning)
+        return TorchDDP(module, broadcast_buffers=False)
+
+
+def equivalence(rank: int, world: int, seed: int, bucket_sizes: list, steps: int = 3) -> dict:
+    """Per model kind: single-process reference (rank 0), torch DDP and BucketedDDP per bucket size."""
+    out: dict[str, Any] = {}
+    for kind in MODELS:
+        mine = [[shard(kind, seed, s, rank)] for s in range(steps)]
+        res: dict[str, Any] = {}
+        if kind != "norm" and rank == 0:  # BatchNorm statistics are per shard: no full-batch twin
+            full = [[full_batch(kind, seed, s, range(world))] for s in range(steps)]
+            res["single"] = train(kind, seed, 0, lambda m: m, full)
+        unused = kind == "branches"  # torch DDP needs find_unused_parameters for this model
+        res["torch"] = train(
+            kind,
+            seed,
+            rank,
+            lambda m, unused=unused: TorchDDP(m, find_unused_parameters=unused),
+            mine,
+        )
+        for bs in bucket_sizes:
+            res[f"ours[{bs}]"] = train(kind, seed, rank, lambda m, bs=bs: BucketedDDP(m, bs), mine)
+        if kind == "norm":
+            res["torch[no_bcast]"] = train(kind, seed, rank, _torch_ddp_local_buffers, mine)
+            res["ours[no_bcast]"] = train(
+                kind, seed, rank, lambda m: BucketedDDP(m, broadcast_buffers=False), mine
+            )
+        out[kind] = res
+    return out
+
+
+def _identity(m: nn.Module) -> nn.Module:
+    return m
+
+
+def _grads_after_backward(wrapped: nn.Module, args: tuple, target: torch.Tensor) -> dict:
+    (wrapped(*args) - target).pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in wrapped.module.named_parameters() if p.grad is not None}
+
+
+def _bf16_compress_hook(process_group, bucket):  # no annotations: torch checks them by identity
+    """torch's bf16_compress_hook, whose name-based CUDA check would refuse gloo on CPU."""
+    return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def behaviours(rank: int, world: int, seed: int) -> dict:
+    """no_sync accumulation, zero_grad modes, compression, explicit finish, subgroups, keys."""
+    out: dict[str, Any] = {}
+    micro, steps = 3, 2
+    for kind in ("tied", "branches"):
+        mine = [[shard(kind, seed, s, rank, m) for m in range(micro)] for s in range(steps)]
+        for to_none in (True, False):
+            res: dict[str, Any] = {}
+            if kind == "tied":  # torch DDP's no_sync as the reference
+                res["torch"] = train(kind, seed, rank, TorchDDP, mine, to_none, micro - 1)
+            elif rank == 0:  # "sometimes" is used in micro-batch 0 only: synced from accumulation
+                full = [
+                    [full_batch(kind, seed, s, range(world), m) for m in range(micro)]
+                    for s in range(steps)
+                ]
+                res["single"] = train(kind, seed, 0, _identity, full, to_none)
+            for bs in (0, None):
+                wrap = lambda m, bs=bs: BucketedDDP(m, bs)
+                res[f"ours[{bs}]"] = train(kind, seed, rank, wrap, mine, to_none, micro - 1)
+            res["ours[every]"] = train(kind, seed, rank, BucketedDDP, mine, to_none, 0)
+            out[f"no_sync/{kind}/set_to_none={to_none}"] = res
+
+    args, target = shard("mixed", seed, 0, rank)
+    out["compress/plain"] = _grads_after_backward(
+        TorchDDP(build("mixed", seed, rank)), args, target
+    )
+    for name, hook in (
+        ("bf16", _bf16_compress_hook),
+        ("fp16", default_hooks.fp16_compress_hook),
+    ):
+        ref = TorchDDP(build("mixed", seed, rank))
+        ref.register_comm_hook(None, hook)
+        out[f"compress/torch_{name}"] = _grads_after_backward(ref, args, target)
+        ours = BucketedDDP(build("mixed", seed, rank), 0.0005, grad_compression=name)
+        out[f"compress/ours_{name}"] = _grads_after_backward(ours, args, target)
+
+    # finish_gradient_synchronization: a no-op after backward, and issues no stray collective
+    ddp = BucketedDDP(build("tied", seed, rank), 0)
+    uses = [0]
+    ddp.module.mix.weight.register_post_accumulate_grad_hook(
+        lambda p: uses.__setitem__(0, uses[0] + 1)
+    )
+    args, target = shard("tied", seed, 0, rank)
+    before = _grads_after_backward(ddp, args, target)
+    ddp.finish_gradient_synchronization()
+    out["finish/unchanged"] = all(
+        torch.equal(before[n], p.grad) for n, p in ddp.module.named_parameters()
+    )
+    if rank == 0:
+        ddp.finish_gradient_synchronization()
+    probe = torch.tensor([float(rank + 1)])
+    dist.all_reduce(probe)
+    out["finish/probe"] = probe.item()
+    _grads_after_backward(ddp, args, target)
+    out["hook_calls_for_twice_used_param"] = uses[0]  # two backwards
+
+    # Communication: none under no_sync; one all-reduce per bucket, all launched during backward
+    calls: list[int] = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real_all_reduce(*a, **k)
+
+    ddp = BucketedDDP(build("frozen", seed, rank), 0)
+    launched = []
+    for p in (ddp.module.a.weight, ddp.module.a.bias):  # the last two to get their gradients
+        p.register_post_accumulate_grad_hook(lambda p: launched.append(ddp._next_bucket))
+    args, target = shard("frozen", seed, 0, rank)
+    dist.all_reduce = counting_all_reduce
+    try:
+        with ddp.no_sync():
+            _grads_after_backward(ddp, args, target)
+        out["comm/no_sync"] = len(calls)
+        _grads_after_backward(ddp, args, target)
+        out["comm/sync"] = len(calls)
+    finally:
+        dist.all_reduce = real_all_reduce
+    out["comm/buckets"] = len(ddp._buckets)
+    out["comm/launched_in_hooks"] = max(launched[2:])  # of the synchronizing backward
+
+    # state_dict keys: .module's untouched; the wrapper's prefixed with "module." like torch DDP
+    plain = build("norm", seed, rank)
+    out["keys"] = {
+        "plain": list(plain.state_dict()),
+        "module": list(BucketedDDP(build("norm", seed, rank)).module.state_dict()),
+        "ours": list(BucketedDDP(build("norm", seed, rank)).state_dict()),
+        "torch": list(TorchDDP(build("norm", seed, rank)).state_dict()),
+    }
+
+    # process_group: ranks 1, 2 average among themselves (rank 1's init), rank 0 is alone
+    groups = {0: dist.new_group([0]), 1: dist.new_group([1, 2])}
+    members = [0] if rank == 0 else [1, 2]
+    group = groups[0 if rank == 0 else 1]
+    wrap = lambda m: BucketedDDP(m, 0.0005, process_group=group)
+    batches = [[shard("frozen", seed, s, rank)] for s in range(steps)]
+    out["subgroup/ours"] = train("frozen", seed, rank, wrap, batches)
+    full = [[full_batch("frozen", seed, s, members)] for s in range(steps)]
+    out["subgroup/single"] = train("frozen", seed, members[0], _identity, full)
+    return out
+
+
+class _NoTrainable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).requires_grad_(False)
+
+
+def _last(rank: int, world: int) -> bool:
+    return rank == world - 1
+
+
+# Constructor error table: case -> (inputs builder (rank, world) -> (module, kwargs), error, text).
+# Every case must raise on every rank, never hang; mismatches name the first difference.
+ERROR_CASES: dict[str, tuple[Callable[[int, int], tuple[Any, dict]], type, str]] = {
+    "bucket_size_negative": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": -1.0}),
+        ValueError,
+        "bucket_size_mb must be finite and >= 0",
+    ),
+    "bucket_size_nan": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": float("nan")}),
+        ValueError,
+        "got nan",
+    ),
+    "bucket_size_inf": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": float("inf")}),
+        ValueError,
+        "got inf",
+    ),
+    "bucket_size_str": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": "25"}),
+        TypeError,
+        "bucket_size_mb must be a number or None, got str",
+    ),
+    "bucket_size_bool": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": True}),
+        TypeError,
+        "got bool",
+    ),
+    "compression_unknown": (
+        lambda r, w: (nn.Linear(4, 4), {"grad_compression": "int8"}),
+        ValueError,
+        "must be None, 'bf16' or 'fp16', got 'int8'",
+    ),
+    "compression_dtype": (
+        lambda r, w: (nn.Linear(4, 4), {"grad_compression": torch.bfloat16}),
+        ValueError,
+        "got torch.bfloat16",
+    ),
+    "broadcast_buffers_str": (
+        lambda r, w: (nn.Linear(4, 4), {"broadcast_buffers": "yes"}),
+        TypeError,
+        "broadcast_buffers must be a bool, got str",
+    ),
+    "process_group_str": (
+        lambda r, w: (nn.Linear(4, 4), {"process_group": "world"}),
+        TypeError,
+        "ProcessGroup or None, got str",
+    ),
+    "module_not_module": (
+        lambda r, w: ([nn.Linear(4, 4)], {}),
+        TypeError,
+        "module must be a torch.nn.Module",
+    ),
+    "no_trainable": (
+        lambda r, w: (_NoTrainable(), {}),
+        ValueError,
+        "no parameter that requires a gradient",
+    ),
+    "mismatch_shape": (
+        lambda r, w: (nn.Linear(4, 5 if _last(r, w) else 4), {}),
+        RuntimeError,
+        "shape=(5, 4)",
+    ),
+    "mismatch_count": (
+        lambda r, w: (nn.Linear(4, 4, bias=not _last(r, w)), {}),
+        RuntimeError,
+        "different numbers of entries",
+    ),
+    "mismatch_dtype": (
+        lambda r, w: (nn.Linear(4, 4, dtype=F64 if _last(r, w) else None), {}),
+        RuntimeError,
+        "dtype=torch.float64",
+    ),
+    "mismatch_requires_grad": (
+        lambda r, w: (nn.Linear(4, 4).requires_grad_(not _last(r, w)), {}),
+        RuntimeError,
+        "requires_grad=False",
+    ),
+    "mismatch_buffer": (
+        lambda r, w: (nn.BatchNorm1d(4, track_running_stats=not _last(r, w)), {}),
+        RuntimeError,
+        "differs across ranks",
+    ),
+    "mismatch_option": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": 1.0 if _last(r, w) else 25.0}),
+        RuntimeError,
+        "option bucket_size_mb",
+    ),
+    "bad_option_one_rank": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": -1.0 if _last(r, w) else 25.0}),
+        RuntimeError,
+        "bucket_size_mb must be finite and >= 0",
+    ),
+}
+
+
+def constructor_errors(rank: int, world: int, names: list[str]) -> dict[str, str]:
+    """Try each case; return 'Type: message' per case (all ranks keep in lockstep)."""
+    out = {}
+    for name in names:
+        module, kwargs = ERROR_CASES[name][0](rank, world)
+        try:
+            BucketedDDP(module, **kwargs)
+            out[name] = "no error"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    probe = torch.tensor([1.0])
+    dist.all_reduce(probe)  # a rank left behind in a collective would hang or corrupt this
+    out["probe"] = str(probe.item())
+    return out
+
+
+def nccl_equivalence(rank: int, world: int, seed: int) -> dict:
+    """On CUDA/NCCL: BucketedDDP vs torch DDP (and compression vs torch's hook), per bucket size."""
+    torch.cuda.set_device(rank)
+    device, out = f"cuda:{rank}", {}
+    for kind in ("tied", "branches", "mixed"):
+        mine = [[shard(kind, seed, s, rank)] for s in range(3)]
+        unused = kind == "branches"
+        out[f"{kind}/torch"] = train(
+            kind,
+            seed,
+            rank,
+            lambda m, unused=unused: TorchDDP(m, find_unused_parameters=unused),
+            mine,
+            device=device,
+        )
+        for bs in (0, 0.0005, None):
+            wrap = lambda m, bs=bs: BucketedDDP(m, bs)
+            out[f"{kind}/ours[{bs}]"] = train(kind, seed, rank, wrap, mine, device=device)
+    args, target = shard("mixed", seed, 0, rank)
+    args, target = tuple(a.to(device) for a in args), target.to(device)
+    ref = TorchDDP(build("mixed", seed, rank).to(device))
+    ref.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    out["compress/torch_bf16"] = {
+        k: v.cpu() for k, v in _grads_after_backward(ref, args, target).items()
+    }
+    ours = BucketedDDP(build("mixed", seed, rank).to(device), grad_compression="bf16")
+    out["compress/ours_bf16"] = {
+        k: v.cpu() for k, v in _grads_after_backward(ours, args, target).items()
+    }
+    return out

@@ -1,0 +1,215 @@
+"""BucketedDDP against single-process full-batch training and torch DDP (real gloo processes).
+
+Each distributed test spawns one run that loops over many configurations (spawning costs seconds);
+the models, data and per-rank bodies live in tests/distributed/ddp_cases.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from tests.distributed import ddp_cases
+from tests.distributed.harness import run_distributed
+from torch_flashsys.distributed import BucketedDDP
+from torch_flashsys.distributed._buckets import Bucket, assign_buckets
+
+# One example per distributed test (each spawns processes); no shrinking of a random seed.
+ONE_RUN = settings(max_examples=1, deadline=None, phases=[Phase.reuse, Phase.generate])
+SEEDS = st.integers(0, 2**31 - 1)
+
+
+def assert_close_tree(got: Any, want: Any, what: str, **tol: float) -> None:
+    """Recursively compare dicts of tensors (``None`` must match ``None``: unused parameters)."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), f"{what}: keys {sorted(got)} != {sorted(want)}"
+        for key in want:
+            assert_close_tree(got[key], want[key], f"{what}/{key}", **tol)
+    elif want is None or got is None:
+        assert got is None and want is None, f"{what}: {got!r} vs {want!r} (None = no gradient)"
+    elif isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}", **tol)
+    else:
+        assert got == want, f"{what}: {got!r} != {want!r}"
+
+
+def assert_equal_tree(got: Any, want: Any, what: str) -> None:
+    assert_close_tree(got, want, what, rtol=0.0, atol=0.0)
+
+
+# ---------------------------------------------------------------- bucket assignment (no processes)
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+@given(
+    shapes=st.lists(
+        st.tuples(st.integers(0, 40), st.sampled_from(DTYPES)), min_size=1, max_size=25
+    ),
+    limit=st.one_of(st.none(), st.just(0), st.integers(1, 400)),
+)
+@settings(max_examples=200, deadline=None)
+def test_bucket_assignment_invariants(shapes, limit):
+    params = [torch.empty(n, dtype=dt, device="meta") for n, dt in shapes]
+    nbytes = [p.numel() * p.element_size() for p in params]
+    buckets = assign_buckets(params, limit)
+    assert sorted(i for b in buckets for i in b) == list(range(len(params)))  # each exactly once
+    for b in buckets:
+        assert len({params[i].dtype for i in b}) == 1, "one dtype per bucket"
+        if limit is not None and len(b) > 1:
+            assert limit > 0 and sum(nbytes[i] for i in b) <= limit, "bucket over the limit"
+    for dt in {p.dtype for p in params}:
+        same = [b for b in buckets if params[b[0]].dtype == dt]
+        flat = [i for b in same for i in b]
+        assert flat == sorted(flat, reverse=True), "reverse registration order"
+        if limit is None:
+            assert len(same) == 1
+        elif limit > 0:  # greedy: a bucket closes only when the next parameter would not fit
+            for a, b in itertools.pairwise(same):
+                assert sum(nbytes[i] for i in a) + nbytes[b[0]] > limit
+    lasts = [b[-1] for b in buckets]
+    assert lasts == sorted(lasts, reverse=True), "launch order: last gradient ready first"
+
+
+def test_bucket_views_adopt_existing_grads():
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5))]
+    params[0].grad = torch.randn(3, 4)
+    before = params[0].grad.clone()
+    bucket = Bucket(params, ["a", "b"])
+    assert params[1].grad is None
+    torch.testing.assert_close(params[0].grad, before, rtol=0, atol=0)
+    assert params[0].grad.data_ptr() == bucket.buffer.data_ptr()  # a view into the flat buffer
+    params[1].grad = torch.ones(5)  # e.g. AccumulateGrad after zero_grad(set_to_none=True)
+    bucket.adopt_grad(1)
+    assert params[1].grad.data_ptr() == bucket.views[1].data_ptr()
+    assert bucket.buffer[12:17].eq(1).all()
+
+
+def test_errors_without_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(TypeError, match=r"BucketedDDP: module must be a torch\.nn\.Module"):
+        BucketedDDP("model")
+    with pytest.raises(RuntimeError, match=r"BucketedDDP: torch\.distributed is not initialized"):
+        BucketedDDP(torch.nn.Linear(2, 2))
+
+
+# ---------------------------------------------------------------- training equivalence
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@given(seed=SEEDS, small=st.floats(0.0002, 0.002))
+@ONE_RUN
+def test_matches_single_process_and_torch_ddp(world, seed, small):
+    """Tied, frozen, unused-branch, BatchNorm and mixed-dtype models; bucket None / 0 / small /
+    default; 3 AdamW steps (weight decay: a zero gradient and no gradient differ)."""
+    sizes = [None, 0, small, 25.0]
+    runs = run_distributed(ddp_cases.equivalence, world, args=(seed, sizes), timeout=240)
+    single = runs[0]
+    for rank, run in enumerate(runs):
+        for kind, res in run.items():
+            for bs in sizes:
+                ours = res[f"ours[{bs}]"]
+                what = f"rank {rank} {kind} bucket_size_mb={bs}"
+                assert ours.pop("views"), f"{what}: param.grad is not a view into a bucket"
+                assert_close_tree(ours, res["torch"], f"{what} vs torch DDP")
+                if "single" in single[kind]:
+                    assert_close_tree(ours, single[kind]["single"], f"{what} vs single process")
+                replica = {k: v for k, v in ours.items() if k != "buffers"}  # buffers: per rank
+                want = {k: v for k, v in runs[0][kind][f"ours[{bs}]"].items() if k != "buffers"}
+                assert_equal_tree(replica, want, f"{what} vs rank 0")
+            if kind == "norm":
+                res["ours[no_bcast]"].pop("views")
+                assert_close_tree(res["ours[no_bcast]"], res["torch[no_bcast]"], f"{kind} no bcast")
+        assert run["branches"]["torch"]["grads"]["never.weight"] is None  # the harness itself
+
+
+@given(seed=SEEDS)
+@ONE_RUN
+def test_no_sync_compression_finish_subgroups(seed):
+    world = 3
+    runs = run_distributed(ddp_cases.behaviours, world, args=(seed,), timeout=240)
+    single = runs[0]
+    for rank, run in enumerate(runs):
+        for key in [k for k in run if k.startswith("no_sync/")]:
+            res = run[key]
+            want = res["torch"] if "torch" in res else single[key]["single"]
+            for variant in ("ours[0]", "ours[None]", "ours[every]"):
+                got = res[variant]
+                assert got.pop("views"), f"rank {rank} {key} {variant}: grads are not bucket views"
+                assert_close_tree(got, want, f"rank {rank} {key} {variant}")
+
+        plain = run["compress/plain"]
+        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            ours, theirs = run[f"compress/ours_{name}"], run[f"compress/torch_{name}"]
+            eps = torch.finfo(dtype).eps
+            for param, g in plain.items():
+                scale = g.abs().max().item()
+                # Same algorithm as torch's hook: equal up to a couple of low-precision roundings;
+                # against full precision: within (world + 1) roundings of the largest value.
+                assert (ours[param] - theirs[param]).abs().max() <= 2 * eps * scale, (name, param)
+                assert (ours[param] - g).abs().max() <= (world + 1) * eps * scale, (name, param)
+            assert any(not torch.equal(ours[p], plain[p]) for p in plain), (
+                "compression had no effect"
+            )
+
+        assert run["finish/unchanged"], "finish_gradient_synchronization changed synced grads"
+        assert run["finish/probe"] == sum(range(1, world + 1)), "stray collective from finish()"
+        assert run["hook_calls_for_twice_used_param"] == 2, "one post-accumulate hook per backward"
+
+        assert run["comm/no_sync"] == 0, "no_sync() communicated"
+        n_trainable = 4  # Frozen: a.weight, a.bias, c.weight, c.bias; bucket_size_mb=0
+        assert run["comm/sync"] == run["comm/buckets"] == n_trainable, "one all-reduce per bucket"
+        assert run["comm/launched_in_hooks"] == n_trainable, "not launched during backward"
+
+        keys = run["keys"]
+        assert keys["module"] == keys["plain"]
+        assert keys["ours"] == keys["torch"] == [f"module.{k}" for k in keys["plain"]]
+
+        assert run["subgroup/ours"].pop("views")
+        assert_close_tree(run["subgroup/ours"], run["subgroup/single"], f"rank {rank} subgroup")
+    assert_equal_tree(runs[1]["subgroup/ours"], runs[2]["subgroup/ours"], "subgroup replicas")
+
+
+# ---------------------------------------------------------------- constructor errors
+
+
+@pytest.fixture(scope="module")
+def error_runs() -> list[dict[str, str]]:
+    names = list(ddp_cases.ERROR_CASES)
+    return run_distributed(ddp_cases.constructor_errors, 3, args=(names,), timeout=120)
+
+
+@pytest.mark.parametrize("case", list(ddp_cases.ERROR_CASES))
+def test_constructor_error_table(error_runs, case):
+    _, error, text = ddp_cases.ERROR_CASES[case]
+    for rank, run in enumerate(error_runs):
+        got = run[case]
+        assert got.startswith(f"{error.__name__}: BucketedDDP: "), f"rank {rank}: {got}"
+        assert text in got, f"rank {rank}: expected {text!r} in {got!r}"
+        assert run["probe"] == str(float(len(error_runs))), "ranks out of step after the errors"
+
+
+# ---------------------------------------------------------------- NCCL (2 GPUs)
+
+
+@pytest.mark.multigpu
+@given(seed=SEEDS)
+@ONE_RUN
+def test_nccl_matches_torch_ddp(seed):
+    runs = run_distributed(ddp_cases.nccl_equivalence, 2, args=(seed,), backend="nccl", timeout=300)
+    for rank, run in enumerate(runs):
+        for key in [k for k in run if "/ours[" in k]:
+            kind = key.split("/")[0]
+            assert run[key].pop("views"), f"rank {rank} {key}: grads are not bucket views"
+            assert_close_tree(run[key], run[f"{kind}/torch"], f"rank {rank} {key}")
+            assert_equal_tree(run[key], runs[0][key], f"rank {rank} {key} vs rank 0")
+        eps = torch.finfo(torch.bfloat16).eps
+        for param, g in run["compress/torch_bf16"].items():
+            diff = (run["compress/ours_bf16"][param] - g).abs().max().item()
+            assert diff <= 2 * eps * g.abs().max().item(), (rank, param)
