@@ -2,13 +2,31 @@
 
 Public API (everything else is private or a documented submodule):
 
-- :func:`flash_attention` / :class:`FlashAttention`: fused attention (``torch_flashsys.attention``).
+- :func:`flash_attention` / :class:`FlashAttention`: fused attention (``torch_flashsys.attention``),
+  with the drop-in helpers :func:`replace_attention` and :func:`sdpa_override`.
 - :class:`BucketedDDP` / :class:`ShardedOptimizer`: data-parallel training
   (``torch_flashsys.distributed``).
 """
 
 from torch_flashsys._version import __version__
-from torch_flashsys.attention import FlashAttention, flash_attention
+from torch_flashsys.attention import (
+    FlashAttention,
+    disable_sdpa_override,
+    enable_sdpa_override,
+    flash_attention,
+    replace_attention,
+    sdpa_override,
+)
 from torch_flashsys.distributed import BucketedDDP, ShardedOptimizer
 
-__all__ = ["BucketedDDP", "FlashAttention", "ShardedOptimizer", "__version__", "flash_attention"]
+__all__ = [
+    "BucketedDDP",
+    "FlashAttention",
+    "ShardedOptimizer",
+    "__version__",
+    "disable_sdpa_override",
+    "enable_sdpa_override",
+    "flash_attention",
+    "replace_attention",
+    "sdpa_override",
+]

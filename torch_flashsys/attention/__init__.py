@@ -7,9 +7,22 @@ import math
 import torch
 
 from torch_flashsys.attention._checks import check_inputs
+from torch_flashsys.attention._dropin import (
+    disable_sdpa_override,
+    enable_sdpa_override,
+    replace_attention,
+    sdpa_override,
+)
 from torch_flashsys.attention.module import FlashAttention
 
-__all__ = ["FlashAttention", "flash_attention"]
+__all__ = [
+    "FlashAttention",
+    "disable_sdpa_override",
+    "enable_sdpa_override",
+    "flash_attention",
+    "replace_attention",
+    "sdpa_override",
+]
 
 
 def flash_attention(
