@@ -54,7 +54,7 @@ class ZeroNet(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for layer in self.layers:
-            x = torch.tanh(layer(x.to(layer.weight.dtype))).float()
+            x = torch.tanh(layer(x.to(layer.weight.dtype))).to(self.embed.weight.dtype)
         x = x + self.late(x)
         if self.scale is not None:
             x = x * self.scale
@@ -81,9 +81,16 @@ def param_groups(model: ZeroNet, case: dict) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def batch(case: dict, step: int) -> torch.Tensor:
+def _device() -> torch.device:
+    """cuda:<local rank> under NCCL (the multigpu test), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def batch(case: dict, step: int, n: int = 6) -> torch.Tensor:
     g = torch.Generator().manual_seed(case["seed"] * 1000 + step)
-    return torch.randint(0, case["vocab"], (6,), generator=g)
+    return torch.randint(0, case["vocab"], (n,), generator=g).to(_device())
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -118,7 +125,7 @@ class _Trainer:
 
     def __init__(self, case: dict, sharded: bool, model: ZeroNet | None = None) -> None:
         self.case, self.sharded = case, sharded
-        self.model = model if model is not None else ZeroNet(case)
+        self.model = model if model is not None else ZeroNet(case).to(_device())
         cls, groups = OPTIMIZERS[case["optimizer"]], param_groups(self.model, case)
         defaults = hyperparameters(case, -1)
         if sharded:
@@ -180,17 +187,17 @@ def _checkpoint(trainer: _Trainer, plain: _Trainer, tmpdir: str, tag: str) -> di
             # The plain format, loadable by the plain optimizer class:
             fresh = _rebuild(plain, added)
             fresh.opt.load_state_dict(copy.deepcopy(sd))
-            out["consolidated"], out["plain_sd"] = sd, plain.opt.state_dict()
+            out["consolidated"], out["plain_sd"] = sd, copy.deepcopy(plain.opt.state_dict())
             out["reloaded_plain_sd"] = fresh.opt.state_dict()
         dist.barrier()
-        sd = torch.load(path, weights_only=False)
+        sd = torch.load(path)
         new = _rebuild(trainer, added)
         new.opt.load_state_dict(sd)
     else:
         path = os.path.join(tmpdir, f"{tag}_rank{rank}.pt")
         torch.save(trainer.opt.sharded_state_dict(), path)
         new = _rebuild(trainer, added)
-        new.opt.load_sharded_state_dict(torch.load(path, weights_only=False))
+        new.opt.load_sharded_state_dict(torch.load(path))
     trainer.model, trainer.opt, trainer.sched = new.model, new.opt, new.sched
     return out
 
@@ -210,8 +217,8 @@ def train_case(case: dict, tmpdir: str, tag: str) -> dict:
         out["broadcasts"].append(counter.count)
     trainable_dtypes = {p.dtype for p in sharded.model.parameters() if p.requires_grad}
     out["max_broadcasts"] = dist.get_world_size() * len(trainable_dtypes)
-    out["sharded"] = [p.detach().clone() for p in sharded.model.parameters()]
-    out["plain"] = [p.detach().clone() for p in plain.model.parameters()]
+    out["sharded"] = [p.detach().cpu().clone() for p in sharded.model.parameters()]
+    out["plain"] = [p.detach().cpu().clone() for p in plain.model.parameters()]
     out["state_bytes"] = state_bytes(sharded.opt.optim)
     out["total_state_bytes"] = state_bytes(plain.opt)
     out["largest_state_bytes"] = max(
@@ -222,9 +229,49 @@ def train_case(case: dict, tmpdir: str, tag: str) -> dict:
         default=0,
     )
     out["lr"] = [g["lr"] for g in sharded.opt.param_groups]
-    out["local_lr"] = [g["lr"] for g in sharded.opt.optim.param_groups]
+    out["plain_lr"] = [g["lr"] for g in plain.opt.param_groups]
     return out
 
 
 def run_training_cases(rank: int, world_size: int, cases: list[dict], tmpdir: str) -> list[dict]:
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     return [train_case(case, tmpdir, f"case{i}") for i, case in enumerate(cases)]
+
+
+def run_with_ddp(rank: int, world_size: int, case: dict) -> dict[str, dict]:
+    return {w: _train_with_ddp(rank, world_size, case, w) for w in ("bucketed", "torch")}
+
+
+def _train_with_ddp(rank: int, world_size: int, case: dict, wrapper: str) -> dict:
+    """ShardedOptimizer under a DDP wrapper, each rank on its own slice of the batch, vs the plain
+    optimizer on the whole batch in one process (float64, so only summation order differs)."""
+    from torch_flashsys import BucketedDDP
+
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.manual_seed(rank)  # the wrappers broadcast rank 0's parameters: start from different ones
+    model = ZeroNet(dict(case, seed=case["seed"] + rank)).double().to(_device())
+    if wrapper == "bucketed":
+        ddp = BucketedDDP(model, bucket_size_mb=case["bucket_mb"])
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    reference = ZeroNet(case).double().to(_device())  # rank 0's initial parameters
+    cls, defaults = OPTIMIZERS[case["optimizer"]], hyperparameters(case, -1)
+    opt = ShardedOptimizer(param_groups(model, case), cls, **defaults)
+    plain = cls(param_groups(reference, case), **defaults)
+    for step in range(case["steps"]):
+        tokens = batch(case, step, 4 * world_size)
+        mine = tokens.view(world_size, 4)[rank]
+        nn.functional.cross_entropy(ddp(mine), mine).backward()
+        opt.step()
+        opt.zero_grad()
+        nn.functional.cross_entropy(reference(tokens), tokens).backward()
+        plain.step()
+        plain.zero_grad()
+    return {
+        "sharded": [p.detach().cpu() for p in model.parameters()],
+        "plain": [p.detach().cpu() for p in reference.parameters()],
+        "state_bytes": state_bytes(opt.optim),
+        "total_state_bytes": state_bytes(plain),
+    }
