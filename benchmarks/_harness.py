@@ -23,10 +23,8 @@ import torch
 
 def env_stamp() -> dict[str, str]:
     """Device, versions, date and command of this run."""
-    if torch.cuda.is_available():
-        device = torch.cuda.get_device_name()
-    else:
-        device = f"CPU ({os.cpu_count()} cores)"
+    cpu = f"CPU ({os.cpu_count()} cores)"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
     try:
         triton_version = metadata.version("triton")
     except metadata.PackageNotFoundError:
