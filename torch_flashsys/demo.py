@@ -55,6 +55,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="flash_attention backend (auto: Triton on GPUs, else PyTorch)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--plot", metavar="PATH", help="save the loss curve there (needs matplotlib)")
+    p.add_argument("--out", metavar="PATH", help="also write the results as JSON there")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for name in ("nproc", "steps", "batch_size", "length"):
@@ -112,6 +113,7 @@ def _progress(total: int, enabled: bool) -> Any:
 
 def _train(args: argparse.Namespace, backend: str) -> int:
     from torch_flashsys import BucketedDDP, ShardedOptimizer
+    from torch_flashsys.attention._backend import resolve_backend
     from torch_flashsys.models import build_model
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,10 +132,11 @@ def _train(args: argparse.Namespace, backend: str) -> int:
     data = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)  # a different shard per rank
 
     if rank == 0:
+        attn_backend = resolve_backend(args.attention_backend, device)
         print(
             f"torch_flashsys demo: {args.task} {args.length} symbols (alphabet {args.symbols}) | "
-            f"tiny LM, {model.num_parameters():,} parameters, flash_attention "
-            f"({args.attention_backend}) | {world} ranks x {args.batch_size} sequences, "
+            f"tiny LM, {model.num_parameters():,} parameters, flash_attention ({attn_backend} "
+            f"backend) | {world} ranks x {args.batch_size} sequences, "
             f"{backend} on {device.type} | BucketedDDP + ShardedOptimizer(AdamW)",
             flush=True,
         )
@@ -174,6 +177,8 @@ def _train(args: argparse.Namespace, backend: str) -> int:
         _report(args, losses, accs, elapsed, world, same, max_diff, n_params, exact)
         if args.plot:
             _plot(args.plot, losses, args)
+        if args.out:
+            _write_json(args, losses, accs, elapsed, world, backend, same, max_diff, exact)
     return 0 if same else 1
 
 
@@ -225,6 +230,35 @@ def _report(
     )
     verdict = "identical" if same else f"DIFFERENT (max |difference| {max_diff:.3g})"
     print(f"replicas: {world} ranks x {n_params:,} parameters: {verdict}", flush=True)
+
+
+def _write_json(
+    args: argparse.Namespace,
+    losses: torch.Tensor,
+    accs: torch.Tensor,
+    elapsed: float,
+    world: int,
+    backend: str,
+    same: bool,
+    max_diff: float,
+    exact: float,
+) -> None:
+    import json
+
+    results = {
+        "args": vars(args),
+        "world_size": world,
+        "dist_backend": backend,
+        "seconds": elapsed,
+        "loss": losses.tolist(),
+        "token_accuracy": accs.tolist(),
+        "exact_match": exact,
+        "replicas_identical": same,
+        "replicas_max_abs_diff": max_diff,
+    }
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"results written to {args.out}", flush=True)
 
 
 def _plot(path: str, losses: torch.Tensor, args: argparse.Namespace) -> None:
