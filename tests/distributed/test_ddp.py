@@ -154,9 +154,8 @@ def test_no_sync_compression_finish_subgroups(seed):
                 # against full precision: within (world + 1) roundings of the largest value.
                 assert (ours[param] - theirs[param]).abs().max() <= 2 * eps * scale, (name, param)
                 assert (ours[param] - g).abs().max() <= (world + 1) * eps * scale, (name, param)
-            assert any(not torch.equal(ours[p], plain[p]) for p in plain), (
-                "compression had no effect"
-            )
+                # The average came back from a low-precision buffer: every value fits the dtype.
+                assert torch.equal(ours[param], ours[param].to(dtype).to(g.dtype)), (name, param)
 
         assert run["finish/unchanged"], "finish_gradient_synchronization changed synced grads"
         assert run["finish/probe"] == sum(range(1, world + 1)), "stray collective from finish()"
@@ -213,3 +212,5 @@ def test_nccl_matches_torch_ddp(seed):
         for param, g in run["compress/torch_bf16"].items():
             diff = (run["compress/ours_bf16"][param] - g).abs().max().item()
             assert diff <= 2 * eps * g.abs().max().item(), (rank, param)
+            got = run["compress/ours_bf16"][param]
+            assert torch.equal(got, got.bfloat16().to(got.dtype)), (rank, param)
