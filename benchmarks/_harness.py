@@ -6,11 +6,13 @@ a table copied into docs/benchmarks.md says where it came from.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime as _dt
 import json
 import os
 import shlex
+import socket
 import statistics
 import sys
 import time
@@ -122,3 +124,59 @@ def print_report(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[s
     print(f"{stamp['device']}, torch {stamp['torch']}, triton {stamp['triton']}, {stamp['date']}")
     print(f"`{stamp['command']}`\n")
     print(markdown_table(rows, columns))
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for CUDA out-of-memory errors (typed or as a RuntimeError message)."""
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
+
+
+def nvtx_range(name: str, enabled: bool = True) -> contextlib.AbstractContextManager:
+    """An NVTX range (visible in ``nsys``) when ``enabled`` and CUDA is available; else a no-op."""
+    if enabled and torch.cuda.is_available():
+        return torch.cuda.nvtx.range(name)
+    return contextlib.nullcontext()
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for MASTER_PORT when spawning processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def line_plot(
+    path: str,
+    series: dict[str, Sequence[tuple[Any, float]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    logx: bool = False,
+    logy: bool = False,
+) -> None:
+    """Save one line per ``series`` entry (label -> [(x, y), ...]) as a PNG (matplotlib, lazily)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, points in series.items():
+        if points:
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    stamp = env_stamp()
+    ax.set_title(f"{title}\n{stamp['device']}, torch {stamp['torch']}, {stamp['date']}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
