@@ -72,7 +72,7 @@ def _check_state_dicts_equal(ours: dict, plain: dict) -> None:
             assert type(mine) is type(value), (index, key)
             if isinstance(value, torch.Tensor):
                 assert mine.dtype == value.dtype and mine.shape == value.shape, (index, key)
-                torch.testing.assert_close(mine, value.cpu(), **_tolerance(value))
+                torch.testing.assert_close(mine.cpu(), value.cpu(), **_tolerance(value))
             else:
                 assert mine == value, (index, key)
 
@@ -196,6 +196,16 @@ def test_errors(error_results, case):
 def test_needs_initialized_process_group():
     with pytest.raises(RuntimeError, match=r"ShardedOptimizer: torch\.distributed is not init"):
         ShardedOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.multigpu
+def test_composes_with_ddp_nccl():
+    """BucketedDDP and torch DDP + ShardedOptimizer on CUDA with NCCL (2 GPUs)."""
+    case = dict(_ALL_ON, optimizer="adam", float64=False, bucket_mb=0.0002)
+    for results in map(dict.values, run_distributed(run_with_ddp, 2, args=(case,), backend="nccl")):
+        for out in results:
+            for ours, plain in zip(out["sharded"], out["plain"], strict=True):
+                torch.testing.assert_close(ours, plain, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.multigpu
