@@ -58,10 +58,12 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, context_length: int, theta: float = 10_000.0, *, device=None):
         super().__init__()
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-        angles = torch.outer(torch.arange(context_length, device=device).float(), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)  # (context_length, head_dim/2)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        # Angles in float64 (p * inv_freq loses digits in float32 at long contexts), tables float32.
+        pos = torch.arange(context_length, device=device, dtype=torch.float64)
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device).double() / head_dim)
+        angles = torch.outer(pos, inv_freq)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)  # (context, head_dim/2)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = x.shape[-2]
