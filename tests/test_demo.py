@@ -45,7 +45,8 @@ def test_demo_trains_two_ranks_and_replicas_agree(tmp_path, capfd):
     assert code == 0
     assert "replicas: 2 ranks" in printed and "identical" in printed and "step |" in printed
     results = json.loads(out.read_text())
-    assert results["world_size"] == 2 and results["dist_backend"] == "gloo"
+    expected_backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    assert results["world_size"] == 2 and results["dist_backend"] == expected_backend
     assert results["replicas_identical"] and results["replicas_max_abs_diff"] == 0.0
     loss = results["loss"]
     assert len(loss) == 80 and all(map(torch.isfinite, torch.tensor(loss)))
