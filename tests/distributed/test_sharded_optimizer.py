@@ -125,11 +125,13 @@ def ddp_results():
     return run_distributed(run_with_ddp, 2, args=(case,))
 
 
+@pytest.mark.parametrize("optimizer_first", [False, True])
 @pytest.mark.parametrize("wrapper", ["bucketed", "torch"])
-def test_composes_with_ddp(ddp_results, wrapper):
+def test_composes_with_ddp(ddp_results, wrapper, optimizer_first):
     """BucketedDDP (or torch DDP) averages the gradients of per-rank batches, ShardedOptimizer
-    shards the state: == one process with the plain optimizer on the whole batch (float64)."""
-    results = [r[wrapper] for r in ddp_results]
+    shards the state: == one process with the plain optimizer on the whole batch (float64).
+    Either may be built first."""
+    results = [r[wrapper + " optimizer first" * optimizer_first] for r in ddp_results]
     for out in results:
         for ours, plain in zip(out["sharded"], out["plain"], strict=True):
             torch.testing.assert_close(ours, plain, rtol=1e-10, atol=1e-12)

@@ -240,10 +240,15 @@ def run_training_cases(rank: int, world_size: int, cases: list[dict], tmpdir: st
 
 
 def run_with_ddp(rank: int, world_size: int, case: dict) -> dict[str, dict]:
-    return {w: _train_with_ddp(rank, world_size, case, w) for w in ("bucketed", "torch")}
+    """Both wrappers, each built before and after the optimizer."""
+    return {
+        f"{wrapper}{' optimizer first' * first}": _train_with_ddp(rank, case, wrapper, first)
+        for wrapper in ("bucketed", "torch")
+        for first in (False, True)
+    }
 
 
-def _train_with_ddp(rank: int, world_size: int, case: dict, wrapper: str) -> dict:
+def _train_with_ddp(rank: int, case: dict, wrapper: str, optimizer_first: bool) -> dict:
     """ShardedOptimizer under a DDP wrapper, each rank on its own slice of the batch, vs the plain
     optimizer on the whole batch in one process (float64, so only summation order differs)."""
     from torch_flashsys import BucketedDDP
@@ -252,14 +257,18 @@ def _train_with_ddp(rank: int, world_size: int, case: dict, wrapper: str) -> dic
         torch.cuda.set_device(rank % torch.cuda.device_count())
     torch.manual_seed(rank)  # the wrappers broadcast rank 0's parameters: start from different ones
     model = ZeroNet(dict(case, seed=case["seed"] + rank)).double().to(_device())
+    cls, defaults = OPTIMIZERS[case["optimizer"]], hyperparameters(case, -1)
+    if optimizer_first:
+        opt = ShardedOptimizer(param_groups(model, case), cls, **defaults)
     if wrapper == "bucketed":
         ddp = BucketedDDP(model, bucket_size_mb=case["bucket_mb"])
     else:
         ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    if not optimizer_first:
+        opt = ShardedOptimizer(param_groups(model, case), cls, **defaults)
     reference = ZeroNet(case).double().to(_device())  # rank 0's initial parameters
-    cls, defaults = OPTIMIZERS[case["optimizer"]], hyperparameters(case, -1)
-    opt = ShardedOptimizer(param_groups(model, case), cls, **defaults)
     plain = cls(param_groups(reference, case), **defaults)
+    world_size = dist.get_world_size()
     for step in range(case["steps"]):
         tokens = batch(case, step, 4 * world_size)
         mine = tokens.view(world_size, 4)[rank]
