@@ -100,6 +100,15 @@ def _optimizer_differs(rank, tmpdir):
     ShardedOptimizer(_params((3,)), [torch.optim.Adam, torch.optim.AdamW][rank % 2], lr=0.1)
 
 
+def _optimizer_rejects_on_one_rank(rank, tmpdir):
+    ShardedOptimizer(_params((3,)), SGD, lr=0.1 if rank == 0 else -1.0)
+
+
+def _not_a_member(rank, tmpdir):
+    group = dist.new_group([0])  # every rank must call new_group
+    ShardedOptimizer(_params((3,)), SGD, process_group=group, lr=0.1) if rank != 0 else None
+
+
 def _add_group_differs(rank, tmpdir):
     opt = ShardedOptimizer(_params((3,)), SGD, lr=0.1)
     opt.add_param_group({"params": _params((2 + rank,))})
@@ -133,7 +142,9 @@ CASES = {
     "process_group: wrong type": lambda r, d: ShardedOptimizer(
         _params((3,)), SGD, process_group="world", lr=0.1
     ),
+    "process_group: not a member": _not_a_member,
     "ranks: shapes differ": _shapes_differ,
+    "ranks: optimizer_cls rejects on one rank": _optimizer_rejects_on_one_rank,
     "ranks: lr differs": _lr_differs,
     "ranks: optimizer_cls differs": _optimizer_differs,
     "add_param_group: differs across ranks": _add_group_differs,

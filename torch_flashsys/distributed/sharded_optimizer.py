@@ -86,6 +86,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "ShardedOptimizer: torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group() on every rank before constructing it"
             )
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER or (
+            isinstance(process_group, dist.ProcessGroup) and dist.get_rank(process_group) < 0
+        ):  # what new_group returns to the ranks it does not include
+            raise ValueError(
+                f"ShardedOptimizer: this process (global rank {dist.get_rank()}) is not a member "
+                "of process_group; only its members may construct the optimizer"
+            )
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 "ShardedOptimizer: process_group must be a torch.distributed.ProcessGroup or None, "
@@ -109,20 +116,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._index = {p: i for i, p in enumerate(self._params)}
         self._loads = [[0] * self.world_size, [0] * self.world_size]  # trainable, frozen bytes
         self._owners = [r for g in self.param_groups for r in self._assign(g["params"])]
+        problem: Exception | None = None
         try:
             self.optim = optimizer_cls([self._local_group(g) for g in self.param_groups], **kwargs)
         except (TypeError, ValueError) as exc:
-            raise type(exc)(
-                f"ShardedOptimizer: {optimizer_cls.__name__} rejected its arguments {kwargs}: {exc}"
-            ) from exc
-        self.defaults = dict(self.optim.defaults)  # so add_param_group fills in the same values
-        self._pull_hyperparams()
+            problem = exc
+        else:
+            self.defaults = dict(self.optim.defaults)  # add_param_group fills in the same values
+            self._pull_hyperparams()
+        # A rank whose optimizer_cls raised still takes part, so the others do not hang.
+        status = "ok" if problem is None else f"{type(problem).__name__}: {problem}"
         verify_same_across_ranks(
             "ShardedOptimizer",
-            self._describe(0),
+            [*self._describe(0), ("constructing optimizer_cls", status)],
             self.process_group,
             what="the parameters, param groups or optimizer options",
         )
+        if problem is not None:
+            raise type(problem)(
+                f"ShardedOptimizer: {optimizer_cls.__name__} rejected its arguments {kwargs}: "
+                f"{problem}"
+            ) from problem
         self._layout = self._current_layout()
         self._buckets: list[ParamBucket] = build_buckets(self._params, self._owners)
         self._consolidated: tuple[int, State | None] | None = None
