@@ -1,0 +1,166 @@
+"""Every script in benchmarks/ runs in --smoke mode, prints a markdown table last, writes --out
+and documents every option in --help. Scripts are found by globbing, so a new one is covered
+the day it lands.
+
+Each script runs in its own process (as a user would start it) on CPU. TRITON_INTERPRET is
+removed from the children's environment: the smoke runs check the scripts, not the kernels
+(tests/attention runs those through the interpreter), and interpreting them would take minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if not p.name.startswith("_"))
+SMOKE_TIMEOUT_S = 180
+REQUIRED_OPTIONS = ("--smoke", "--out")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# Runs every script's main() with ArgumentParser.parse_args replaced by a recorder, in ONE
+# process (a torch import costs seconds): prints, per script, each option with its help text
+# and whether `--help` output mentions it.
+_INTROSPECT = textwrap.dedent(
+    """
+    import argparse, json, runpy, sys
+    class Captured(Exception):
+        pass
+    seen = {}
+    def record(self, args=None, namespace=None):
+        seen["parser"] = self
+        raise Captured
+    argparse.ArgumentParser.parse_args = record
+    argparse.ArgumentParser.parse_known_args = record
+    report = {}
+    for path in sys.argv[1:]:
+        seen.clear()
+        sys.argv = [path, "--help"]
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except Captured:
+            pass
+        parser = seen.get("parser")
+        if parser is None:
+            report[path] = None
+            continue
+        text = parser.format_help()
+        report[path] = [
+            {"flags": a.option_strings, "help": a.help if a.help != argparse.SUPPRESS else None,
+             "in_help": all(f in text for f in a.option_strings)}
+            for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)
+        ]
+    print("JSON" + json.dumps(report))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def options() -> dict:
+    paths = [str(BENCH / s) for s in SCRIPTS]
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTROSPECT, *paths],
+        capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))
+    return {Path(p).name: v for p, v in json.loads(line[4:]).items()}
+
+
+def test_scripts_found():
+    # The issue's scripts 1-5 (3 is flash.py's sweep) plus the feature benchmarks.
+    for name in ("model.py", "allreduce.py", "mixed_precision.py", "flash.py"):
+        assert name in SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_documents_every_option(options, script):
+    opts = options[script]
+    assert opts is not None, f"{script}: main() never called ArgumentParser.parse_args"
+    flags = {f for o in opts for f in o["flags"]}
+    missing = [f for f in REQUIRED_OPTIONS if f not in flags]
+    assert not missing, f"{script}: every benchmark needs {REQUIRED_OPTIONS}, missing {missing}"
+    undocumented = [o["flags"][0] for o in opts if not (o["help"] or "").strip()]
+    assert not undocumented, f"{script}: options without help text in --help: {undocumented}"
+    assert all(o["in_help"] for o in opts), f"{script}: --help does not list every option"
+
+
+def _last_table(stdout: str) -> list[str]:
+    """The trailing markdown table (header, separator, >= 1 row) or []."""
+    lines = [ln.rstrip() for ln in stdout.strip().splitlines()]
+    table = []
+    for ln in reversed(lines):
+        if not ln.startswith("|"):
+            break
+        table.insert(0, ln)
+    ok = len(table) >= 3 and set(table[1].replace("|", "").replace("-", "").strip()) <= {":", ""}
+    return table if ok else []
+
+
+def _run(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S, env=_env(), cwd=tmp_path
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_smoke(options, script, tmp_path):
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(BENCH / script), "--smoke", "--out", str(out)]
+    flags = {f for o in options[script] or [] for f in o["flags"]}
+    plot = tmp_path / "plot.png"
+    if "--plot" in flags and _has_matplotlib():
+        cmd += ["--plot", str(plot)]
+    proc = _run(cmd, tmp_path)
+    table = _last_table(proc.stdout)
+    assert table, f"{script}: no markdown table at the end of stdout:\n{proc.stdout[-1500:]}"
+    rows = json.loads(out.read_text())
+    assert isinstance(rows, list) and rows, f"{script}: --out wrote no rows"
+    for key in ("device", "torch", "triton", "date", "command"):
+        assert all(key in r for r in rows), f"{script}: rows lack the {key!r} stamp"
+    if "--plot" in cmd:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{script}: --plot wrote no PNG"
+
+
+def test_allreduce_under_torchrun(tmp_path):
+    """The launcher path the GPU box uses: torchrun sets RANK/WORLD_SIZE, rank 0 reports."""
+    out = tmp_path / "ar.csv"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(BENCH / "allreduce.py"), "--smoke", "--world-sizes", "3", "--out", str(out)]  # fmt: skip
+    proc = _run(cmd, tmp_path)
+    table = _last_table(proc.stdout)
+    assert len(table) == 4, proc.stdout[-1500:]  # header, separator, one row per smoke size
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    for line in table[2:]:
+        row = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        assert row["world_size"] == "2", row  # the launched world, not --world-sizes
+        assert row["correct"] == "True", row
+        algbw, busbw = float(row["algbw_GBps"]), float(row["busbw_GBps"])
+        assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2, rel=1e-2), row
+    assert out.read_text().count("\n") == 3  # CSV header + 2 rows
