@@ -6,6 +6,7 @@ row marked OOM, not a crash. ``--seq``/``--dim`` take comma-separated lists: the
 sweep. Examples::
 
     python benchmarks/flash.py --preset cs336                 # bf16, causal, (16, 16384, 64)
+    python benchmarks/flash.py --preset sweep --out sweep.csv --plot sweep.png   # 4 d x 5 seq
     python benchmarks/flash.py --batch 8 --heads 1 --dim 16,32,64,128 \
         --seq 256,1024,4096,8192,16384 --dtype bf16 --out sweep.csv --plot sweep.png
     python benchmarks/flash.py --smoke                        # tiny, CPU, seconds
@@ -37,6 +38,8 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRESETS = {
     # The CS336 (2025) FlashAttention-2 leaderboard setting.
     "cs336": dict(batch=16, heads=0, seq="16384", dim="64", dtype="bf16", causal=True),
+    # The attention sweep (seed 1.2.1 / 1.3): batch 8, one head, d x seq; --dtype still applies.
+    "sweep": dict(batch=8, heads=1, seq="256,1024,4096,8192,16384", dim="16,32,64,128"),
 }
 
 
@@ -175,7 +178,10 @@ def main(argv=None):
     p.add_argument("--seq", default="1024", help="sequence length(s), comma-separated")
     p.add_argument("--dim", default="64", help="head dim(s), comma-separated")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="default bf16")
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--causal", action=argparse.BooleanOptionalAction, default=True,
+        help="causal (top-left aligned) masking (default on)",
+    )  # fmt: skip
     p.add_argument(
         "--impls", default="all",
         help="comma-separated implementation names to run, or 'all' (see the table for names)",
