@@ -8,7 +8,9 @@ means over equal-sized shards, so the averaged DDP gradient equals the full-batc
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -306,6 +308,16 @@ def behaviours(rank: int, world: int, seed: int) -> dict:
         dist.all_reduce = real_all_reduce
     out["comm/buckets"] = len(ddp._buckets)
     out["comm/launched_in_hooks"] = max(launched[2:])  # of the synchronizing backward
+
+    # A dropped wrapper is freed (its buffers too) and its hooks go with it
+    module = build("frozen", seed, rank)
+    alive = weakref.ref(BucketedDDP(module, 0))
+    gc.collect()
+    out["dropped/collected"] = alive() is None
+    (module(*args) - target).pow(2).mean().backward()  # plain local backward: no collective
+    probe = torch.tensor([float(rank + 1)])
+    dist.all_reduce(probe)
+    out["dropped/probe"] = probe.item()
 
     # state_dict keys: .module's untouched; the wrapper's prefixed with "module." like torch DDP
     plain = build("norm", seed, rank)

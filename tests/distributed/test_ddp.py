@@ -166,6 +166,9 @@ def test_no_sync_compression_finish_subgroups(seed):
         assert run["comm/sync"] == run["comm/buckets"] == n_trainable, "one all-reduce per bucket"
         assert run["comm/launched_in_hooks"] == n_trainable, "not launched during backward"
 
+        assert run["dropped/collected"], "a dropped BucketedDDP stayed alive"
+        assert run["dropped/probe"] == sum(range(1, world + 1)), "hooks of a dropped wrapper ran"
+
         keys = run["keys"]
         assert keys["module"] == keys["plain"]
         assert keys["ours"] == keys["torch"] == [f"module.{k}" for k in keys["plain"]]

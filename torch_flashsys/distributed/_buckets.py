@@ -100,8 +100,17 @@ class Bucket:
         view.copy_(grad)
         p.grad = view
 
-    def launch(self, group: dist.ProcessGroup | None, world: int, comm_dtype: torch.dtype | None):
-        """Start the averaging all-reduce of the whole buffer (asynchronous)."""
+    def launch(
+        self,
+        group: dist.ProcessGroup | None,
+        world: int,
+        comm_dtype: torch.dtype | None,
+        reduce_avg: bool = False,
+    ) -> None:
+        """Start the averaging all-reduce of the whole buffer (asynchronous).
+
+        ``reduce_avg``: the backend averages (``ReduceOp.AVG``, NCCL); else divide, then sum.
+        """
         self._none_here = []
         for k, p in enumerate(self.params):
             self.adopt_grad(k)
@@ -112,10 +121,16 @@ class Bucket:
         if self._none_here:
             self.flags[self._none_here] = 0
         if comm_dtype is None or self.buffer.element_size() <= 2:
-            self._comm = self.buffer.div_(world)
+            self._comm = self.buffer
         else:  # as torch's bf16/fp16 compress hooks: cast, divide, reduce, cast back
-            self._comm = self.buffer.to(comm_dtype).div_(world)
-        self.work = dist.all_reduce(self._comm, group=group, async_op=True)
+            self._comm = self.buffer.to(comm_dtype)
+            reduce_avg = False  # divide first: a low-precision sum could overflow
+        if reduce_avg:
+            op = dist.ReduceOp.AVG
+        else:
+            self._comm.div_(world)
+            op = dist.ReduceOp.SUM
+        self.work = dist.all_reduce(self._comm, op=op, group=group, async_op=True)
 
     def finish(self) -> None:
         """Wait for the all-reduce and expose the averaged gradients through ``param.grad``."""

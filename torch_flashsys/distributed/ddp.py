@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,6 +44,17 @@ def _option_problem(
             f"{grad_compression!r}"
         )
     return None
+
+
+def _grad_ready(ref: weakref.ref, b: int, k: int, param: torch.Tensor) -> None:
+    ddp = ref()
+    if ddp is not None:
+        ddp._on_grad_ready(b, k, param)
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class BucketedDDP(torch.nn.Module):
@@ -113,14 +125,14 @@ class BucketedDDP(torch.nn.Module):
         # raises with the others instead of leaving them hanging in the first collective.
         named = list(module.named_parameters())
         problem = _option_problem(bucket_size_mb, broadcast_buffers, grad_compression)
-        items = describe_tensors(named)
+        items = [("argument check", problem[1] if problem else "ok")]  # first: named first
+        items += describe_tensors(named)
         if broadcast_buffers is True:  # buffers are broadcast, so they must match too
             items += describe_tensors(module.named_buffers(), kind="buffer")
         items += [
             ("option bucket_size_mb", repr(bucket_size_mb)),
             ("option broadcast_buffers", repr(broadcast_buffers)),
             ("option grad_compression", repr(grad_compression)),
-            ("argument check", problem[1] if problem else "ok"),
         ]
         verify_same_across_ranks("BucketedDDP", items, process_group, what="the wrapped module")
         if problem:
@@ -144,11 +156,18 @@ class BucketedDDP(torch.nn.Module):
             for idx in assign_buckets(params, limit)
         ]
         self._comm_dtype = _COMPRESSION.get(grad_compression) if grad_compression else None
-        self._hook_handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, b, k))
+        # NCCL averages inside the all-reduce, saving a pass over the gradients; gloo cannot.
+        self._reduce_avg = dist.get_backend(process_group) == "nccl"
+        # Hooks hold the wrapper weakly: the param -> hook edge lives in C++, where Python's cycle
+        # collector cannot see it, so a strong one would keep a dropped wrapper (and its
+        # buffers) alive forever. When the wrapper goes, its hooks go too.
+        this = weakref.ref(self)
+        handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, b, k))
             for b, bucket in enumerate(self._buckets)
             for k, p in enumerate(bucket.params)
         ]
+        weakref.finalize(self, _remove_hooks, handles)
         self._lock = threading.Lock()  # hooks of CUDA backwards run on autograd's device threads
         self._no_sync = False  # inside no_sync()
         self._grad_sync = True  # decided by the last forward, as in torch DDP
@@ -231,7 +250,7 @@ class BucketedDDP(torch.nn.Module):
                 nxt = self._buckets[self._next_bucket]
                 if nxt.pending:
                     break
-                nxt.launch(self.process_group, self._world, self._comm_dtype)
+                nxt.launch(self.process_group, self._world, self._comm_dtype, self._reduce_avg)
                 self._next_bucket += 1
 
     def _finish_locked(self) -> None:
@@ -240,7 +259,7 @@ class BucketedDDP(torch.nn.Module):
         try:
             # Buckets with parameters that got no gradient (unused) launch now, still in order.
             for bucket in self._buckets[self._next_bucket :]:
-                bucket.launch(self.process_group, self._world, self._comm_dtype)
+                bucket.launch(self.process_group, self._world, self._comm_dtype, self._reduce_avg)
             self._next_bucket = len(self._buckets)
             for bucket in self._buckets:
                 bucket.finish()
