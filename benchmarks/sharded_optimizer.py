@@ -49,7 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (4)")
     p.add_argument("--context", type=int, default=256, help="sequence length (256)")
     p.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (10000)")
-    p.add_argument("--attention", default="sdpa", choices=["naive", "sdpa", "flash"])
+    p.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=["naive", "sdpa", "flash"],
+        help="LM attention (sdpa)",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (1e-4)")
