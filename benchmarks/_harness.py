@@ -157,8 +157,16 @@ def line_plot(
     logx: bool = False,
     logy: bool = False,
 ) -> None:
-    """Save one line per ``series`` entry (label -> [(x, y), ...]) as a PNG (matplotlib, lazily)."""
-    import matplotlib
+    """Save one line per ``series`` entry (label -> [(x, y), ...]) as a PNG (matplotlib, lazily).
+
+    Without matplotlib (``pip install torch-flashsys[bench]``) this warns and writes nothing, so a
+    long benchmark still prints its table.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed; no plot written", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
