@@ -9,6 +9,7 @@ initial weights on the same data (each rank its own batch), with AdamW:
 - ``overlap``:        ``BucketedDDP(bucket_size_mb=0)``: one asynchronous all-reduce per parameter
 - ``bucketed-N``:     ``BucketedDDP(bucket_size_mb=N)`` for N in ``--buckets`` (1, 10, 25, 100, 1000)
 - ``torch-ddp``:      ``torch.nn.parallel.DistributedDataParallel`` (its defaults: 25 MB buckets)
+- ``torch-ddp-view``: the same with ``gradient_as_bucket_view=True`` (grads as bucket views, as ours)
 
 Reported per variant (max over ranks, per step): step time (forward, backward, gradient
 synchronization, optimizer step; median with 20th/80th percentiles), ``wait``: time from the end
@@ -78,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     buckets = [float(b) for b in args.buckets.split(",") if b]
     names = ["compute", "naive", "flat", "overlap", *(f"bucketed-{b:g}" for b in buckets)]
-    names.append("torch-ddp")
+    names += ["torch-ddp", "torch-ddp-view"]
     if args.variants:
         unknown = set(args.variants.split(",")) - set(names)
         if unknown:
@@ -100,7 +101,10 @@ def wrap(name: str, model: torch.nn.Module, device: torch.device) -> torch.nn.Mo
     if name.startswith("bucketed-"):
         return BucketedDDP(model, float(name.split("-", 1)[1]))
     ids = [device.index] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    view = name == "torch-ddp-view"
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=ids, gradient_as_bucket_view=view
+    )
 
 
 class WaitTimer:
