@@ -19,6 +19,7 @@ import itertools
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +190,11 @@ def main(argv=None):
     p.add_argument("--modes", default="fwd,bwd,fwd+bwd", help="subset of fwd,bwd,fwd+bwd")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions on CPU (CUDA: do_bench)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 correctness check")
+    p.add_argument(
+        "--time-budget", type=float, default=0,
+        help="seconds for the whole sweep; configurations not started by then are rows marked "
+        "'skipped (time budget)' (default 0: no limit)",
+    )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, a few seconds")
     p.add_argument("--out", help="write rows to a .json or .csv file")
     p.add_argument("--plot", help="save a forward+backward time plot (PNG) to this path")
@@ -210,8 +216,14 @@ def main(argv=None):
 
     rows = []
     configs = list(itertools.product(map(int, args.dim.split(",")), map(int, args.seq.split(","))))
+    start = time.perf_counter()
     for dim, seq in progress(configs, desc="configs"):
         shape = (args.batch, seq, dim) if args.heads == 0 else (args.batch, args.heads, seq, dim)
+        if args.time_budget and time.perf_counter() - start > args.time_budget:
+            rows += [{"impl": name, "shape": "x".join(map(str, shape)), "dtype": args.dtype,
+                      "causal": args.causal, **status(modes, "skipped (time budget)")}
+                     for name in impls]  # fmt: skip
+            continue
         if not args.no_check:
             err = check_correctness(shape, dtype, args.causal, device)
             print(f"check {shape}: max abs error vs float64 = {err:.3g}", file=sys.stderr)
@@ -228,12 +240,12 @@ def main(argv=None):
                 if "mem_before_bwd_MiB" in res:
                     row["mem before bwd MiB"] = res["mem_before_bwd_MiB"]
             except torch.cuda.OutOfMemoryError:
-                row["fwd+bwd ms"] = "OOM"
+                row.update(status(modes, "OOM"))
             except RuntimeError as exc:  # e.g. an SDPA backend that does not support this input
                 if "out of memory" in str(exc).lower():
-                    row["fwd+bwd ms"] = "OOM"
+                    row.update(status(modes, "OOM"))
                 else:
-                    row["fwd+bwd ms"] = f"n/a ({str(exc).splitlines()[0][:60]})"
+                    row.update(status(modes, f"n/a ({str(exc).splitlines()[0][:60]})"))
             finally:
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -250,20 +262,28 @@ def main(argv=None):
     print_report("Attention benchmark", rows, columns)
 
 
+def status(modes, text):
+    """The time columns of a row that has no timings (OOM, unsupported, skipped)."""
+    return {f"{mode} ms": text for mode in modes}
+
+
 def _plot(rows, path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # forward+backward when measured, else the last mode that was (e.g. --modes fwd,bwd)
+    key = next((k for k in ("fwd+bwd ms", "bwd ms", "fwd ms")
+                if any(isinstance(r.get(k), float) for r in rows)), "fwd+bwd ms")  # fmt: skip
     fig, ax = plt.subplots(figsize=(8, 5))
     for name in dict.fromkeys(r["impl"] for r in rows):
-        pts = [(r["shape"], r["fwd+bwd ms"]) for r in rows
-               if r["impl"] == name and isinstance(r.get("fwd+bwd ms"), float)]  # fmt: skip
+        pts = [(r["shape"], r[key]) for r in rows
+               if r["impl"] == name and isinstance(r.get(key), float)]  # fmt: skip
         if pts:
             ax.plot([s for s, _ in pts], [t for _, t in pts], marker="o", label=name)
     ax.set_yscale("log")
-    ax.set_ylabel("forward+backward (ms, median)")
+    ax.set_ylabel(f"{key.replace(' ms', '')} (ms, median)")
     ax.set_xlabel("shape")
     ax.tick_params(axis="x", rotation=60)
     ax.legend()

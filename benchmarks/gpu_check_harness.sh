@@ -6,7 +6,8 @@
 #   1. model.py: forward and forward+backward, every Table-1 size at context 512, fp32 and bf16
 #   2. model.py --preset memory: peak memory of 2.7B at 128/256/512, fwd and train, fp32/bf16;
 #      then one 2.7B train step recorded as a memory_viz snapshot (snapshot.pickle, validated)
-#   3. flash.py --preset sweep: batch 8, one head, d 16..128 x seq 256..16384 (OOM rows kept)
+#   3. flash.py --preset sweep: batch 8, one head, d 16..128 x seq 256..16384, bf16, forward and
+#      backward (OOM rows kept), in the time left (TOTAL_BUDGET, default 450 s, covers all steps)
 # Writes 8 files (the most that comes back from the GPU box): model.csv model.png memory.csv
 # memory.png snapshot.pickle sweep.csv sweep.png harness.log.
 # All-reduce (separate, on the 4-GPU machine; NCCL+GPU and gloo+CPU in one launch each):
@@ -35,11 +36,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
   | tee -a "$LOG"
 python3 -c "import matplotlib" 2>/dev/null || echo "matplotlib missing: no PNGs" | tee -a "$LOG"
 
-step tests 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_snapshot.py
-step model "${MODEL_TIMEOUT:-120}" python3 benchmarks/model.py \
+step tests 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_snapshot.py
+step model "${MODEL_TIMEOUT:-100}" python3 benchmarks/model.py \
   --size small,medium,large,xl,2.7B --context-length 512 --dtype fp32,bf16 --mode fwd,fwd+bwd \
   --warmup 2 --steps 5 --out "$OUT/model.csv" --plot "$OUT/model.png"
-step memory "${MEMORY_TIMEOUT:-90}" python3 benchmarks/model.py --preset memory \
+step memory "${MEMORY_TIMEOUT:-80}" python3 benchmarks/model.py --preset memory \
   --out "$OUT/memory.csv" --plot "$OUT/memory.png"
 step snapshot "${SNAPSHOT_TIMEOUT:-45}" python3 benchmarks/model.py --size 2.7B \
   --context-length 128 --dtype bf16 --mode train --warmup 1 --steps 1 \
@@ -50,7 +51,11 @@ if [ -f "$OUT/snapshot.pickle" ] && [ "$(stat -c %s "$OUT/snapshot.pickle")" -gt
     --dtype bf16 --mode train --warmup 1 --steps 1 --memory-max-entries 8000 \
     --memory-profile "$OUT/snapshot.pickle"
 fi
-step sweep "${SWEEP_TIMEOUT:-150}" python3 benchmarks/flash.py --preset sweep --dtype bf16 \
+# The sweep gets what is left: configurations it cannot start in time are rows marked
+# 'skipped (time budget)'. Default kernel configs (no autotuning: ~30 s per head dim saved).
+budget=$((DEADLINE - SECONDS - 45))
+step sweep "$((budget + 40))" env TORCH_FLASHSYS_AUTOTUNE="${SWEEP_AUTOTUNE:-0}" \
+  python3 benchmarks/flash.py --preset sweep --dtype bf16 --modes fwd,bwd --time-budget "$budget" \
   --impls "flash_attention,naive,naive (compiled),sdpa flash_attention" \
   --out "$OUT/sweep.csv" --plot "$OUT/sweep.png"
 
@@ -64,18 +69,26 @@ for n, c in sorted(zip(names, codes)):
     print(f"| {n} | {c} |")
 for f in sorted(os.listdir(out)):
     print(f"| file {f} | {os.path.getsize(os.path.join(out, f)) / 2**20:.2f} MiB |")
-path = os.path.join(out, "model.csv")
+def table(name, key, cols, label):
+    path = os.path.join(out, name)
+    if not os.path.exists(path):
+        return
+    rows = list(csv.DictReader(open(path)))
+    def cell(first, dtype, mode):
+        r = [r for r in rows if (r[label], r["dtype"], r["mode"]) == (first, dtype, mode)]
+        v = r[0].get(key, "") if r else ""
+        return f"{float(v):.1f}" if v.replace(".", "", 1).isdigit() else (v or r[0]["step ms"] if r else "")
+    print(f"\n| {name}: {label} | " + " | ".join(f"{d} {m} {key}" for d, m in cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for first in dict.fromkeys(r[label] for r in rows):
+        print(f"| {first} | " + " | ".join(cell(first, d, m) for d, m in cols) + " |")
+table("model.csv", "step ms", [(d, m) for d in ("fp32", "bf16") for m in ("fwd", "fwd+bwd")], "size")
+table("memory.csv", "peak MiB", [(d, m) for d in ("fp32", "bf16") for m in ("fwd", "train")], "context")
+path = os.path.join(out, "sweep.csv")
 if os.path.exists(path):
     rows = list(csv.DictReader(open(path)))
-    def cell(size, dtype, mode):
-        r = [r for r in rows if (r["size"], r["dtype"], r["mode"]) == (size, dtype, mode)]
-        if not r:
-            return ""
-        v = r[0]["step ms"]
-        return v if v == "OOM" else f"{float(v):.1f} ± {float(r[0]['step std']):.1f}"
-    print("\n| size (ctx 512, batch 4) | fp32 fwd ms | fp32 fwd+bwd ms | bf16 fwd ms | bf16 fwd+bwd ms |")
-    print("|---|---|---|---|---|")
-    for size in dict.fromkeys(r["size"] for r in rows):
-        print(f"| {size} | " + " | ".join(cell(size, d, m) for d in ("fp32", "bf16")
-                                          for m in ("fwd", "fwd+bwd")) + " |")
+    ok = sum(isinstance(r.get("fwd ms"), str) and r["fwd ms"].replace(".", "", 1).isdigit() for r in rows)
+    oom = sum("OOM" in (r.get("fwd ms", "") + r.get("bwd ms", "")) for r in rows)
+    skipped = sum("skipped" in r.get("fwd ms", "") for r in rows)
+    print(f"\nsweep.csv: {len(rows)} rows, {ok} timed, {oom} OOM, {skipped} skipped (time budget)")
 EOF

@@ -70,7 +70,7 @@ def simulate_allocator(seed: int, n_ops: int, n_devices: int = 1) -> tuple[dict,
                 traces[dev].append({"action": action, "addr": addr, "size": b[0], "stream": 0,
                                     "frames": b[3]})  # fmt: skip
             current[dev] -= b[0]
-            b[1], b[2], b[3] = "inactive", 0, []
+            b[1], b[3] = "inactive", []  # requested size left stale, as CUDA does
             merged: list = []  # coalesce neighbouring free blocks
             for blk in seg["blocks"]:
                 if merged and merged[-1][1] == "inactive" and blk[1] == "inactive":
@@ -104,7 +104,7 @@ def simulate_allocator(seed: int, n_ops: int, n_devices: int = 1) -> tuple[dict,
         free = seg["blocks"][i]
         rest = free[0] - size
         seg["blocks"][i : i + 1] = [[size, "active_allocated", req, frames]] + (
-            [[rest, "inactive", 0, []]] if rest else []
+            [[rest, "inactive", free[2], []]] if rest else []
         )
         traces[dev].append({"action": "alloc", "addr": addr, "size": size, "stream": 0,
                             "frames": frames})  # fmt: skip
