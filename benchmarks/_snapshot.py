@@ -198,7 +198,9 @@ def validate_snapshot(obj: Any, *, strict: bool = False) -> dict[str, int]:
 
     Returns ``{"n_segments", "n_blocks", "n_events", "n_devices", "reserved_bytes",
     "allocated_bytes", "trace_peak_bytes"}``: reserved/allocated in the final state, and the peak
-    of live allocated bytes over the trace (replayed forwards from the start of the trace).
+    of live allocated bytes over the trace (replayed forwards from the start of the trace; CUDA
+    records some small allocations at their requested size, so this matches
+    ``torch.cuda.max_memory_allocated`` to within the allocator's rounding).
     Raises :class:`SnapshotError` (a ValueError) naming the first offending field.
     """
     if not isinstance(obj, dict):

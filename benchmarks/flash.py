@@ -92,6 +92,11 @@ def implementations(device: str) -> dict:
         "naive": naive_attention,
     }
     if device == "cuda":
+        # A sweep recompiles per shape and grad mode (forward under no_grad, backward with
+        # grad): 40 graphs for --preset sweep, past dynamo's default limit of 8.
+        config = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, limit, max(getattr(config, limit), 64))
         # No NVTX inside the compiled function: a range would break the graph into eager pieces.
         impls["naive (compiled)"] = torch.compile(
             lambda q, k, v, c: naive_attention(q, k, v, c, nvtx_ranges=False), fullgraph=True
@@ -241,7 +246,7 @@ def main(argv=None):
                     row["mem before bwd MiB"] = res["mem_before_bwd_MiB"]
             except torch.cuda.OutOfMemoryError:
                 row.update(status(modes, "OOM"))
-            except RuntimeError as exc:  # e.g. an SDPA backend that does not support this input
+            except Exception as exc:  # e.g. an SDPA backend that does not support this input
                 if "out of memory" in str(exc).lower():
                     row.update(status(modes, "OOM"))
                 else:

@@ -300,6 +300,10 @@ def test_real_cuda_snapshot(tmp_path):
     summary = validate_snapshot_file(path, strict=True)
     assert summary["n_events"] > 0
     assert summary["allocated_bytes"] == torch.cuda.memory_allocated()
-    assert base < summary["trace_peak_bytes"] <= torch.cuda.max_memory_allocated()
+    # Trace entries carry requested sizes, the allocator's statistics rounded ones: the replayed
+    # peak matches max_memory_allocated (reset just before recording) up to that rounding.
+    peak = torch.cuda.max_memory_allocated()
+    assert base < summary["trace_peak_bytes"]
+    assert summary["trace_peak_bytes"] == pytest.approx(peak, rel=0.01)
     with open(path, "rb") as f:
         _torch_text_tools(pickle.load(f))
