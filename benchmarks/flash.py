@@ -97,6 +97,11 @@ def implementations(device: str) -> dict:
         config = torch._dynamo.config
         limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
         setattr(config, limit, max(getattr(config, limit), 64))
+        # measure() times backward with retain_graph=True, which donated buffers forbid.
+        import torch._functorch.config as functorch_config
+
+        if hasattr(functorch_config, "donated_buffer"):
+            functorch_config.donated_buffer = False
         # No NVTX inside the compiled function: a range would break the graph into eager pieces.
         impls["naive (compiled)"] = torch.compile(
             lambda q, k, v, c: naive_attention(q, k, v, c, nvtx_ranges=False), fullgraph=True
