@@ -55,7 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (4)")
     p.add_argument("--context", type=int, default=256, help="sequence length (256)")
     p.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (10000)")
-    p.add_argument("--attention", default="sdpa", choices=["naive", "sdpa", "flash"])
+    p.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=["naive", "sdpa", "flash"],
+        help="the LM's attention implementation (sdpa)",
+    )
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="parameter dtype (fp32)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant and round (10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")

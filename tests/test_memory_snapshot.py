@@ -307,3 +307,19 @@ def test_real_cuda_snapshot(tmp_path):
     assert summary["trace_peak_bytes"] == pytest.approx(peak, rel=0.01)
     with open(path, "rb") as f:
         _torch_text_tools(pickle.load(f))
+
+
+def test_snapshot_from_the_gpu_box_loads_in_memory_viz_format():
+    """A real snapshot (H100, 2.7B LM, one bf16 train step; docs/benchmarks.md) stays valid."""
+    import gzip
+    import pathlib
+
+    path = pathlib.Path(__file__).parent / "data" / "snapshot_h100_2.7B_bf16_train.pickle.gz"
+    data = gzip.decompress(path.read_bytes())
+    check_pickle_bytes(data)
+    snapshot = pickle.loads(data)
+    summary = validate_snapshot(snapshot)
+    assert summary
+    assert any(trace for trace in snapshot["device_traces"])
+    html = _memory_viz.trace_plot(snapshot)  # what `python -m torch.cuda._memory_viz trace_plot` does
+    assert "<html" in html.lower()
