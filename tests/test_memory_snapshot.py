@@ -321,5 +321,7 @@ def test_snapshot_from_the_gpu_box_loads_in_memory_viz_format():
     summary = validate_snapshot(snapshot)
     assert summary
     assert any(trace for trace in snapshot["device_traces"])
-    html = _memory_viz.trace_plot(snapshot)  # what `python -m torch.cuda._memory_viz trace_plot` does
+    html = _memory_viz.trace_plot(
+        snapshot
+    )  # what `python -m torch.cuda._memory_viz trace_plot` does
     assert "<html" in html.lower()
