@@ -147,6 +147,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def under_torchrun() -> bool:
+    """True in a process that torchrun (or another env:// launcher) started."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def set_spawn_env(rank: int, world_size: int, port: int) -> None:
+    """Give a process started by ``mp.spawn`` the environment torchrun would have given it."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+
+
+def add_lm_args(p, default_size: str = "xl") -> None:
+    """The reference-LM options the distributed benchmarks share (--size, --batch, --context, ...)."""
+    from torch_flashsys.models import ATTENTION_CHOICES, MODEL_SIZES
+
+    p.add_argument(
+        "--size", default=default_size, choices=list(MODEL_SIZES),
+        help=f"reference LM size ({default_size})",
+    )  # fmt: skip
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (4)")
+    p.add_argument("--context", type=int, default=256, help="sequence length (256)")
+    p.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (10000)")
+    p.add_argument(
+        "--attention", default="sdpa", choices=list(ATTENTION_CHOICES),
+        help="the LM's attention implementation (sdpa)",
+    )  # fmt: skip
+
+
 def line_plot(
     path: str,
     series: dict[str, Sequence[tuple[Any, float]]],

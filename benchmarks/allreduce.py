@@ -44,6 +44,8 @@ from benchmarks._harness import (
     percentiles,
     print_report,
     progress,
+    set_spawn_env,
+    under_torchrun,
     write_results,
 )
 
@@ -199,17 +201,19 @@ def _init_from_env(args: argparse.Namespace) -> None:
     )
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
-    torch.set_num_threads(1)
+def _run_world(args: argparse.Namespace) -> list[dict] | None:
+    """Join the launched world, benchmark, leave; rank 0 returns the gathered rows."""
     _init_from_env(args)
     try:
-        rows = worker(args)
+        return worker(args)
     finally:
         dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    set_spawn_env(rank, world, port)
+    torch.set_num_threads(1)
+    rows = _run_world(args)
     if rows is not None:
         with open(out_path, "w") as f:
             json.dump(rows, f)
@@ -233,12 +237,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ:  # under torchrun: one world, the launched one
-        _init_from_env(args)
-        try:
-            rows = worker(args)
-        finally:
-            dist.destroy_process_group()
+    if under_torchrun():  # one world, the launched one
+        rows = _run_world(args)
         if rows is not None:
             report(rows, args)
         return

@@ -42,25 +42,24 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._ddp_baselines import FlatDDP, NaiveDDP
-from benchmarks._harness import free_port, percentiles, print_report, write_results
+from benchmarks._harness import (
+    add_lm_args,
+    free_port,
+    percentiles,
+    print_report,
+    set_spawn_env,
+    under_torchrun,
+    write_results,
+)
 from torch_flashsys import BucketedDDP
-from torch_flashsys.models import MODEL_SIZES, build_model
+from torch_flashsys.models import build_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--size", default="xl", choices=list(MODEL_SIZES), help="model size (xl)")
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (4)")
-    p.add_argument("--context", type=int, default=256, help="sequence length (256)")
-    p.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (10000)")
-    p.add_argument(
-        "--attention",
-        default="sdpa",
-        choices=["naive", "sdpa", "flash"],
-        help="the LM's attention implementation (sdpa)",
-    )
+    add_lm_args(p)
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="parameter dtype (fp32)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant and round (10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
@@ -260,24 +259,23 @@ def worker(args: argparse.Namespace) -> None:
     print_report(title, rows, columns)
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world)
+def _run(args: argparse.Namespace) -> None:
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         worker(args)
     finally:
         dist.destroy_process_group()
 
 
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    set_spawn_env(rank, world, port)
+    _run(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-        try:
-            worker(args)
-        finally:
-            dist.destroy_process_group()
+    if under_torchrun():
+        _run(args)
     else:
         mp.spawn(_spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc)
 

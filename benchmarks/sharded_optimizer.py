@@ -35,9 +35,17 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import percentiles, print_report, write_results
+from benchmarks._harness import (
+    add_lm_args,
+    free_port,
+    percentiles,
+    print_report,
+    set_spawn_env,
+    under_torchrun,
+    write_results,
+)
 from torch_flashsys import BucketedDDP, ShardedOptimizer
-from torch_flashsys.models import MODEL_SIZES, build_model
+from torch_flashsys.models import build_model
 
 VARIANTS = ("adamw", "zero", "zero-view", "sharded")
 MIB = 2**20
@@ -45,16 +53,7 @@ MIB = 2**20
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--size", default="xl", choices=list(MODEL_SIZES), help="model size (xl)")
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (4)")
-    p.add_argument("--context", type=int, default=256, help="sequence length (256)")
-    p.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (10000)")
-    p.add_argument(
-        "--attention",
-        default="sdpa",
-        choices=["naive", "sdpa", "flash"],
-        help="LM attention (sdpa)",
-    )
+    add_lm_args(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (1e-4)")
@@ -240,25 +239,17 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    set_spawn_env(rank, world, port)
     torch.set_num_threads(1)
     worker(args)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ:  # under torchrun
+    if under_torchrun():
         worker(args)
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.nproc, port, args), nprocs=args.nproc)
+    mp.spawn(_spawned, args=(args.nproc, free_port(), args), nprocs=args.nproc)
 
 
 if __name__ == "__main__":
