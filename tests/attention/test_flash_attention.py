@@ -109,3 +109,21 @@ def test_auto_backend_follows_device_and_interpreter():
     expected = "triton" if triton_can_run_on(q.device) else "torch"
     out_named = flash_attention(q, q, q, backend=expected)
     assert torch.equal(out_auto, out_named)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_autocast_casts_inputs_like_sdpa(backend):
+    """Under torch.autocast, inputs are cast to the autocast dtype, as SDPA's are."""
+    dtype = torch.bfloat16 if backend == "torch" else torch.float16  # interpreter: no bf16 dot
+    case = Case(1, 2, 1, 24, 24, 32, True, None, False, False, seed=13)
+    q, k, v = case.make(torch.float32)
+    with torch.autocast("cpu", dtype=dtype):
+        out = flash_attention(q, k, v, is_causal=True, backend=backend)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == expected.dtype == dtype
+    plain = flash_attention(
+        *(t.detach().to(dtype) for t in (q, k, v)), is_causal=True, backend=backend
+    )
+    assert torch.equal(out, plain)
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.float32

@@ -65,6 +65,8 @@ def flash_attention(
         ``return_lse``.
 
     Dtypes are float16, bfloat16 and float32 (float32 matmuls run as TF32 on GPUs that have it).
+    Under ``torch.autocast``, query, key and value are first cast to the autocast dtype, as
+    ``scaled_dot_product_attention`` does.
     The Triton backend takes head dims 16..256 that are multiples of 8.
 
     Example:
@@ -73,6 +75,7 @@ def flash_attention(
         >>> out.shape
         torch.Size([2, 4, 128, 64])
     """
+    query, key, value = _autocast(query, key, value)
     resolved = check_inputs(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend
     )
@@ -86,3 +89,17 @@ def flash_attention(
 
         out, lse = TiledAttention.apply(query, key, value, is_causal, sm_scale)
     return (out, lse) if return_lse else out
+
+
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Inside ``torch.autocast``: cast to the autocast dtype, as autocast does for SDPA."""
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors  # check_inputs names the offending argument
+    device_type = tensors[0].device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE else t for t in tensors)

@@ -8,6 +8,8 @@ linear in the sequence length: one (BLOCK_M, BLOCK_N) score tile per (batch, hea
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 BLOCK_M = 64  # query rows per tile
@@ -122,12 +124,24 @@ def tiled_backward(
     return dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
 
 
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off for ``device`` (where autocast exists for it)."""
+    if device.type in ("cpu", "cuda", "xpu", "mps"):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class TiledAttention(torch.autograd.Function):
-    """Autograd for the tiled path; saves q, k, v, out and lse (as the Triton op does)."""
+    """Autograd for the tiled path; saves q, k, v, out and lse (as the Triton op does).
+
+    Autocast is off inside: the float32 score/accumulator matmuls must stay float32 (the caller
+    already cast the inputs to the autocast dtype).
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal: bool, scale: float):
-        out, lse = tiled_forward(q, k, v, is_causal, scale)
+        with _no_autocast(q.device):
+            out, lse = tiled_forward(q, k, v, is_causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.is_causal, ctx.scale = is_causal, scale
         ctx.set_materialize_grads(False)
@@ -138,5 +152,6 @@ class TiledAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = tiled_backward(dout, q, k, v, out, lse, dlse, ctx.is_causal, ctx.scale)
+        with _no_autocast(q.device):
+            dq, dk, dv = tiled_backward(dout, q, k, v, out, lse, dlse, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None
