@@ -83,7 +83,8 @@ def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     q, k, v: (batch, heads, seq, head_dim) -> (batch, heads, seq, head_dim). On CUDA the three
     steps are NVTX ranges "attention/scores", "attention/softmax", "attention/final_matmul".
     """
-    cuda = q.is_cuda
+    # No ranges while torch.compile traces: an NVTX context manager would break the graph.
+    cuda = q.is_cuda and not torch.compiler.is_compiling()
     seq = q.shape[-2]
     with _nvtx("attention/scores", cuda):
         scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
