@@ -158,6 +158,37 @@ def measure(impl, shape, dtype, causal, device, modes, reps):
     return results
 
 
+def host_overhead(impl, dtype, causal, device, calls=300, shape=(1, 4, 128, 64)):
+    """CPU cost of one eager forward+backward call: a loop of calls without synchronizing.
+
+    The shape is tiny so the GPU keeps up and the loop's wall time is the host's: microseconds of
+    wall time per call, and of process CPU time per call (autograd runs CUDA backwards on a
+    worker thread, so the whole process is counted).
+    """
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (
+        torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_()
+        for _ in range(3)
+    )
+    dout = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        impl(q, k, v, causal).backward(dout)
+
+    for _ in range(30):  # autotune, compile, fill the launch caches
+        step()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        step()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    sync()
+    return {"wall_us": wall / calls * 1e6, "cpu_us": cpu / calls * 1e6}
+
+
 def check_correctness(shape, dtype, causal, device):
     """Our output and gradients against SDPA's math path in float64 on a slice of the problem."""
     small = (min(shape[0], 2), *shape[1:-2], min(shape[-2], 1024), shape[-1])
@@ -204,6 +235,10 @@ def main(argv=None):
         "--time-budget", type=float, default=0,
         help="seconds for the whole sweep; configurations not started by then are rows marked "
         "'skipped (time budget)' (default 0: no limit)",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-overhead", action="store_true",
+        help="also measure the CPU cost of one eager fwd+bwd call per impl (shape 1x4x128x64)",
     )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, a few seconds")
     p.add_argument("--out", help="write rows to a .json or .csv file")
@@ -261,7 +296,19 @@ def main(argv=None):
                     torch.cuda.empty_cache()
             rows.append(row)
 
-    write_results(args.out, rows)
+    overhead_rows = []
+    if args.host_overhead:
+        for name, impl in impls.items():
+            if "compiled" in name or "math" in name or name == "naive":
+                continue  # the host-bound question is about the fused kernels
+            try:
+                calls = 50 if args.smoke else 300
+                res = host_overhead(impl, dtype, args.causal, device, calls=calls)
+                overhead_rows.append({"impl": name, "host us/call (wall)": res["wall_us"],
+                                      "host us/call (process CPU)": res["cpu_us"]})  # fmt: skip
+            except Exception as exc:
+                overhead_rows.append({"impl": name, "host us/call (wall)": f"n/a ({exc})"[:60]})
+    write_results(args.out, rows + [{"mode": "host-overhead", **r} for r in overhead_rows])
     if args.plot:
         _plot(rows, args.plot)
     columns = ["impl", "shape", "dtype"]
@@ -270,6 +317,12 @@ def main(argv=None):
     if device == "cuda" and "bwd" in modes:
         columns.append("mem before bwd MiB")
     print_report("Attention benchmark", rows, columns)
+    if overhead_rows:
+        print_report(
+            "Host overhead: one eager fwd+bwd call, 1x4x128x64, no synchronization",
+            overhead_rows,
+            ["impl", "host us/call (wall)", "host us/call (process CPU)"],
+        )
 
 
 def status(modes, text):

@@ -12,7 +12,7 @@ from tests.reference import attention_reference, naive_attention, scores
 # Absolute slack on top of the "2x PyTorch's own error" rule, relative to the reference's magnitude:
 # it covers the rounding of the output itself (the baseline can be luckily exact on tiny problems).
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-ATOL_TF32 = 4e-3  # float32 on GPUs runs tl.dot as TF32 (10-bit mantissa)
+ATOL_TF32 = 4e-3  # float32 with TF32 allowed (10-bit mantissa dots)
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,8 @@ _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Inside ``torch.autocast``: cast to the autocast dtype, as autocast does for SDPA."""
+    if not _any_autocast():  # the common case, checked in one cheap call
+        return tensors
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return tensors  # check_inputs names the offending argument
     device_type = tensors[0].device.type
@@ -103,3 +105,6 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE else t for t in tensors)
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)

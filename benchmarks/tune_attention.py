@@ -1,0 +1,267 @@
+"""Sweep the attention kernels' tile configs on a GPU: which (BLOCK_M, BLOCK_N, warps, stages) wins
+per kernel, head dim, causality and length. The production config lists in
+``torch_flashsys/attention/_triton_fwd.py`` / ``_triton_bwd.py`` come from its output.
+
+Compiles every candidate first in parallel worker processes (they fill Triton's on-disk cache, so
+the timing pass only loads binaries), then times each kernel alone with ``do_bench`` (median) and
+writes one row per (kernel, config, shape). Example::
+
+    python benchmarks/tune_attention.py --out tune.csv            # the default grid, bf16
+    python benchmarks/tune_attention.py --kernels fwd --dims 128 --seqs 16384 --batch-heads 1x16
+    python benchmarks/tune_attention.py --smoke     # CPU: the Triton interpreter, one tiny shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._harness import markdown_table, write_results
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel and head-dim class.
+SMOKE_CANDIDATES = {k: {16: [(16, 16, 4, 1), (32, 16, 4, 1)]} for k in ("fwd", "dq", "dkdv")}
+CANDIDATES = {
+    "fwd": {
+        64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3),
+             (64, 64, 4, 3), (128, 32, 4, 4), (256, 64, 8, 3), (256, 128, 8, 2)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+              (128, 32, 4, 3), (128, 64, 8, 4), (256, 64, 8, 2), (64, 128, 4, 2)],
+    },
+    "dq": {
+        64: [(128, 32, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4),
+             (128, 64, 4, 3), (128, 128, 8, 2), (128, 32, 8, 3)],
+        128: [(128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+              (128, 32, 8, 3), (128, 64, 4, 2), (64, 64, 4, 2)],
+    },
+    "dkdv": {
+        64: [(32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
+             (32, 64, 4, 4), (64, 128, 4, 3), (16, 128, 4, 5), (128, 128, 8, 2)],
+        128: [(32, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
+              (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 4, 2), (16, 128, 4, 3)],
+    },
+}  # fmt: skip
+
+
+def _kernels():
+    from torch_flashsys.attention import _triton_bwd, _triton_fwd
+
+    return {
+        "fwd": _triton_fwd._attn_fwd,
+        "dq": _triton_bwd._attn_bwd_dq,
+        "dkdv": _triton_bwd._attn_bwd_dkdv,
+    }
+
+
+class Problem:
+    """Inputs of one attention problem and the argument lists of each kernel."""
+
+    def __init__(self, batch, heads, seq, dim, causal, dtype, device="cuda", candidates=None):
+        candidates = candidates or CANDIDATES
+        gen = torch.Generator(device=device).manual_seed(seq + dim)
+        shape = (batch, heads, seq, dim)
+        self.q, self.k, self.v, self.do = (
+            torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4)
+        )
+        self.shape, self.causal, self.scale = shape, causal, dim**-0.5
+        self.out, self.dq, self.dk, self.dv = (torch.empty_like(self.q) for _ in range(4))
+        self.lse = torch.empty(shape[:-1], device=device, dtype=torch.float32)
+        self.delta = torch.empty_like(self.lse)
+        # Real out, lse and delta (the backward kernels' inputs) from the first candidates.
+        self.launch("fwd", candidates["fwd"][dim][0])
+        self.launch("dq", candidates["dq"][dim][0])
+        self.launch("dkdv", candidates["dkdv"][dim][0])
+        self.expected = {k: [t.clone() for t in self.outputs(k)] for k in ("fwd", "dq", "dkdv")}
+
+    def outputs(self, kernel: str):
+        return {"fwd": (self.out,), "dq": (self.dq,), "dkdv": (self.dk, self.dv)}[kernel]
+
+    def max_diff(self, kernel: str) -> float:
+        """Largest difference from the first candidate's results (a wrong config shows here)."""
+        got, want = self.outputs(kernel), self.expected[kernel]
+        return max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want, strict=True))
+
+    def args(self, kernel: str):
+        from torch_flashsys.attention._triton_common import LOG2E, tune_len
+
+        _, h, n, _ = self.shape
+        s = lambda t: t.stride()[:3]
+        common = (h, 1, n, n, tune_len(n, n), self.scale * LOG2E)
+        if kernel == "fwd":
+            return (self.q, self.k, self.v, self.out, self.lse, *s(self.q), *s(self.k),
+                    *s(self.v), *s(self.out), *common)  # fmt: skip
+        if kernel == "dq":
+            return (self.q, self.k, self.v, self.out, self.do, self.lse, self.lse, self.delta,
+                    self.dq, *s(self.q), *s(self.k), *s(self.v), *s(self.out), *s(self.do),
+                    *s(self.dq), *common, self.scale)  # fmt: skip
+        return (self.q, self.k, self.v, self.do, self.lse, self.delta, self.dk, self.dv,
+                *s(self.q), *s(self.k), *s(self.v), *s(self.do), *s(self.dk), *s(self.dv),
+                h, h, 1, n, n, tune_len(n, n), self.scale * LOG2E, self.scale)  # fmt: skip
+
+    def constexprs(self, kernel: str, ws: bool):
+        import triton
+
+        d = self.shape[-1]
+        c = {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d), "CAUSAL": self.causal,
+             "PRECISION": "tf32"}  # fmt: skip
+        if kernel == "fwd":
+            c["WARP_SPECIALIZE"] = ws
+        if kernel == "dq":
+            c["HAS_DLSE"] = False
+        return c
+
+    def grid(self, kernel: str, cfg):
+        import triton
+
+        b, h, n, _ = self.shape
+        block = cfg[1] if kernel == "dkdv" else cfg[0]
+        return (triton.cdiv(n, block) * b * h,)
+
+    def launch(self, kernel: str, cfg, ws: bool = False):
+        fn = _kernels()[kernel]
+        bm, bn, w, st = cfg
+        fn[self.grid(kernel, cfg)](
+            *self.args(kernel), **self.constexprs(kernel, ws),
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st,
+        )  # fmt: skip
+
+
+def _compile_job(job):
+    """Worker: compile one (kernel, dim, causal, config, ws) on a small problem of the same
+    specialization (strides multiple of 16, 16 heads, group 1). Returns an error string or ''."""
+    kernel, dim, causal, cfg, ws, dtype_name = job
+    try:
+        prob = _problem_cache(dim, causal, dtype_name)
+        prob.launch(kernel, cfg, ws)
+        torch.cuda.synchronize()
+        return ""
+    except Exception as exc:  # report, keep sweeping
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
+_PROBLEMS: dict = {}
+
+
+def _problem_cache(dim, causal, dtype_name):
+    key = (dim, causal, dtype_name)
+    if key not in _PROBLEMS:
+        _PROBLEMS[key] = Problem(1, 16, 512, dim, causal, getattr(torch, dtype_name))
+    return _PROBLEMS[key]
+
+
+def flops(kernel, b, h, n, d, causal):
+    matmuls = {"fwd": 2, "dq": 3, "dkdv": 4}[kernel]
+    return 2 * matmuls * b * h * n * n * d * (0.5 if causal else 1.0)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--kernels", default="fwd,dq,dkdv", help="subset of fwd,dq,dkdv")
+    p.add_argument("--dims", default="64,128", help="head dims (64,128)")
+    p.add_argument("--seqs", default="1024,4096,16384", help="sequence lengths")
+    p.add_argument(
+        "--batch-heads", default="4x16,4x16,1x16",
+        help="batch x heads per sequence length, comma-separated (4x16,4x16,1x16)",
+    )  # fmt: skip
+    p.add_argument("--causal", default="1,0", help="causal values to sweep (1,0)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float16")
+    p.add_argument("--ws", action="store_true", help="also try warp specialization (forward)")
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per point")
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, one tiny shape")
+    p.add_argument("--out", help="write every row to this .csv/.json")
+    args = p.parse_args(argv)
+    os.environ["TORCH_FLASHSYS_AUTOTUNE"] = "0"
+    device, candidates = "cuda", CANDIDATES
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported
+        device, candidates, args.workers = "cpu", SMOKE_CANDIDATES, 0
+        args.dims, args.seqs, args.batch_heads, args.dtype = "16", "40", "1x2", "float16"
+    elif not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (or --smoke)")
+    if device == "cuda":
+        from triton.testing import do_bench
+    else:
+        from benchmarks._harness import time_fn
+
+        def do_bench(fn, warmup, rep):
+            return time_fn(fn, warmup=1, reps=2)["median_ms"]
+
+    kernels = args.kernels.split(",")
+    dims = [int(x) for x in args.dims.split(",")]
+    causals = [c == "1" for c in args.causal.split(",")]
+    seqs = [int(x) for x in args.seqs.split(",")]
+    bhs = [tuple(int(y) for y in x.split("x")) for x in args.batch_heads.split(",")]
+    wss = [False, True] if args.ws else [False]
+    jobs = [
+        (k, d, c, cfg, ws, args.dtype)
+        for k in kernels for d in dims for c in causals for cfg in candidates[k][d]
+        for ws in (wss if k == "fwd" else [False])
+    ]  # fmt: skip
+    t0 = time.time()
+    if args.workers > 0:
+        ctx = torch.multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
+            errors = dict(zip(jobs, pool.map(_compile_job, jobs, chunksize=1), strict=True))
+    else:  # compile on first use in the timing pass
+        errors = dict.fromkeys(jobs, "")
+    print(f"compiled {len(jobs)} variants in {time.time() - t0:.0f} s "
+          f"({sum(1 for e in errors.values() if e)} failed)", flush=True)  # fmt: skip
+
+    rows = []
+    for d, c, (seq, (b, h)) in itertools.product(dims, causals, zip(seqs, bhs, strict=True)):
+        prob = Problem(b, h, seq, d, c, getattr(torch, args.dtype), device, candidates)
+        for k in kernels:
+            for cfg in candidates[k][d]:
+                for ws in wss if k == "fwd" else [False]:
+                    row = {"kernel": k, "dim": d, "causal": c, "batch": b, "heads": h,
+                           "seq": seq, "config": "x".join(map(str, cfg)), "ws": ws}  # fmt: skip
+                    err = errors[(k, d, c, cfg, ws, args.dtype)]
+                    if err:
+                        row["ms"], row["error"] = float("nan"), err
+                    else:
+                        try:
+                            fn = functools.partial(prob.launch, k, cfg, ws)
+                            ms = do_bench(fn, warmup=10, rep=args.rep_ms)
+                            row["ms"] = ms
+                            row["tflops"] = flops(k, b, h, seq, d, c) / ms / 1e9
+                            row["max_diff"] = prob.max_diff(k)
+                        except Exception as exc:
+                            row["ms"], row["error"] = float("nan"), str(exc).splitlines()[0][:120]
+                    rows.append(row)
+        prob = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    write_results(args.out, rows)
+    best = []
+    for key, group in itertools.groupby(
+        rows, key=lambda r: (r["kernel"], r["dim"], r["causal"], r["seq"])
+    ):
+        group = [r for r in group if r["ms"] == r["ms"]]
+        if not group:
+            continue
+        top = sorted(group, key=lambda r: r["ms"])
+        first = group[0]
+        best.append({"kernel": key[0], "dim": key[1], "causal": key[2], "seq": key[3],
+                     "best": f"{top[0]['config']}{' ws' if top[0]['ws'] else ''}",
+                     "best ms": top[0]["ms"], "TFLOP/s": top[0]["tflops"],
+                     "2nd": f"{top[1]['config'] if len(top) > 1 else ''}",
+                     "2nd ms": top[1]["ms"] if len(top) > 1 else "",
+                     "first-listed ms": first["ms"],
+                     "max diff": max(r["max_diff"] for r in group)})  # fmt: skip
+    bad = {f"{k[0]} d{k[1]} {k[3]} ws={k[4]}": e for k, e in errors.items() if e}
+    for name, e in list(bad.items())[:8]:
+        print(f"failed: {name}: {e}")
+    print(markdown_table(best, list(best[0]) if best else []))
+
+
+if __name__ == "__main__":
+    main()

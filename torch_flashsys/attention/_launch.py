@@ -1,0 +1,132 @@
+"""Kernel launches with no Python work after the first call for a key.
+
+``triton.autotune``'d kernels cost tens of microseconds of CPU per launch (argument binding,
+specialization, the autotuner's key, the grid callback). A training step calls attention a few
+times per layer, so at small and medium shapes that host time, not the GPU, sets the pace.
+
+:class:`LaunchCache` keeps, per *launch key*, the compiled kernel the first call produced (after
+autotuning) together with its grid and constexpr values; later calls with the same key call the
+compiled kernel's launcher directly. The launch key must determine everything Triton derives
+from the arguments: shapes, strides and flags (spelled out by the callers), and the 16-byte
+alignment of every pointer (added here). Anything unusual (the interpreter, a launch hook set by a
+profiler such as proton, a Triton whose compiled-kernel object lacks the launcher fields) takes
+Triton's normal path, which is always correct. ``TORCH_FLASHSYS_FAST_LAUNCH=0`` forces that path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from torch_flashsys.attention._backend import interpreter_active
+
+_MAX_ENTRIES = 4096  # distinct (shape, stride, flag) combinations kept per kernel
+
+
+def _fast_launch_allowed() -> bool:
+    return os.environ.get("TORCH_FLASHSYS_FAST_LAUNCH", "1") != "0" and not interpreter_active()
+
+
+def _launch_hooks_set() -> bool:
+    try:
+        from triton import knobs
+
+        return (
+            knobs.runtime.launch_enter_hook is not None
+            or knobs.runtime.launch_exit_hook is not None
+        )
+    except (ImportError, AttributeError):  # an older Triton: no knobs module, no hooks to honour
+        return False
+
+
+def _jit_function(kernel: Any) -> Any:
+    """The ``JITFunction`` under an ``Autotuner`` (or the function itself)."""
+    while not hasattr(kernel, "arg_names") or hasattr(kernel, "configs"):
+        kernel = kernel.fn
+    return kernel
+
+
+class LaunchCache:
+    """Launch one Triton kernel; repeat launches for a known key go straight to the compiled kernel.
+
+    ``args`` are the kernel's runtime arguments, in the kernel's parameter order, and must be all
+    parameters before the constexprs, the first ``n_tensors`` of them tensors; ``constexprs`` are
+    the constexpr values the caller passes (the autotuned ones come from the chosen config).
+    ``hits`` counts fast launches (for tests).
+    """
+
+    def __init__(self, kernel: Any, n_tensors: int) -> None:
+        self.kernel = kernel
+        self.n_tensors = n_tensors
+        self._fn = _jit_function(kernel)
+        self._entries: dict[tuple, tuple] = {}
+        self.hits = 0
+
+    def __call__(
+        self,
+        key: tuple,
+        grid: Callable[[dict], tuple[int, ...]],
+        args: Sequence[Any],
+        constexprs: dict[str, Any],
+    ) -> None:
+        first = args[0]
+        if first.is_cuda:
+            index = first.get_device()
+            if index == torch.cuda.current_device():
+                # The device (function handles are per device) and each pointer's 16-byte
+                # alignment (Triton specializes on it) complete the caller's key.
+                key = (key, index, *(a.data_ptr() % 16 == 0 for a in args[: self.n_tensors]))
+                entry = self._entries.get(key)
+                if entry is not None:
+                    run, function, packed, (g0, g1, g2), tail = entry
+                    stream = torch._C._cuda_getCurrentRawStream(index)
+                    run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
+                    self.hits += 1
+                    return
+                compiled = self.kernel[grid](*args, **constexprs)
+                if _fast_launch_allowed() and not _launch_hooks_set():
+                    self._remember(key, compiled, grid, args, constexprs)
+                return
+            with torch.cuda.device(index):  # Triton launches on the current device
+                self.kernel[grid](*args, **constexprs)
+                return
+        self.kernel[grid](*args, **constexprs)
+
+    def _remember(self, key, compiled, grid, args, constexprs) -> None:
+        config = getattr(self.kernel, "best_config", None)
+        meta = dict(constexprs)
+        if config is not None:
+            meta.update(config.kwargs)
+        names = self._fn.arg_names
+        tail_names = names[len(args) :]
+        if not all(n in meta for n in tail_names):
+            return  # not the parameter layout this cache expects: keep Triton's path
+        run = getattr(compiled, "run", None)
+        function = getattr(compiled, "function", None)
+        packed = getattr(compiled, "packed_metadata", None)
+        if run is None or function is None or packed is None:
+            return
+        g = tuple(grid(meta))
+        g = (g + (1, 1))[:3]
+        if len(self._entries) >= _MAX_ENTRIES:
+            self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = (run, function, packed, g, tuple(meta[n] for n in tail_names))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for ``dtype``, read from PyTorch's setting at call time.
+
+    float32 follows ``torch.backends.cuda.matmul.allow_tf32`` /
+    ``torch.set_float32_matmul_precision`` / ``torch.backends.cuda.matmul.fp32_precision``: full
+    precision ("ieee") unless the user allowed TF32. 16-bit inputs ignore the setting.
+    """
+    if dtype != torch.float32:
+        return "tf32"
+    try:
+        allowed = torch._C._get_cublas_allow_tf32()
+    except RuntimeError:  # only the new fp32_precision API was used; the legacy getter refuses
+        allowed = torch.backends.cuda.matmul.fp32_precision == "tf32"
+    return "tf32" if allowed else "ieee"
