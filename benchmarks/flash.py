@@ -9,6 +9,8 @@ sweep. Examples::
     python benchmarks/flash.py --preset sweep --out sweep.csv --plot sweep.png   # 4 d x 5 seq
     python benchmarks/flash.py --batch 8 --heads 1 --dim 16,32,64,128 \
         --seq 256,1024,4096,8192,16384 --dtype bf16 --out sweep.csv --plot sweep.png
+    python benchmarks/flash.py --preset peers --out docs/data/attention_peers_h100.csv
+                                   # ours vs SDPA flash/cuDNN/efficient and FlexAttention
     python benchmarks/flash.py --smoke                        # tiny, CPU, seconds
 """
 
@@ -41,6 +43,8 @@ PRESETS = {
     "cs336": dict(batch=16, heads=0, seq="16384", dim="64", dtype="bf16", causal=True),
     # The attention sweep (seed 1.2.1 / 1.3): batch 8, one head, d x seq; --dtype still applies.
     "sweep": dict(batch=8, heads=1, seq="256,1024,4096,8192,16384", dim="16,32,64,128"),
+    # The peer grid (its own shapes, see benchmarks/_peers.py): bf16, causal and not, d 64/128.
+    "peers": dict(dtype="bf16"),
 }
 
 
@@ -189,6 +193,60 @@ def host_overhead(impl, dtype, causal, device, calls=300, shape=(1, 4, 128, 64))
     return {"wall_us": wall / calls * 1e6, "cpu_us": cpu / calls * 1e6}
 
 
+def host_overhead_rows(impls, dtype, causal, device, smoke=False):
+    """:func:`host_overhead` for the fused impls, SDPA as models call it (no backend pinning, no
+    context manager per call) and a floor: one trivial differentiable op and its backward."""
+    candidates = {n: f for n, f in impls.items() if n.startswith("flash_attention")}
+    candidates["sdpa (default backend choice)"] = lambda q, k, v, c: F.scaled_dot_product_attention(
+        q, k, v, is_causal=c
+    )
+    candidates["floor: q * 1.0 and its backward"] = lambda q, k, v, c: q * 1.0
+    rows = []
+    for name, impl in candidates.items():
+        try:
+            res = host_overhead(impl, dtype, causal, device, calls=50 if smoke else 300)
+            rows.append({"impl": name, "host us/call (wall)": res["wall_us"],
+                         "host us/call (process CPU)": res["cpu_us"]})  # fmt: skip
+        except Exception as exc:
+            rows.append({"impl": name, "host us/call (wall)": f"n/a ({exc})"[:60]})
+    return rows
+
+
+def profile_host(impl, dtype, causal, device, calls=200, top=18):
+    """Where the host time of one eager call goes: cProfile of fwd+bwd calls (the main thread
+    only: autograd runs CUDA backwards on a worker thread), then the launch layers timed alone."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch_flashsys.attention import _ops
+
+    host_overhead(impl, dtype, causal, device, calls=5)
+    prof = cProfile.Profile()
+    prof.enable()
+    host_overhead(impl, dtype, causal, device, calls=calls)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    q, k, v, do = (torch.randn(1, 4, 128, 64, device=device, dtype=dtype) for _ in range(4))
+    o, lse = _ops._forward(q, k, v, causal, 0.125)
+    pieces = {
+        "_ops._forward (kernel launch layer)": lambda: _ops._forward(q, k, v, causal, 0.125),
+        "_ops._backward (kernel launch layer)": lambda: _ops._backward(
+            do, q, k, v, o, lse, None, causal, 0.125
+        ),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+    }
+    for name, fn in pieces.items():
+        for _ in range(20):
+            fn()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        print(f"{name}: {(time.perf_counter() - start) / calls * 1e6:.1f} us/call", file=out)
+    return out.getvalue()
+
+
 def check_correctness(shape, dtype, causal, device):
     """Our output and gradients against SDPA's math path in float64 on a slice of the problem."""
     small = (min(shape[0], 2), *shape[1:-2], min(shape[-2], 1024), shape[-1])
@@ -240,11 +298,22 @@ def main(argv=None):
         "--host-overhead", action="store_true",
         help="also measure the CPU cost of one eager fwd+bwd call per impl (shape 1x4x128x64)",
     )  # fmt: skip
+    p.add_argument(
+        "--profile-host", action="store_true",
+        help="print a cProfile of flash_attention's eager fwd+bwd calls (host time per function)",
+    )  # fmt: skip
+    p.add_argument(
+        "--workers", type=int, default=8,
+        help="--preset peers: processes that compile FlexAttention in parallel and take turns "
+        "timing on the GPU (default 8)",
+    )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, a few seconds")
     p.add_argument("--out", help="write rows to a .json or .csv file")
     p.add_argument("--plot", help="save a forward+backward time plot (PNG) to this path")
     args = p.parse_args(argv)
 
+    if args.preset == "peers":
+        return run_peers(args)
     if args.preset:
         for key, value in PRESETS[args.preset].items():
             setattr(args, key, value)
@@ -298,16 +367,7 @@ def main(argv=None):
 
     overhead_rows = []
     if args.host_overhead:
-        for name, impl in impls.items():
-            if "compiled" in name or "math" in name or name == "naive":
-                continue  # the host-bound question is about the fused kernels
-            try:
-                calls = 50 if args.smoke else 300
-                res = host_overhead(impl, dtype, args.causal, device, calls=calls)
-                overhead_rows.append({"impl": name, "host us/call (wall)": res["wall_us"],
-                                      "host us/call (process CPU)": res["cpu_us"]})  # fmt: skip
-            except Exception as exc:
-                overhead_rows.append({"impl": name, "host us/call (wall)": f"n/a ({exc})"[:60]})
+        overhead_rows = host_overhead_rows(impls, dtype, args.causal, device, args.smoke)
     write_results(args.out, rows + [{"mode": "host-overhead", **r} for r in overhead_rows])
     if args.plot:
         _plot(rows, args.plot)
@@ -317,10 +377,32 @@ def main(argv=None):
     if device == "cuda" and "bwd" in modes:
         columns.append("mem before bwd MiB")
     print_report("Attention benchmark", rows, columns)
+    if args.profile_host:
+        print(profile_host(impls["flash_attention"], dtype, args.causal, device), file=sys.stderr)
     if overhead_rows:
         print_report(
             "Host overhead: one eager fwd+bwd call, 1x4x128x64, no synchronization",
             overhead_rows,
+            ["impl", "host us/call (wall)", "host us/call (process CPU)"],
+        )
+
+
+def run_peers(args) -> None:
+    from benchmarks import _peers
+
+    rows = _peers.run_grid(smoke=args.smoke, workers=args.workers)
+    write_results(args.out, rows)
+    table, totals = _peers.summary(rows)
+    columns = ["mode", "shape", "causal", *_peers.IMPLS, "fastest peer", "ours / fastest"]
+    print_report("Attention peers (ms, do_bench median; bf16)", table, columns)
+    print_report("Attention peers: summary", totals, list(totals[0]) if totals else [])
+    if args.host_overhead:
+        device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        overhead = host_overhead_rows(implementations(device), dtype, True, device, args.smoke)
+        print_report(
+            "Host overhead: one eager fwd+bwd call, 1x4x128x64, no synchronization",
+            overhead,
             ["impl", "host us/call (wall)", "host us/call (process CPU)"],
         )
 

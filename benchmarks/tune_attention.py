@@ -87,7 +87,9 @@ class Problem:
     def max_diff(self, kernel: str) -> float:
         """Largest difference from the first candidate's results (a wrong config shows here)."""
         got, want = self.outputs(kernel), self.expected[kernel]
-        return max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want, strict=True))
+        return max(
+            (a.float() - b.float()).abs().max().item() for a, b in zip(got, want, strict=True)
+        )
 
     def args(self, kernel: str):
         from torch_flashsys.attention._triton_common import LOG2E, tune_len
@@ -106,14 +108,12 @@ class Problem:
                 *s(self.q), *s(self.k), *s(self.v), *s(self.do), *s(self.dk), *s(self.dv),
                 h, h, 1, n, n, tune_len(n, n), self.scale * LOG2E, self.scale)  # fmt: skip
 
-    def constexprs(self, kernel: str, ws: bool):
+    def constexprs(self, kernel: str):
         import triton
 
         d = self.shape[-1]
         c = {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d), "CAUSAL": self.causal,
              "PRECISION": "tf32"}  # fmt: skip
-        if kernel == "fwd":
-            c["WARP_SPECIALIZE"] = ws
         if kernel == "dq":
             c["HAS_DLSE"] = False
         return c
@@ -125,22 +125,22 @@ class Problem:
         block = cfg[1] if kernel == "dkdv" else cfg[0]
         return (triton.cdiv(n, block) * b * h,)
 
-    def launch(self, kernel: str, cfg, ws: bool = False):
+    def launch(self, kernel: str, cfg):
         fn = _kernels()[kernel]
         bm, bn, w, st = cfg
         fn[self.grid(kernel, cfg)](
-            *self.args(kernel), **self.constexprs(kernel, ws),
+            *self.args(kernel), **self.constexprs(kernel),
             BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st,
         )  # fmt: skip
 
 
 def _compile_job(job):
-    """Worker: compile one (kernel, dim, causal, config, ws) on a small problem of the same
+    """Worker: compile one (kernel, dim, causal, config) on a small problem of the same
     specialization (strides multiple of 16, 16 heads, group 1). Returns an error string or ''."""
-    kernel, dim, causal, cfg, ws, dtype_name = job
+    kernel, dim, causal, cfg, dtype_name = job
     try:
         prob = _problem_cache(dim, causal, dtype_name)
-        prob.launch(kernel, cfg, ws)
+        prob.launch(kernel, cfg)
         torch.cuda.synchronize()
         return ""
     except Exception as exc:  # report, keep sweeping
@@ -173,7 +173,6 @@ def main(argv=None):
     )  # fmt: skip
     p.add_argument("--causal", default="1,0", help="causal values to sweep (1,0)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float16")
-    p.add_argument("--ws", action="store_true", help="also try warp specialization (forward)")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per point")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, one tiny shape")
@@ -200,11 +199,9 @@ def main(argv=None):
     causals = [c == "1" for c in args.causal.split(",")]
     seqs = [int(x) for x in args.seqs.split(",")]
     bhs = [tuple(int(y) for y in x.split("x")) for x in args.batch_heads.split(",")]
-    wss = [False, True] if args.ws else [False]
     jobs = [
-        (k, d, c, cfg, ws, args.dtype)
+        (k, d, c, cfg, args.dtype)
         for k in kernels for d in dims for c in causals for cfg in candidates[k][d]
-        for ws in (wss if k == "fwd" else [False])
     ]  # fmt: skip
     t0 = time.time()
     if args.workers > 0:
@@ -221,22 +218,21 @@ def main(argv=None):
         prob = Problem(b, h, seq, d, c, getattr(torch, args.dtype), device, candidates)
         for k in kernels:
             for cfg in candidates[k][d]:
-                for ws in wss if k == "fwd" else [False]:
-                    row = {"kernel": k, "dim": d, "causal": c, "batch": b, "heads": h,
-                           "seq": seq, "config": "x".join(map(str, cfg)), "ws": ws}  # fmt: skip
-                    err = errors[(k, d, c, cfg, ws, args.dtype)]
-                    if err:
-                        row["ms"], row["error"] = float("nan"), err
-                    else:
-                        try:
-                            fn = functools.partial(prob.launch, k, cfg, ws)
-                            ms = do_bench(fn, warmup=10, rep=args.rep_ms)
-                            row["ms"] = ms
-                            row["tflops"] = flops(k, b, h, seq, d, c) / ms / 1e9
-                            row["max_diff"] = prob.max_diff(k)
-                        except Exception as exc:
-                            row["ms"], row["error"] = float("nan"), str(exc).splitlines()[0][:120]
-                    rows.append(row)
+                row = {"kernel": k, "dim": d, "causal": c, "batch": b, "heads": h,
+                       "seq": seq, "config": "x".join(map(str, cfg))}  # fmt: skip
+                err = errors[(k, d, c, cfg, args.dtype)]
+                if err:
+                    row["ms"], row["error"] = float("nan"), err
+                else:
+                    try:
+                        fn = functools.partial(prob.launch, k, cfg)
+                        ms = do_bench(fn, warmup=10, rep=args.rep_ms)
+                        row["ms"] = ms
+                        row["tflops"] = flops(k, b, h, seq, d, c) / ms / 1e9
+                        row["max_diff"] = prob.max_diff(k)
+                    except Exception as exc:
+                        row["ms"], row["error"] = float("nan"), str(exc).splitlines()[0][:120]
+                rows.append(row)
         prob = None
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -251,13 +247,13 @@ def main(argv=None):
         top = sorted(group, key=lambda r: r["ms"])
         first = group[0]
         best.append({"kernel": key[0], "dim": key[1], "causal": key[2], "seq": key[3],
-                     "best": f"{top[0]['config']}{' ws' if top[0]['ws'] else ''}",
+                     "best": top[0]["config"],
                      "best ms": top[0]["ms"], "TFLOP/s": top[0]["tflops"],
                      "2nd": f"{top[1]['config'] if len(top) > 1 else ''}",
                      "2nd ms": top[1]["ms"] if len(top) > 1 else "",
                      "first-listed ms": first["ms"],
                      "max diff": max(r["max_diff"] for r in group)})  # fmt: skip
-    bad = {f"{k[0]} d{k[1]} {k[3]} ws={k[4]}": e for k, e in errors.items() if e}
+    bad = {f"{k[0]} d{k[1]} {k[3]}": e for k, e in errors.items() if e}
     for name, e in list(bad.items())[:8]:
         print(f"failed: {name}: {e}")
     print(markdown_table(best, list(best[0]) if best else []))

@@ -6,11 +6,12 @@ times per layer, so at small and medium shapes that host time, not the GPU, sets
 
 :class:`LaunchCache` keeps, per *launch key*, the compiled kernel the first call produced (after
 autotuning) together with its grid and constexpr values; later calls with the same key call the
-compiled kernel's launcher directly. The launch key must determine everything Triton derives
-from the arguments: shapes, strides and flags (spelled out by the callers), and the 16-byte
-alignment of every pointer (added here). Anything unusual (the interpreter, a launch hook set by a
-profiler such as proton, a Triton whose compiled-kernel object lacks the launcher fields) takes
-Triton's normal path, which is always correct. ``TORCH_FLASHSYS_FAST_LAUNCH=0`` forces that path.
+compiled kernel's launcher directly, the way ``JITFunction.run`` itself ends. The launch key must
+determine everything Triton derives from the arguments: shapes, strides and flags (spelled out by
+the callers), and the device and 16-byte alignment of every pointer (added here). Anything unusual
+(the interpreter, launch hooks registered by a profiler such as proton, a Triton whose compiled
+kernel lacks the launcher fields) takes Triton's normal path, which is always correct.
+``TORCH_FLASHSYS_FAST_LAUNCH=0`` forces that path.
 """
 
 from __future__ import annotations
@@ -30,16 +31,31 @@ def _fast_launch_allowed() -> bool:
     return os.environ.get("TORCH_FLASHSYS_FAST_LAUNCH", "1") != "0" and not interpreter_active()
 
 
-def _launch_hooks_set() -> bool:
+def _hook_active(hook: Any) -> bool:
+    """A launch hook that would do something: newer Tritons keep an always-present HookChain."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or len(calls) > 0
+
+
+def _knobs_runtime() -> Any:
     try:
         from triton import knobs
 
-        return (
-            knobs.runtime.launch_enter_hook is not None
-            or knobs.runtime.launch_exit_hook is not None
-        )
+        return knobs.runtime
     except (ImportError, AttributeError):  # an older Triton: no knobs module, no hooks to honour
+        return None
+
+
+_RUNTIME = _knobs_runtime()
+
+
+def _launch_hooks_set() -> bool:
+    """A profiler (e.g. proton) registered launch hooks: Triton's path calls them, ours would not."""
+    if _RUNTIME is None:
         return False
+    return _hook_active(_RUNTIME.launch_enter_hook) or _hook_active(_RUNTIME.launch_exit_hook)
 
 
 def _jit_function(kernel: Any) -> Any:
@@ -80,14 +96,14 @@ class LaunchCache:
                 # alignment (Triton specializes on it) complete the caller's key.
                 key = (key, index, *(a.data_ptr() % 16 == 0 for a in args[: self.n_tensors]))
                 entry = self._entries.get(key)
-                if entry is not None:
+                if entry is not None and not _launch_hooks_set():
                     run, function, packed, (g0, g1, g2), tail = entry
                     stream = torch._C._cuda_getCurrentRawStream(index)
                     run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
                     self.hits += 1
                     return
                 compiled = self.kernel[grid](*args, **constexprs)
-                if _fast_launch_allowed() and not _launch_hooks_set():
+                if _fast_launch_allowed():
                     self._remember(key, compiled, grid, args, constexprs)
                 return
             with torch.cuda.device(index):  # Triton launches on the current device

@@ -23,10 +23,10 @@ from torch_flashsys.attention._triton_common import (
 _LN2 = tl.constexpr(0.6931471805599453)  # ln(2): turns the base-2 logsumexp into a natural one
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class; the first entry is the default.
-FWD_SHAPES = {
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-    256: [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2)],
+FWD_SHAPES = {  # from benchmarks/tune_attention.py on an H100 (docs/benchmarks.md)
+    64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
+    128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    256: [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
 }
 
 
@@ -39,10 +39,10 @@ def _attn_fwd_inner(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d,
     lo, hi, seq_k, qk_scale,
     CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Key tiles [lo, hi). MASKED tiles may cross the causal diagonal or the end of the keys.
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = load_rows(k_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
@@ -72,8 +72,7 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     n_heads, group, seq_q, seq_k, tune_len, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_D >= HEAD_DIM)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)  # tl.dot's minimum tile
@@ -116,14 +115,14 @@ def _attn_fwd(
     v_ptrs = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :]
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d,
-        0, n_full * BLOCK_N, seq_k, qk_scale, CAUSAL, False, EVEN_D, PRECISION, BLOCK_N, WARP_SPECIALIZE,
+        0, n_full * BLOCK_N, seq_k, qk_scale, CAUSAL, False, EVEN_D, PRECISION, BLOCK_N,
     )  # fmt: skip
     lo = n_full * BLOCK_N
     k_ptrs += lo.to(tl.int64) * stride_kn
     v_ptrs += lo.to(tl.int64) * stride_vn
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d,
-        lo, hi, seq_k, qk_scale, CAUSAL, True, EVEN_D, PRECISION, BLOCK_N, WARP_SPECIALIZE,
+        lo, hi, seq_k, qk_scale, CAUSAL, True, EVEN_D, PRECISION, BLOCK_N,
     )  # fmt: skip
 
     acc = acc / l_i[:, None]
@@ -165,6 +164,6 @@ def attention_forward(
          os_[0], os_[1], os_[2], n_heads, n_heads // k.shape[1], seq_q, seq_k,
          tune_len(seq_q, seq_k), scale * LOG2E),
         {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-         "CAUSAL": is_causal, "PRECISION": precision, "WARP_SPECIALIZE": False},
+         "CAUSAL": is_causal, "PRECISION": precision},
     )  # fmt: skip
     return out, lse
