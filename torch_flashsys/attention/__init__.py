@@ -64,7 +64,8 @@ def flash_attention(
         ``out`` with the shape, dtype and memory layout of ``query``; ``(out, lse)`` when
         ``return_lse``.
 
-    Dtypes are float16, bfloat16 and float32 (float32 matmuls run as TF32 on GPUs that have it).
+    Dtypes are float16, bfloat16 and float32 (float32 dots are full precision unless TF32 is
+    allowed, e.g. ``torch.backends.cuda.matmul.allow_tf32 = True``, read at each call).
     Under ``torch.autocast``, query, key and value are first cast to the autocast dtype, as
     ``scaled_dot_product_attention`` does.
     The Triton backend takes head dims 16..256 that are multiples of 8.
