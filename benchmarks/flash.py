@@ -220,6 +220,7 @@ def profile_host(impl, dtype, causal, device, calls=200, top=18):
     import pstats
 
     from torch_flashsys.attention import _ops
+    from torch_flashsys.attention._extras import CAUSAL, PLAIN
 
     host_overhead(impl, dtype, causal, device, calls=5)
     prof = cProfile.Profile()
@@ -229,11 +230,12 @@ def profile_host(impl, dtype, causal, device, calls=200, top=18):
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
     q, k, v, do = (torch.randn(1, 4, 128, 64, device=device, dtype=dtype) for _ in range(4))
-    o, lse = _ops._forward(q, k, v, causal, 0.125)
+    ex = CAUSAL if causal else PLAIN
+    o, lse = _ops._forward(q, k, v, 0.125, ex)
     pieces = {
-        "_ops._forward (kernel launch layer)": lambda: _ops._forward(q, k, v, causal, 0.125),
+        "_ops._forward (kernel launch layer)": lambda: _ops._forward(q, k, v, 0.125, ex),
         "_ops._backward (kernel launch layer)": lambda: _ops._backward(
-            do, q, k, v, o, lse, None, causal, 0.125
+            do, q, k, v, o, lse, None, 0.125, ex
         ),
         "torch.empty_like(q)": lambda: torch.empty_like(q),
     }

@@ -56,13 +56,27 @@ def test_opcheck_custom_ops(causal):
 
     case = Case(1, 1, 2, 17, 9, 16, causal, None, False, True, seed=11)
     q, k, v = case.make(torch.float32, DEVICE, requires_grad=True)
-    torch.library.opcheck(attn_fwd, (q, k, v, causal, 0.25))
-    out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), causal, 0.25)
+    right = 0 if causal else -1
+    extras = (None, None, None, 0.25, -1, right, 0.0, 0.0)  # mask, alibi, seed, scale, window...
+    torch.library.opcheck(attn_fwd, (q, k, v, *extras))
+    out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), *extras)
     dout = torch.randn_like(out)
-    torch.library.opcheck(
-        attn_bwd, (dout, q.detach(), k.detach(), v.detach(), out, lse, None, causal, 0.25)
-    )
-    torch.library.opcheck(
-        attn_bwd,
-        (dout, q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse), causal, 0.25),
-    )
+    qkv = (q.detach(), k.detach(), v.detach())
+    torch.library.opcheck(attn_bwd, (dout, *qkv, out, lse, None, *extras))
+    torch.library.opcheck(attn_bwd, (dout, *qkv, out, lse, torch.randn_like(lse), *extras))
+
+
+def test_opcheck_custom_ops_with_score_modifications():
+    """The ops' schema carries the mask, ALiBi slopes, dropout seed, window and softcap."""
+    from torch_flashsys.attention._ops import attn_bwd, attn_fwd
+
+    case = Case(2, 1, 2, 19, 23, 16, False, None, False, False, seed=12)
+    q, k, v = case.make(torch.float32, DEVICE, requires_grad=True)
+    mask = (torch.rand(2, 1, 1, 23, device=DEVICE) > 0.3).expand(2, 2, 19, 23)
+    slopes = torch.rand(2, device=DEVICE).expand(2, 2)
+    seed = torch.tensor([1234], device=DEVICE)
+    extras = (mask, slopes, seed, 0.3, 5, 2, 4.0, 0.2)
+    torch.library.opcheck(attn_fwd, (q, k, v, *extras))
+    out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), *extras)
+    qkv = (q.detach(), k.detach(), v.detach())
+    torch.library.opcheck(attn_bwd, (torch.randn_like(out), *qkv, out, lse, None, *extras))

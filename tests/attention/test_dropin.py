@@ -93,14 +93,23 @@ def test_replace_attention_on_transformer_encoder(batch_first, flash_calls):
         torch.testing.assert_close(p.double(), p64, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_replaced_encoder_rejects_padding_masks_instead_of_nesting():
-    ours = _encoder().eval()
+def test_replaced_encoder_takes_padding_masks_instead_of_nesting():
+    """A padded batch through the swapped encoder equals the original encoder (float64 MHA)."""
+    model = _encoder().eval()
+    ours = copy.deepcopy(model)
     replace_attention(ours, backend="torch")
     assert ours.use_nested_tensor is False
     x = torch.randn(2, 5, 32)
     pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="key_padding_mask"):
-        ours(x, src_key_padding_mask=pad)
+    ref64 = copy.deepcopy(model).double()
+    ref64.use_nested_tensor = False  # compare every row, padded ones included
+    with torch.no_grad():
+        out = ours(x, src_key_padding_mask=pad)
+        base = model(x, src_key_padding_mask=pad)
+        ref = ref64(x.double(), src_key_padding_mask=pad)
+    # the original's nested-tensor path zeroes padded rows; compare the real ones there
+    keep = ~pad[..., None]
+    assert_close("padded encoder", out * keep, base * keep, ref * keep, torch.float32)
 
 
 def test_replace_attention_on_full_transformer_keeps_cross_attention():
@@ -136,12 +145,12 @@ class _Custom(nn.Module):
 
 def test_replace_attention_skips_filters_and_shares():
     model = _Custom().eval()
-    with pytest.warns(UserWarning, match=r"dropped \(attention dropout.*kdim \(kdim/vdim"):
+    with pytest.warns(UserWarning, match=r"kdim \(kdim/vdim"):
         names = replace_attention(model, backend="torch")
-    assert names == ["a", "b", "blocks.0.0"]
+    assert names == ["a", "b", "dropped", "blocks.0.0"]
     assert model.a is model.b and isinstance(model.a, FlashAttention)
     assert not model.a.training and model.blocks[0][0].batch_first is False
-    assert isinstance(model.dropped, nn.MultiheadAttention)
+    assert isinstance(model.dropped, FlashAttention) and model.dropped.dropout == 0.1
 
     model = _Custom()
     with warnings.catch_warnings():
@@ -216,8 +225,7 @@ def _unsupported_calls():
     r = lambda *s, dtype=torch.float32: torch.randn(*s, generator=g).to(dtype)
     q = r(2, 2, 6, 16)
     return [
-        ("attn_mask", (q, q, q), {"attn_mask": r(6, 6)}),
-        ("bool attn_mask", (q, q, q), {"attn_mask": torch.ones(6, 6, dtype=torch.bool).tril()}),
+        ("mask that needs a gradient", (q, q, q), {"attn_mask": r(6, 6).requires_grad_()}),
         ("float64", (q.double(),) * 3, {"is_causal": True}),
         ("broadcast batch", (q, r(1, 2, 6, 16), r(1, 2, 6, 16)), {}),
         ("5-D", (r(1, 2, 2, 6, 16),) * 3, {}),
@@ -240,13 +248,50 @@ def test_sdpa_override_sends_unsupported_calls_to_the_original(name, args, kwarg
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
-def test_sdpa_override_unsupported_dropout_and_unknown_kwargs(flash_calls):
+def test_sdpa_override_routes_dropout_and_leaves_unknown_kwargs(flash_calls):
     q = torch.randn(1, 1, 6, 16)
     with sdpa_override(backend="torch"):
         assert F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).shape == q.shape
+        assert flash_calls.call_count == 1
         with pytest.raises(TypeError):  # the original's own error for an unknown argument
             F.scaled_dot_product_attention(q, q, q, not_an_argument=1)
-    assert flash_calls.call_count == 0
+    assert flash_calls.call_count == 1
+
+
+def _masked_calls():
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g)
+    q = r(2, 2, 6, 16)
+    pad = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    pad[1, ..., 4:] = False
+    return [
+        ("float mask", (q, q, q), {"attn_mask": r(6, 6)}),
+        ("bool mask", (q, q, q), {"attn_mask": torch.ones(6, 6, dtype=torch.bool).tril()}),
+        ("key padding", (q, r(2, 2, 7, 16), r(2, 2, 7, 16)), {"attn_mask": pad}),
+        ("per-head float mask", (q, q, q), {"attn_mask": r(2, 2, 6, 6), "scale": 0.3}),
+        ("3-D with mask", (r(3, 6, 16),) * 3, {"attn_mask": r(3, 6, 6) > 0}),
+    ]
+
+
+@pytest.mark.parametrize(("name", "args", "kwargs"), _masked_calls())
+def test_sdpa_override_routes_masked_calls(name, args, kwargs, flash_calls):
+    expected = ORIGINAL_SDPA(*args, **kwargs)
+    with sdpa_override(backend="torch"):
+        out = F.scaled_dot_product_attention(*args, **kwargs)
+    assert flash_calls.call_count == 1, name
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_sdpa_override_mask_and_is_causal_compose(flash_calls):
+    """Both apply, as SDPA's CPU kernel does (its math path refuses the pair)."""
+    q = torch.randn(1, 1, 6, 16)
+    mask = torch.ones(6, 6, dtype=torch.bool)
+    mask[:, 1] = False
+    both = mask & torch.ones(6, 6, dtype=torch.bool).tril()
+    with sdpa_override(backend="torch"):
+        out = F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=True)
+    assert flash_calls.call_count == 1
+    torch.testing.assert_close(out, ORIGINAL_SDPA(q, q, q, attn_mask=both), atol=2e-5, rtol=1e-5)
 
 
 def test_sdpa_override_restores_after_exception_and_nesting():

@@ -205,21 +205,16 @@ def test_inside_transformer_encoder_layer_train_and_eval():
     [
         ({"need_weights": True}, NotImplementedError, "need_weights=True"),
         (
-            {"need_weights": False, "key_padding_mask": torch.zeros(2, 5, dtype=torch.bool)},
-            NotImplementedError,
-            "key_padding_mask",
-        ),
-        ({"need_weights": False, "attn_mask": torch.zeros(5, 5)}, NotImplementedError, "attn_mask"),
-        (
-            {"need_weights": False, "attn_mask": torch.ones(5, 5, dtype=torch.bool).tril(-1)},
-            NotImplementedError,
-            "exactly the causal mask",
+            {"need_weights": False, "key_padding_mask": torch.zeros(2, 4, dtype=torch.bool)},
+            ValueError,
+            r"key_padding_mask must be \(batch, seq\) = \(2, 5\)",
         ),
         (
-            {"need_weights": False, "attn_mask": torch.full((5, 5), -1e9).triu(1)},
-            NotImplementedError,
-            "attn_mask",
+            {"need_weights": False, "attn_mask": torch.zeros(3, 5, 5)},
+            ValueError,
+            r"\(batch \* num_heads, seq, seq\) = \(4, 5, 5\)",
         ),
+        ({"need_weights": False, "attn_mask": torch.zeros(5, 4)}, ValueError, "attn_mask must be"),
     ],
 )
 def test_call_errors(kwargs, error, match):
@@ -261,7 +256,6 @@ def test_constructor_errors(args, kwargs, error, match):
         ({"kdim": 16, "vdim": 16}, "kdim/vdim"),
         ({"add_bias_kv": True}, "add_bias_kv"),
         ({"add_zero_attn": True}, "add_zero_attn"),
-        ({"dropout": 0.1}, "dropout"),
     ],
 )
 def test_from_mha_rejects_what_it_cannot_reproduce(mha_kwargs, match):
@@ -269,6 +263,65 @@ def test_from_mha_rejects_what_it_cannot_reproduce(mha_kwargs, match):
         FlashAttention.from_mha(nn.MultiheadAttention(32, 2, **mha_kwargs))
     with pytest.raises(TypeError, match=r"nn\.MultiheadAttention"):
         FlashAttention.from_mha(nn.Linear(2, 2))
+
+
+def _mha_masks(batch, heads, seq, kind, gen):
+    """MHA-convention masks (bool: True = not allowed; float: added) of one kind."""
+    pad = torch.zeros(batch, seq, dtype=torch.bool)
+    pad[0, seq - 2 :] = True
+    if kind == "key_padding":
+        return {"key_padding_mask": pad}
+    if kind == "float 2-D":
+        return {"attn_mask": torch.randn(seq, seq, generator=gen)}
+    if kind == "bool 3-D + padding":
+        am = torch.rand(batch * heads, seq, seq, generator=gen) > 0.7
+        am[..., 0] = False  # every query keeps key 0 (MHA returns NaN for empty rows)
+        return {"attn_mask": am, "key_padding_mask": pad}
+    am = torch.randn(seq, seq, generator=gen)  # float attn_mask with a bool padding mask
+    return {"attn_mask": am, "key_padding_mask": pad}
+
+
+@pytest.mark.parametrize("kind", ["key_padding", "float 2-D", "bool 3-D + padding", "mixed"])
+def test_masks_follow_multihead_attention(kind):
+    """key_padding_mask / attn_mask in MHA's conventions give MHA's output (float64 MHA as the
+    reference), forward and backward."""
+    gen = torch.Generator().manual_seed(5)
+    mha = _mha(32, 2, seed=3).eval()
+    fa = FlashAttention.from_mha(mha, backend="torch").eval()
+    x = torch.randn(3, 7, 32, generator=gen)
+    masks = _mha_masks(3, 2, 7, kind, gen)
+    ref64 = copy.deepcopy(mha).double()
+    x64 = x.double().requires_grad_()
+    masks64 = {k: (v.double() if v.is_floating_point() else v) for k, v in masks.items()}
+    ref = ref64(x64, x64, x64, need_weights=False, **masks64)[0]
+    base = mha(x, x, x, need_weights=False, **masks)[0]
+    xf = x.clone().requires_grad_()
+    out = fa(xf, xf, xf, need_weights=False, **masks)[0]
+    assert_close(f"{kind} out", out, base, ref, torch.float32)
+    g = torch.randn(out.shape, generator=gen)
+    out.backward(g)
+    ref.backward(g.double())
+    torch.testing.assert_close(xf.grad.double(), x64.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_dropout_in_training_mode_only():
+    mha = nn.MultiheadAttention(32, 2, dropout=0.3, batch_first=True)
+    fa = FlashAttention.from_mha(mha, backend="torch")
+    assert fa.dropout == 0.3 and "dropout=0.3" in repr(fa)
+    x = torch.randn(2, 9, 32)
+    fa.eval()
+    no_drop = FlashAttention.from_mha(mha, backend="torch").eval()
+    no_drop.dropout = 0.0
+    torch.testing.assert_close(fa(x), no_drop(x), atol=0, rtol=0)  # eval: no dropout
+    fa.train()
+    torch.manual_seed(7)
+    a = fa(x)
+    torch.manual_seed(7)
+    b = fa(x)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)  # torch.manual_seed reproduces it
+    assert not torch.allclose(a, no_drop(x))  # and it is dropout, not a no-op
+    with pytest.raises(ValueError, match="dropout must be a float in"):
+        FlashAttention(32, 2, dropout=1.5)
 
 
 @pytest.mark.gpu

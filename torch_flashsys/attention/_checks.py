@@ -37,26 +37,25 @@ def check_inputs(
     scale: float | None,
     enable_gqa: bool,
     backend: str,
+    window_size: object = None,
+    softcap: object = None,
+    alibi_slopes: object = None,
 ) -> str:
     """Validate flash_attention's arguments; return the concrete backend ("triton" or "torch")."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
-    if attn_mask is not None:
+    if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
         _fail(
-            NotImplementedError,
-            "attn_mask is not supported; use is_causal=True for causal masking, or "
-            "torch.nn.functional.scaled_dot_product_attention for arbitrary masks",
+            TypeError, f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
         )
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+    if (
+        isinstance(dropout_p, bool)
+        or not isinstance(dropout_p, (int, float))
+        or not 0.0 <= dropout_p <= 1.0
+    ):
         _fail(ValueError, f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
-    if dropout_p > 0.0:
-        _fail(
-            NotImplementedError,
-            f"dropout_p > 0 is not supported (got {dropout_p}); apply dropout outside attention "
-            "or use torch.nn.functional.scaled_dot_product_attention",
-        )
     if not isinstance(is_causal, bool):
         _fail(TypeError, f"is_causal must be a bool, got {type(is_causal).__name__}")
     if not isinstance(enable_gqa, bool):
@@ -67,6 +66,23 @@ def check_inputs(
         _fail(TypeError, f"scale must be a finite float or None, got {scale!r}")
     if backend not in BACKENDS:
         _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend!r}")
+    if window_size is not None and (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size)
+    ):
+        _fail(
+            ValueError,
+            "window_size must be None or a pair of ints (left, right), each >= 0 or -1 for "
+            f"unbounded, got {window_size!r}",
+        )
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap < 0
+    ):
+        _fail(ValueError, f"softcap must be None or a finite float >= 0 (0: off), got {softcap!r}")
 
     # Ranks and shapes.
     if query.dim() not in (3, 4):
@@ -137,6 +153,11 @@ def check_inputs(
             f"{query.device}, {key.device} and {value.device}",
         )
 
+    if attn_mask is not None:
+        _check_mask(attn_mask, query, key)
+    if alibi_slopes is not None:
+        _check_alibi(alibi_slopes, query)
+
     resolved = resolve_backend(backend, query.device)
     if resolved == "triton":
         if not triton_installed():
@@ -157,3 +178,48 @@ def check_inputs(
                 "use backend='torch' for other head dims",
             )
     return resolved
+
+
+def _check_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        _fail(
+            TypeError,
+            f"attn_mask must be a bool mask (True = attend) or a float mask added to the scores, "
+            f"got dtype {mask.dtype}",
+        )
+    if mask.device != query.device:
+        _fail(ValueError, f"attn_mask must be on {query.device} like query, got {mask.device}")
+    target = (*query.shape[:-1], key.shape[-2])
+    try:
+        ok = torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        _fail(
+            ValueError,
+            f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {target} "
+            "(query.shape[:-1] + (seq_k,))",
+        )
+    if mask.requires_grad and torch.is_grad_enabled():
+        _fail(
+            NotImplementedError,
+            "a gradient with respect to attn_mask is not supported; pass attn_mask.detach() (or "
+            "use torch.nn.functional.scaled_dot_product_attention's math backend for a learned "
+            "additive bias)",
+        )
+
+
+def _check_alibi(slopes: object, query: torch.Tensor) -> None:
+    if not isinstance(slopes, torch.Tensor) or not slopes.is_floating_point():
+        what = slopes.dtype if isinstance(slopes, torch.Tensor) else type(slopes).__name__
+        _fail(TypeError, f"alibi_slopes must be a float tensor, got {what}")
+    heads = query.shape[-3]
+    batch = query.shape[0] if query.dim() == 4 else 1
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        _fail(
+            ValueError,
+            f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = "
+            f"({batch}, {heads}), got {tuple(slopes.shape)}",
+        )
+    if slopes.device != query.device:
+        _fail(ValueError, f"alibi_slopes must be on {query.device} like query, got {slopes.device}")

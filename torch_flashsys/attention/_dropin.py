@@ -38,17 +38,19 @@ def replace_attention(
 ) -> list[str]:
     """Swap the self-attention ``nn.MultiheadAttention`` modules of ``model`` for FlashAttention.
 
-    In place, keeping weights, device, dtype, ``batch_first`` and training mode. Masks still
-    arrive through MHA's call form: causal masks and ``is_causal=True`` become causal flash
-    attention; padding masks and other masks raise ``NotImplementedError`` at call time.
+    In place, keeping weights, device, dtype, ``batch_first``, attention dropout and training
+    mode. Masks keep arriving through MHA's call form (``key_padding_mask``, ``attn_mask``, with
+    MHA's conventions) and are passed to flash_attention; causal masks and ``is_causal=True``
+    use the causal kernels.
 
     Swapped: every ``nn.MultiheadAttention`` (batch_first or not) except the cross-attention
     ``multihead_attn`` of ``nn.TransformerDecoderLayer``, those ``should_replace(name, mha)``
     rejects, and those FlashAttention cannot reproduce (kdim/vdim != embed_dim, add_bias_kv,
-    add_zero_attn, attention dropout > 0): these are left alone with a ``UserWarning`` naming
-    them and why. A swapped module called as cross-attention raises at call time; exclude it with
-    ``should_replace``. ``nn.TransformerEncoder`` modules get ``use_nested_tensor = False``
-    (their nested-tensor path exists only for padding masks, which FlashAttention rejects).
+    add_zero_attn): these are left alone with a ``UserWarning`` naming them and why. A swapped
+    module called as cross-attention raises at call time; exclude it with ``should_replace``.
+    ``nn.TransformerEncoder`` modules get ``use_nested_tensor = False``: their nested-tensor
+    path would turn padded batches into nested tensors, and FlashAttention takes the padding
+    mask instead.
 
     Args:
         model: any module; it is changed in place.
@@ -221,11 +223,13 @@ def sdpa_override(*, backend: str = "auto") -> Iterator[None]:
 
     Routed to flash_attention: float16/bfloat16/float32 query/key/value of 3-D
     ``(batch, seq, head_dim)`` or 4-D ``(batch, heads, seq, head_dim)`` shape with equal batch
-    sizes, ``attn_mask=None``, ``dropout_p=0``, any ``is_causal``/``scale``, ``enable_gqa``
-    with a divisible head count, and (for the Triton backend) head dims 16..256 in multiples of 8.
-    Everything else (masks, dropout, float64, broadcast batch dims, nested tensors, unknown
-    keyword arguments) goes to the original SDPA unchanged. Results of routed calls match SDPA
-    to floating-point rounding; gradients flow through both.
+    sizes, bool or float ``attn_mask`` (one that needs no gradient), any ``dropout_p``,
+    ``is_causal``, ``scale``, ``enable_gqa`` with a divisible head count, and (for the Triton
+    backend) head dims 16..256 in multiples of 8; a mask together with ``is_causal`` applies both
+    (as SDPA's CPU kernel does; its math path raises). Everything else (float64, broadcast batch
+    dims, nested tensors, unknown keyword arguments) goes to the original SDPA unchanged. Results
+    of routed calls match SDPA to floating-point rounding (with dropout: in distribution, the
+    random numbers differ); gradients flow through both.
 
     The original function is restored on exit, also when the block raises. The patch is
     process-wide (all threads) and affects code that looks the function up at call time

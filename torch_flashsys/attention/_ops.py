@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._triton_bwd import attention_backward
 from torch_flashsys.attention._triton_fwd import attention_forward
 
@@ -31,19 +32,19 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(0) if t.dim() == 3 else t
 
 
-def _forward(q, k, v, is_causal: bool, scale: float):
-    out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), is_causal, scale)
+def _forward(q, k, v, scale: float, ex: Extras):
+    out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), scale, ex)
     return out.view(q.shape), lse.view(q.shape[:-1])
 
 
-def _backward(dout, q, k, v, out, lse, dlse, is_causal: bool, scale: float):
+def _backward(dout, q, k, v, out, lse, dlse, scale: float, ex: Extras):
     # lse/dlse are (..., L): give them the same leading (1, N) as the 3-D -> 4-D views.
     lse4 = lse.unsqueeze(0) if q.dim() == 3 else lse
     dlse4 = None
     if dlse is not None:
         dlse4 = dlse.expand_as(lse).reshape(lse4.shape).contiguous()
     dq, dk, dv = attention_backward(
-        _as_4d(dout), _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse4, dlse4, is_causal, scale
+        _as_4d(dout), _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse4, dlse4, scale, ex
     )
     return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
 
@@ -52,11 +53,10 @@ class _TritonAttention(torch.autograd.Function):
     """Eager path: the kernels launched from forward/backward with no dispatcher in between."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal: bool, scale: float):
-        out, lse = _forward(q, k, v, is_causal, scale)
+    def forward(ctx, q, k, v, scale: float, ex: Extras):
+        out, lse = _forward(q, k, v, scale, ex)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.is_causal = is_causal
-        ctx.scale = scale
+        ctx.scale, ctx.ex = scale, ex
         ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
         return out, lse
 
@@ -65,20 +65,35 @@ class _TritonAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.is_causal, ctx.scale)
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
         return dq, dk, dv, None, None
+
+
+# The custom ops take the Extras spelled out (a custom op's schema holds tensors and scalars).
+def _extras(mask, alibi, seed, left, right, softcap, dropout_p) -> Extras:
+    return Extras(mask, left, right, softcap, alibi, dropout_p, seed)
 
 
 @torch.library.custom_op(f"{_LIB}::attn_fwd", mutates_args=())
 def attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    alibi: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    scale: float,
+    left: int,
+    right: int,
+    softcap: float,
+    dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward kernel: ``(out, lse)``; out like ``q``, lse float32 of shape ``q.shape[:-1]``."""
-    return _forward(q, k, v, is_causal, scale)
+    return _forward(q, k, v, scale, _extras(mask, alibi, seed, left, right, softcap, dropout_p))
 
 
 @attn_fwd.register_fake
-def _(q, k, v, is_causal, scale):
+def _(q, k, v, mask, alibi, seed, scale, left, right, softcap, dropout_p):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -91,43 +106,51 @@ def attn_bwd(
     out: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
-    is_causal: bool,
+    mask: torch.Tensor | None,
+    alibi: torch.Tensor | None,
+    seed: torch.Tensor | None,
     scale: float,
+    left: int,
+    right: int,
+    softcap: float,
+    dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward kernels: ``(dq, dk, dv)`` shaped like ``(q, k, v)``; dk/dv summed over GQA groups."""
-    return _backward(dout, q, k, v, out, lse, dlse, is_causal, scale)
+    ex = _extras(mask, alibi, seed, left, right, softcap, dropout_p)
+    return _backward(dout, q, k, v, out, lse, dlse, scale, ex)
 
 
 @attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, is_causal, scale):
+def _(dout, q, k, v, out, lse, dlse, mask, alibi, seed, scale, left, right, softcap, dropout_p):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, is_causal, scale = inputs
+    q, k, v, mask, alibi, seed, *scalars = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.is_causal = is_causal
-    ctx.scale = scale
+    ctx.extras = (mask, alibi, seed, *scalars)
 
 
 def _op_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.extras)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attn_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def triton_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ex: Extras
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable Triton attention; inputs already validated by ``flash_attention``."""
     if torch.compiler.is_compiling():
-        return attn_fwd(q, k, v, is_causal, scale)
+        return attn_fwd(
+            q, k, v, ex.mask, ex.alibi, ex.seed, scale, ex.left, ex.right, ex.softcap, ex.dropout_p
+        )
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _TritonAttention.apply(q, k, v, is_causal, scale)
-    return _forward(q, k, v, is_causal, scale)
+        return _TritonAttention.apply(q, k, v, scale, ex)
+    return _forward(q, k, v, scale, ex)

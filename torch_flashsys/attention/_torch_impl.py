@@ -1,9 +1,12 @@
 """Pure-PyTorch tiled FlashAttention-2: runs on any device; the reference for the Triton kernels.
 
-Same numerics as the kernels: scores and accumulators in float32, P cast to V's dtype before the
-second matmul, online softmax over key tiles (FA2 Algorithm 1) and a backward pass that recomputes
-P from the saved logsumexp with ``D = rowsum(dO * O)`` (FA2 Algorithm 2, eqs. 13-19). Memory is
-linear in the sequence length: one (BLOCK_M, BLOCK_N) score tile per (batch, head) at a time.
+Same numerics as the kernels: scores and accumulators in float32 (float64 for float64 inputs), P
+cast to V's dtype before the second matmul, online softmax over key tiles (FA2 Algorithm 1) and a
+backward pass that recomputes P from the saved logsumexp with ``D = rowsum(dO * O)`` (FA2
+Algorithm 2, eqs. 13-19). Memory is linear in the sequence length: one (BLOCK_M, BLOCK_N) score
+tile per (batch, head) at a time. The score modifications of ``_extras`` (masks, windows,
+soft-capping, ALiBi, dropout) are applied per tile exactly as the kernels apply them, with the
+same dropout random numbers (``_dropout``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from torch_flashsys.attention._dropout import keep_threshold, keep_tile
+from torch_flashsys.attention._extras import PLAIN, Extras
 
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # key rows per tile
@@ -27,49 +33,131 @@ def _kv(t: torch.Tensor) -> torch.Tensor:
     return (t.unsqueeze(0) if t.dim() == 3 else t).unsqueeze(2)
 
 
-def _causal_mask(i0: int, rows: int, j0: int, cols: int, device: torch.device) -> torch.Tensor:
-    """True where key j0+c lies after query i0+r (top-left aligned causal mask)."""
-    r = torch.arange(i0, i0 + rows, device=device)[:, None]
-    c = torch.arange(j0, j0 + cols, device=device)[None, :]
-    return c > r
+def empty_like_layout(t: torch.Tensor, last: int) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape with last dimension ``last``, in ``t``'s memory layout
+    (the order of its strides), e.g. a (B, L, H, E) tensor viewed as (B, H, L, E)."""
+    if last == t.shape[-1]:
+        return torch.empty_like(t)
+    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d))  # outermost first
+    base = t.new_empty([t.shape[d] for d in order] + [last])
+    inverse = [order.index(d) for d in range(t.dim() - 1)] + [t.dim() - 1]
+    return base.permute(inverse)
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class _Tiles:
+    """Per-tile score rule for one problem: scores -> modified scores, keep mask, dropout."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, ex: Extras) -> None:
+        self.ex, self.scale = ex, scale
+        self.n_kv = k.shape[-3]
+        q4 = q.unsqueeze(0) if q.dim() == 3 else q
+        self.batch, self.heads, self.seq_q = q4.shape[0], q4.shape[1], q4.shape[2]
+        self.seq_k = k.shape[-2]
+        self.device = q.device
+        group = self.heads // self.n_kv
+        # (B, Hkv, G, 1, 1) index of each query head, for dropout counters and ALiBi slopes
+        self.bh = torch.arange(self.batch * self.heads, device=q.device).view(
+            self.batch, self.n_kv, group, 1, 1
+        )
+        self.mask = None if ex.mask is None else ex.mask.unflatten(1, (self.n_kv, group))
+        self.slopes = None
+        if ex.alibi is not None:
+            self.slopes = ex.alibi.unflatten(1, (self.n_kv, group))[..., None, None]
+        self.seed = int(ex.seed.item()) if ex.seed is not None else 0
+        self.threshold = keep_threshold(ex.dropout_p)
+        self.inv_keep = 1.0 / (1.0 - ex.dropout_p) if ex.dropout_p < 1.0 else 0.0
+
+    def key_range(self, i0: int, rows: int) -> tuple[int, int]:
+        """Keys [lo, hi) that some query row in [i0, i0 + rows) may attend."""
+        lo = max(0, i0 - self.ex.left) if self.ex.left >= 0 else 0
+        hi = min(self.seq_k, i0 + rows + self.ex.right) if self.ex.right >= 0 else self.seq_k
+        return lo, hi
+
+    def scores(self, qk: torch.Tensor, i0: int, j0: int):
+        """Raw ``q.k`` tile -> (modified scores with -inf where not allowed, tanh for softcap)."""
+        rows, cols = qk.shape[-2:]
+        ex = self.ex
+        s = qk * self.scale
+        t = None
+        if ex.softcap > 0:
+            t = torch.tanh(s / ex.softcap)
+            s = ex.softcap * t
+        i = torch.arange(i0, i0 + rows, device=self.device)[:, None]
+        j = torch.arange(j0, j0 + cols, device=self.device)[None, :]
+        if self.slopes is not None:
+            s = s - self.slopes * (i - j).abs().to(s.dtype)
+        keep = None
+        if ex.left >= 0:
+            keep = j >= i - ex.left
+        if ex.right >= 0:
+            right = j <= i + ex.right
+            keep = right if keep is None else keep & right
+        if self.mask is not None:
+            m = self.mask[..., i0 : i0 + rows, j0 : j0 + cols]
+            if m.dtype == torch.bool:
+                keep = m if keep is None else keep & m
+            else:
+                s = s + m.to(s.dtype)
+        if keep is not None:
+            s = s.masked_fill(~keep, float("-inf"))
+        return s, t
+
+    def dropout(self, p: torch.Tensor, i0: int, j0: int) -> torch.Tensor:
+        """P with dropped elements zeroed (not rescaled: the caller folds in 1 / (1 - p))."""
+        if not self.ex.dropout_p:
+            return p
+        rows, cols = p.shape[-2:]
+        i = torch.arange(i0, i0 + rows, device=self.device)[:, None]
+        j = torch.arange(j0, j0 + cols, device=self.device)[None, :]
+        keep = keep_tile(self.seed, self.bh, i, j, self.threshold)
+        return p * keep
 
 
 def tiled_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    is_causal: bool,
     scale: float,
+    ex: Extras = PLAIN,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``out`` (like q, same layout) and float32 ``lse`` of shape ``q.shape[:-1]``."""
-    n_kv = k.shape[-3]
-    seq_q, seq_k = q.shape[-2], k.shape[-2]
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    """Returns ``out`` (q's shape with v's head dim, q's layout) and ``lse`` of shape
+    ``q.shape[:-1]`` (float32; float64 for float64 inputs)."""
+    tiles = _Tiles(q, k, scale, ex)
+    acc_t = _acc_dtype(q)
+    n_kv, seq_q = k.shape[-3], q.shape[-2]
+    out = empty_like_layout(q, v.shape[-1])
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=acc_t)
     qg, kg, vg = _grouped(q, n_kv), _kv(k), _kv(v)
     og, lseg = _grouped(out, n_kv), _grouped(lse.unsqueeze(-1), n_kv).squeeze(-1)
     for i0 in range(0, seq_q, block_m):
-        qi = qg[..., i0 : i0 + block_m, :].float()
+        qi = qg[..., i0 : i0 + block_m, :].to(acc_t)
         rows = qi.shape[-2]
-        m = torch.full(qi.shape[:-1], float("-inf"), device=q.device)
-        l = torch.zeros(qi.shape[:-1], device=q.device)
-        acc = torch.zeros(qi.shape, device=q.device)
-        hi = min(seq_k, i0 + rows) if is_causal else seq_k  # later keys are masked for every row
-        for j0 in range(0, hi, block_n):
-            kj = kg[..., j0 : j0 + block_n, :].float()
-            vj = vg[..., j0 : j0 + block_n, :]
-            s = (qi @ kj.transpose(-1, -2)) * scale
-            if is_causal and j0 + kj.shape[-2] - 1 > i0:  # tile crosses the diagonal
-                s = s.masked_fill(_causal_mask(i0, rows, j0, kj.shape[-2], q.device), float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))  # finite: key 0 is visible to every row
-            p = torch.exp(s - m_new.unsqueeze(-1))
-            alpha = torch.exp(m - m_new)
+        m = torch.full(qi.shape[:-1], float("-inf"), device=q.device, dtype=acc_t)
+        l = torch.zeros(qi.shape[:-1], device=q.device, dtype=acc_t)
+        acc = torch.zeros((*qi.shape[:-1], v.shape[-1]), device=q.device, dtype=acc_t)
+        lo, hi = tiles.key_range(i0, rows)
+        for j0 in range((lo // block_n) * block_n, hi, block_n):
+            kj = kg[..., j0 : min(j0 + block_n, hi), :].to(acc_t)
+            vj = vg[..., j0 : min(j0 + block_n, hi), :]
+            s, _ = tiles.scores(qi @ kj.transpose(-1, -2), i0, j0)
+            m_new = torch.maximum(m, s.amax(-1))
+            m_use = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with nothing yet
+            p = torch.exp(s - m_use.unsqueeze(-1))
+            alpha = torch.exp(m - m_use)
             l = l * alpha + p.sum(-1)
-            acc = acc * alpha.unsqueeze(-1) + p.to(v.dtype).float() @ vj.float()
+            p = tiles.dropout(p, i0, j0)
+            acc = acc * alpha.unsqueeze(-1) + p.to(v.dtype).to(acc_t) @ vj.to(acc_t)
             m = m_new
-        og[..., i0 : i0 + rows, :] = (acc / l.unsqueeze(-1)).to(q.dtype)
+        l_safe = l.masked_fill(l == 0, 1.0)  # a row that attends nothing: out 0, lse -inf
+        if ex.dropout_p:
+            acc = acc * tiles.inv_keep  # kept probabilities are scaled by 1 / (1 - p)
+        og[..., i0 : i0 + rows, :] = (acc / l_safe.unsqueeze(-1)).to(q.dtype)
         lseg[..., i0 : i0 + rows] = m + torch.log(l)
     return out, lse
 
@@ -82,40 +170,51 @@ def tiled_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
-    is_causal: bool,
     scale: float,
+    ex: Extras = PLAIN,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(dq, dk, dv)``; dk/dv summed over the query heads of each GQA group."""
+    tiles = _Tiles(q, k, scale, ex)
+    acc_t = _acc_dtype(q)
     n_kv = k.shape[-3]
     seq_q, seq_k = q.shape[-2], k.shape[-2]
-    delta = (dout.float() * out.float()).sum(-1)  # D = rowsum(dO * O)
+    delta = (dout.to(acc_t) * out.to(acc_t)).sum(-1)  # D = rowsum(dO * O)
     if dlse is not None:
-        delta = delta - dlse.float()  # d lse / d S = P, folded into D
+        delta = delta - dlse.to(acc_t)  # d lse / d S = P, folded into D
     qg, dog, kg, vg = _grouped(q, n_kv), _grouped(dout, n_kv), _kv(k), _kv(v)
-    lseg = _grouped(lse.unsqueeze(-1), n_kv).squeeze(-1)
+    # A row that attended nothing has lse = -inf: +inf makes its recomputed P zero.
+    lse_safe = lse.masked_fill(lse == float("-inf"), float("inf"))
+    lseg = _grouped(lse_safe.unsqueeze(-1), n_kv).squeeze(-1)
     deltag = _grouped(delta.unsqueeze(-1), n_kv).squeeze(-1)
-    dq = torch.zeros(qg.shape, device=q.device)
-    dk = torch.zeros(kg.shape, device=q.device).squeeze(2)
-    dv = torch.zeros(vg.shape, device=q.device).squeeze(2)
+    dq = torch.zeros(qg.shape, device=q.device, dtype=acc_t)
+    dk = torch.zeros(kg.shape, device=q.device, dtype=acc_t).squeeze(2)
+    dv = torch.zeros((*vg.shape[:-1], v.shape[-1]), device=q.device, dtype=acc_t).squeeze(2)
     for j0 in range(0, seq_k, block_n):
-        kj = kg[..., j0 : j0 + block_n, :].float()
-        vj = vg[..., j0 : j0 + block_n, :].float()
+        kj = kg[..., j0 : j0 + block_n, :].to(acc_t)
+        vj = vg[..., j0 : j0 + block_n, :].to(acc_t)
         cols = kj.shape[-2]
         dkj = torch.zeros_like(dk[..., j0 : j0 + cols, :])
-        dvj = torch.zeros_like(dkj)
-        lo = (j0 // block_m) * block_m if is_causal else 0  # earlier queries see none of these keys
-        for i0 in range(lo, seq_q, block_m):
-            qi = qg[..., i0 : i0 + block_m, :].float()
-            doi = dog[..., i0 : i0 + block_m, :].float()
+        dvj = torch.zeros_like(dv[..., j0 : j0 + cols, :])
+        # queries that may attend a key of this tile
+        lo = max(0, j0 - ex.right) if ex.right >= 0 else 0
+        hi = min(seq_q, j0 + cols + ex.left) if ex.left >= 0 else seq_q
+        for i0 in range((lo // block_m) * block_m, hi, block_m):
+            qi = qg[..., i0 : i0 + block_m, :].to(acc_t)
+            doi = dog[..., i0 : i0 + block_m, :].to(acc_t)
             rows = qi.shape[-2]
-            p = torch.exp((qi @ kj.transpose(-1, -2)) * scale - lseg[..., i0 : i0 + rows, None])
-            if is_causal and j0 + cols - 1 > i0:
-                p = p.masked_fill(_causal_mask(i0, rows, j0, cols, q.device), 0.0)
-            dvj += (p.to(v.dtype).float().transpose(-1, -2) @ doi).sum(2)
+            s, t = tiles.scores(qi @ kj.transpose(-1, -2), i0, j0)
+            p = torch.exp(s - lseg[..., i0 : i0 + rows, None])
+            pd = tiles.dropout(p, i0, j0) * tiles.inv_keep if ex.dropout_p else p
+            dvj += (pd.to(v.dtype).to(acc_t).transpose(-1, -2) @ doi).sum(2)
             dp = doi @ vj.transpose(-1, -2)
-            ds = (p * (dp - deltag[..., i0 : i0 + rows, None])).to(q.dtype).float()
+            if ex.dropout_p:
+                dp = tiles.dropout(dp, i0, j0) * tiles.inv_keep
+            ds = p * (dp - deltag[..., i0 : i0 + rows, None])
+            if t is not None:
+                ds = ds * (1 - t * t)  # through softcap * tanh(s / softcap)
+            ds = ds.to(q.dtype).to(acc_t)
             dq[..., i0 : i0 + rows, :] += ds @ kj
             dkj += (ds.transpose(-1, -2) @ qi).sum(2)
         dk[..., j0 : j0 + cols, :] = dkj * scale
@@ -132,18 +231,18 @@ def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 class TiledAttention(torch.autograd.Function):
-    """Autograd for the tiled path; saves q, k, v, out and lse (as the Triton op does).
+    """Autograd for the tiled path; saves q, k, v, out and lse (as the Triton path does).
 
     Autocast is off inside: the float32 score/accumulator matmuls must stay float32 (the caller
     already cast the inputs to the autocast dtype).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal: bool, scale: float):
+    def forward(ctx, q, k, v, scale: float, ex: Extras):
         with _no_autocast(q.device):
-            out, lse = tiled_forward(q, k, v, is_causal, scale)
+            out, lse = tiled_forward(q, k, v, scale, ex)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.scale, ctx.ex = scale, ex
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -153,5 +252,5 @@ class TiledAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         with _no_autocast(q.device):
-            dq, dk, dv = tiled_backward(dout, q, k, v, out, lse, dlse, ctx.is_causal, ctx.scale)
+            dq, dk, dv = tiled_backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
         return dq, dk, dv, None, None

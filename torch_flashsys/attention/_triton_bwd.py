@@ -4,7 +4,8 @@ Two launches. The dQ kernel runs over query tiles: it first computes ``D = rowsu
 rows (the FA2 "preprocess", fused here: it needs the same dO tile), stores D, and accumulates dQ.
 The dK/dV kernel then runs over key tiles, reading D; it loops over the query heads of a GQA group,
 so the group sum needs no atomics. Probabilities are recomputed from the saved logsumexp,
-``P = exp(S - LSE)``.
+``P = exp(S - LSE)``, with the forward's score modifications (``_triton_common.mod_scores``) and the
+same dropout random numbers (regenerated, never stored).
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._launch import LaunchCache, dot_precision
 from torch_flashsys.attention._triton_common import (
     LOG2E,
+    dropout_keep,
     keep_scores,
+    kernel_extras,
+    key_tile_range,
+    load_mask,
     load_rows,
     make_autotune,
+    mod_scores,
+    query_tile_range,
     tune_len,
 )
 
@@ -36,6 +44,10 @@ DQ_SHAPES = {
     128: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)],
     256: [(64, 32, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2)],
 }
+_SPECIALIZE_NOT = [
+    "seq_q", "seq_k", "tune_len", "left", "right", "threshold",
+    "stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_ab", "stride_ah",
+]  # fmt: skip
 
 
 def _dkdv_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int:
@@ -47,40 +59,69 @@ def _dq_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int:
 
 
 # For one query tile i:  D_i = rowsum(dO_i * O_i) - dLSE_i  (stored for the dK/dV kernel);
-# over key tiles j:  P = exp(Q_i K_j^T * scale - LSE_i);  dP = dO_i V_j^T;  dS = P * (dP - D_i);
-# dQ_i = scale * sum_j dS K_j
+# over key tiles j:  P = exp(S_ij - LSE_i);  dP = dropout(dO_i V_j^T);  dS = P * (dP - D_i)
+# (times 1 - tanh^2 under softcap);  dQ_i = scale * sum_j dS K_j
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d,
-    lo, hi, seq_k, qk_scale,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d, row_ok,
+    lo, hi, seq_k, qk_scale, sm_scale, left, right, softcap, slope, mask_base,
+    stride_mm, stride_mn, seed, bh, threshold, inv_keep,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = load_rows(k_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
         v = load_rows(v_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        p = tl.math.exp2(qk - lse2[:, None])
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        mvals = qk
+        if MASK_KIND != 0:
+            col_ok = cols < seq_k
+            if MASK_ROWS:
+                ptrs = mask_base + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn
+                mvals = load_mask(ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
+            else:
+                mvals = load_mask(mask_base + cols * stride_mn, col_ok, MASK_KIND)[None, :]
+        s, t = mod_scores(
+            qk, offs_m[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
+            SOFTCAP, ALIBI, MASK_KIND == 2,
+        )  # fmt: skip
+        p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
-            p = tl.where(keep_scores(offs_m[:, None], cols[None, :], seq_k, CAUSAL), p, 0.0)
+            keep = keep_scores(
+                offs_m[:, None], cols[None, :], seq_k, left, right, HAS_LEFT, HAS_RIGHT
+            )
+            p = tl.where(keep, p, 0.0)
+        if MASK_KIND == 1:
+            p = tl.where(mvals, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            keep_r = dropout_keep(seed, offs_m[:, None], cols[None, :], bh, threshold)
+            dp = tl.where(keep_r, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
 
 
-@triton.jit(do_not_specialize=["seq_q", "seq_k", "tune_len"])
+@triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE, DLSE, Delta, DQ,
+    Q, K, V, O, DO, LSE, DLSE, Delta, DQ, Mask, Alibi, Seed,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     n_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    left, right, softcap, threshold, inv_keep,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -91,7 +132,7 @@ def _attn_bwd_dq(
     pid = tl.program_id(0)
     bh = pid // n_m_tiles
     tile_m = pid % n_m_tiles
-    if CAUSAL:
+    if HAS_RIGHT:
         tile_m = n_m_tiles - 1 - tile_m  # longest first
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
@@ -101,7 +142,7 @@ def _attn_bwd_dq(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < seq_q
+    row_ok = offs_m < seq_q
     mask_d = offs_d < HEAD_DIM
     rows = offs_m.to(tl.int64)
     q = load_rows(
@@ -119,48 +160,69 @@ def _attn_bwd_dq(
     row_ptrs = bh.to(tl.int64) * seq_q + rows
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:  # gradient flowing into the returned lse: dS gains + dLSE * P
-        delta -= tl.load(DLSE + row_ptrs, mask=mask_m, other=0.0)
-    tl.store(Delta + row_ptrs, delta, mask=mask_m)
-    lse2 = tl.load(LSE + row_ptrs, mask=mask_m, other=0.0) * _LOG2E
+        delta -= tl.load(DLSE + row_ptrs, mask=row_ok, other=0.0)
+    tl.store(Delta + row_ptrs, delta, mask=row_ok)
+    lse2 = tl.load(LSE + row_ptrs, mask=row_ok, other=0.0) * _LOG2E
+    if MAY_EMPTY:  # a row that attended nothing (lse -inf): +inf makes its P zero
+        lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+    mask_base = Mask + b * stride_mb + h * stride_mh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if CAUSAL:
-        n_full = tl.minimum((start_m + 1) // BLOCK_N, seq_k // BLOCK_N)
-        hi = tl.minimum(seq_k, start_m + BLOCK_M)
-    else:
-        n_full = seq_k // BLOCK_N
-        hi = seq_k
+    lo, mid_lo, mid_hi, hi = key_tile_range(
+        start_m, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
     cols = offs_n.to(tl.int64)
-    k_ptrs = K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :]
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d,
-        0, n_full * BLOCK_N, seq_k, qk_scale, CAUSAL, False, EVEN_D, PRECISION, BLOCK_N,
-    )  # fmt: skip
-    lo = n_full * BLOCK_N
-    k_ptrs += lo.to(tl.int64) * stride_kn
-    v_ptrs += lo.to(tl.int64) * stride_vn
-    dq = _attn_bwd_dq_inner(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d,
-        lo, hi, seq_k, qk_scale, CAUSAL, True, EVEN_D, PRECISION, BLOCK_N,
-    )  # fmt: skip
+    k_base = K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
+    v_base = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :]
+    bh32 = bh.to(tl.int32)
+    for seg in tl.static_range(3):
+        if seg == 0:
+            seg_lo = lo
+            seg_hi = mid_lo
+        elif seg == 1:
+            seg_lo = mid_lo
+            seg_hi = mid_hi
+        else:
+            seg_lo = mid_hi
+            seg_hi = hi
+        if seg != 0 or HAS_LEFT:
+            dq = _attn_bwd_dq_inner(
+                dq, q, do, lse2, delta,
+                k_base + seg_lo.to(tl.int64) * stride_kn, v_base + seg_lo.to(tl.int64) * stride_vn,
+                stride_kn, stride_vn, offs_m, offs_n, mask_d, row_ok, seg_lo, seg_hi, seq_k,
+                qk_scale, sm_scale, left, right, softcap, slope, mask_base, stride_mm, stride_mn,
+                seed, bh32, threshold, inv_keep,
+                seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
+                EVEN_D, PRECISION, BLOCK_N,
+            )  # fmt: skip
 
     dq *= sm_scale
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :]
     if EVEN_D:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask_m[:, None])
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
     else:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
 
 
-# For one key tile j, over query tiles i:  P = exp(Q_i K_j^T * scale - LSE_i);  dV_j += P^T dO_i;
-# dP = dO_i V_j^T;  dS = P * (dP - D_i);  dK_j += scale * dS^T Q_i      (P^T, dS^T computed directly)
+# For one key tile j, over query tiles i:  P = exp(S_ij - LSE_i);  dV_j += dropout(P)^T dO_i;
+# dP = dropout(dO_i V_j^T);  dS = P * (dP - D_i) (* (1 - tanh^2));  dK_j += scale * dS^T Q_i
+# (P^T, dS^T computed directly)
 @triton.jit
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
-    offs_n, offs_m0, mask_d, lo, hi, seq_q, seq_k, qk_scale,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    offs_n, offs_m0, mask_d, key_ok, lo, hi, seq_q, seq_k, qk_scale, sm_scale,
+    left, right, softcap, slope, mask_base, mask_keys, stride_mm, stride_mn,
+    seed, bh, threshold, inv_keep,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
+    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -173,14 +235,40 @@ def _attn_bwd_dkdv_inner(
         else:
             lse = tl.load(lse_ptrs)
             delta = tl.load(delta_ptrs)
-        qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-        pT = tl.math.exp2(qkT - lse[None, :] * _LOG2E)
+        lse2 = lse * _LOG2E
+        if MAY_EMPTY:
+            lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+        qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+        mvals = qkT
+        if MASK_KIND != 0:
+            if MASK_ROWS:
+                ptrs = mask_base + offs_m[None, :] * stride_mm + offs_n[:, None] * stride_mn
+                mvals = load_mask(ptrs, key_ok[:, None] & (offs_m < seq_q)[None, :], MASK_KIND)
+            else:
+                mvals = mask_keys  # a key-padding mask: loaded once per key tile
+        sT, t = mod_scores(
+            qkT, offs_m[None, :], offs_n[:, None], sm_scale, qk_scale, softcap, slope, mvals,
+            SOFTCAP, ALIBI, MASK_KIND == 2,
+        )  # fmt: skip
+        pT = tl.math.exp2(sT - lse2[None, :])
         if MASKED:
-            keep = keep_scores(offs_m[None, :], offs_n[:, None], seq_k, CAUSAL)
+            keep = keep_scores(
+                offs_m[None, :], offs_n[:, None], seq_k, left, right, HAS_LEFT, HAS_RIGHT
+            )
             pT = tl.where(keep & (offs_m < seq_q)[None, :], pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+        if MASK_KIND == 1:
+            pT = tl.where(mvals, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT:
+            keep_r = dropout_keep(seed, offs_m[None, :], offs_n[:, None], bh, threshold)
+            dv = tl.dot(tl.where(keep_r, pT * inv_keep, 0.0).to(do.dtype), do, dv,
+                        input_precision=PRECISION)  # fmt: skip
+            dpT = tl.where(keep_r, dpT * inv_keep, 0.0)
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
         dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - t * t)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -189,14 +277,18 @@ def _attn_bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seq_q", "seq_k", "tune_len"])
+@triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, Delta, DK, DV,
+    Q, K, V, DO, LSE, Delta, DK, DV, Mask, Alibi, Seed,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     n_heads, n_kv_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    left, right, softcap, threshold, inv_keep,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_D >= HEAD_DIM)
@@ -213,6 +305,7 @@ def _attn_bwd_dkdv(
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    key_ok = offs_n < seq_k
     cols = offs_n.to(tl.int64)
     k = load_rows(
         K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
@@ -224,59 +317,67 @@ def _attn_bwd_dkdv(
     )  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
 
-    # Query tiles: [lo, mid) cross the causal diagonal (masked), [mid, full) need no mask,
-    # [max(mid, full), seq_q) is the ragged last tile (masked). Keys past seq_k are not masked in
-    # the unmasked segment: they only touch rows of dK/dV that are never stored.
-    full = (seq_q // BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        lo = (start_n // BLOCK_M) * BLOCK_M  # earlier queries see none of these keys: skipped
-        mid = tl.maximum(lo, tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, full))
-    else:
-        lo = start_n * 0
-        mid = lo
-    tail = tl.maximum(mid, full)
+    # Query tiles: [lo, mid_lo) and [mid_hi, hi) cross a window edge, the causal diagonal or the
+    # ragged end (masked); [mid_lo, mid_hi) need no position mask. Keys past seq_k are not masked
+    # in the middle: they only touch rows of dK/dV that are never stored.
+    lo, mid_lo, mid_hi, hi = query_tile_range(
+        start_n, seq_q, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
     for g in range(0, group):
         h = hk * group + g  # the query heads that share this key/value head
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         row_base = (b * n_heads + h) * seq_q
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
+        mask_base = Mask + b * stride_mb + h * stride_mh
+        mask_keys = key_ok[:, None]
+        if MASK_KIND != 0 and not MASK_ROWS:
+            mask_keys = load_mask(mask_base + offs_n * stride_mn, key_ok, MASK_KIND)[:, None]
+        bh32 = (b * n_heads + h).to(tl.int32)
         for seg in tl.static_range(3):
             if seg == 0:
                 seg_lo = lo
-                seg_hi = mid
+                seg_hi = mid_lo
             elif seg == 1:
-                seg_lo = mid
-                seg_hi = tail
+                seg_lo = mid_lo
+                seg_hi = mid_hi
             else:
-                seg_lo = tail
-                seg_hi = seq_q
+                seg_lo = mid_hi
+                seg_hi = hi
             rows = (seg_lo + offs_m0).to(tl.int64)
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v,
                 q_base + rows[:, None] * stride_qm + offs_d[None, :],
                 do_base + rows[:, None] * stride_dom + offs_d[None, :],
                 LSE + row_base + rows, Delta + row_base + rows, stride_qm, stride_dom,
-                offs_n, offs_m0, mask_d, seg_lo, seg_hi, seq_q, seq_k, qk_scale,
-                CAUSAL, seg != 1, EVEN_D, PRECISION, BLOCK_M,
+                offs_n, offs_m0, mask_d, key_ok, seg_lo, seg_hi, seq_q, seq_k, qk_scale, sm_scale,
+                left, right, softcap, slope, mask_base, mask_keys, stride_mm, stride_mn,
+                seed, bh32, threshold, inv_keep,
+                seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
+                MAY_EMPTY, EVEN_D, PRECISION, BLOCK_M,
             )  # fmt: skip
 
     dk *= sm_scale
-    mask_n = (offs_n < seq_k)[:, None]
     dk_ptrs = DK + b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :]
     dv_ptrs = DV + b * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :]
     if EVEN_D:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask_n)
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask_n)
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
     else:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=mask_n & mask_d[None, :])
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=mask_n & mask_d[None, :])
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & mask_d[None, :])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None] & mask_d[None, :])
 
 
 _attn_bwd_dq_tuned = make_autotune(_attn_bwd_dq, DQ_SHAPES, _dq_footprint)
 _attn_bwd_dkdv_tuned = make_autotune(_attn_bwd_dkdv, DKDV_SHAPES, _dkdv_footprint)
-_launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=9)
-_launch_dkdv = LaunchCache(_attn_bwd_dkdv_tuned, n_tensors=8)
+_launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=12)
+_launch_dkdv = LaunchCache(_attn_bwd_dkdv_tuned, n_tensors=11)
 
 
 def attention_backward(
@@ -287,8 +388,8 @@ def attention_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
-    is_causal: bool,
     scale: float,
+    ex: Extras,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the two backward kernels on 4-D views; ``lse``/``dlse`` are contiguous (B, H, L).
 
@@ -306,25 +407,26 @@ def attention_backward(
     group = n_heads // n_kv_heads
     qk_scale = scale * LOG2E
     tl_len = tune_len(seq_q, seq_k)
+    tensors, runtime, flags = kernel_extras(ex, q)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-                  "CAUSAL": is_causal, "PRECISION": precision}  # fmt: skip
-    key = (q.shape, qs, k.shape, ks, vs, os_, dos, q.dtype, is_causal, precision)
+                  **flags._asdict(), "PRECISION": precision}  # fmt: skip
+    key = (q.shape, qs, k.shape, ks, vs, os_, dos, q.dtype, precision, flags, tensors[0].dtype)
     _launch_dq(
         (key, dlse is None),
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
-        (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq,
+        (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, *tensors,
          qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
-         dos[0], dos[1], dos[2], dqs[0], dqs[1], dqs[2],
-         n_heads, group, seq_q, seq_k, tl_len, qk_scale, scale),
+         dos[0], dos[1], dos[2], dqs[0], dqs[1], dqs[2], *runtime[:6],
+         n_heads, group, seq_q, seq_k, tl_len, qk_scale, scale, *runtime[6:]),
         {**constexprs, "HAS_DLSE": dlse is not None},
     )  # fmt: skip
     _launch_dkdv(
         key,
         lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads,),
-        (q, k, v, dout, lse, delta, dk, dv,
+        (q, k, v, dout, lse, delta, dk, dv, *tensors,
          qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], dos[0], dos[1], dos[2],
-         dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2],
-         n_heads, n_kv_heads, group, seq_q, seq_k, tl_len, qk_scale, scale),
+         dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2], *runtime[:6],
+         n_heads, n_kv_heads, group, seq_q, seq_k, tl_len, qk_scale, scale, *runtime[6:]),
         constexprs,
     )  # fmt: skip
     return dq, dk, dv

@@ -6,11 +6,15 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 
 from torch_flashsys.attention._backend import interpreter_active
+from torch_flashsys.attention._dropout import as_int32, keep_threshold
+from torch_flashsys.attention._extras import Extras
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, so scores are pre-multiplied by it
 
@@ -18,14 +22,118 @@ LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, so scores are pre-m
 Shape = tuple[int, int, int, int]
 
 
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
-def keep_scores(q_idx, k_idx, seq_k, CAUSAL: tl.constexpr):
-    """True where query ``q_idx`` may attend key ``k_idx`` (broadcast shapes): key inside the
-    sequence and, when CAUSAL, not after the query (top-left aligned)."""
+def keep_scores(q_idx, k_idx, seq_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """True where query ``q_idx`` may attend key ``k_idx`` (broadcast shapes) by position: the key
+    is inside the sequence and inside the window ``[q - left, q + right]`` (is_causal: right = 0,
+    top-left aligned)."""
     keep = k_idx < seq_k
-    if CAUSAL:
-        keep = keep & (k_idx <= q_idx)
+    if HAS_LEFT:
+        keep = keep & (k_idx >= q_idx - left)
+    if HAS_RIGHT:
+        keep = keep & (k_idx <= q_idx + right)
     return keep
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (e^(2x) + 1): exact limits (e^(2x) -> inf or 0), no cancellation issue
+    # that matters for scores (absolute error ~1e-7)
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
+
+@triton.jit
+def mod_scores(
+    qk, q_idx, k_idx, sm_scale, qk_scale, softcap, slope, mask_vals,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FLOAT_MASK: tl.constexpr,
+):  # fmt: skip
+    """Raw ``q . k`` tile -> base-2 scores ``log2(e) * s`` with the score modifications applied:
+    ``s = softcap * tanh(scale * qk / softcap)``, ``s -= slope * |i - j|``, ``s += mask``.
+    Also returns the tanh (softcap's gradient factor is ``1 - tanh^2``); qk when unused."""
+    t = qk
+    if SOFTCAP or ALIBI or FLOAT_MASK:
+        s = qk * sm_scale
+        if SOFTCAP:
+            t = _tanh(s / softcap)
+            s = softcap * t
+        if ALIBI:
+            s = s - slope * tl.abs(q_idx - k_idx).to(tl.float32)
+        if FLOAT_MASK:
+            s = s + mask_vals
+        s = s * _LOG2E
+    else:
+        s = qk * qk_scale
+    return s, t
+
+
+@triton.jit
+def dropout_keep(seed, q_idx, k_idx, bh, threshold):
+    """Keep mask of dropout for query ``q_idx`` / key ``k_idx`` (broadcast) of head ``bh``: the
+    first word of Philox4x32-10(seed, counter=(key, query, bh, 0)) >= threshold (unsigned);
+    ``torch_flashsys.attention._dropout`` computes the same words in PyTorch."""
+    zero = q_idx * 0 + k_idx * 0
+    r0, _r1, _r2, _r3 = tl.philox(seed, k_idx + zero, q_idx + zero, zero + bh, zero)
+    return r0 >= threshold.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def load_mask(ptrs, valid, MASK_KIND: tl.constexpr):
+    """A tile of the attention mask: bool (True = attend; False outside ``valid``) or float (0.0
+    outside ``valid``, as float32)."""
+    if MASK_KIND == 1:
+        vals = tl.load(ptrs, mask=valid, other=0) != 0
+    else:
+        vals = tl.load(ptrs, mask=valid, other=0.0).to(tl.float32)
+    return vals
+
+
+@triton.jit
+def key_tile_range(
+    start_m, seq_k, left, right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """For query rows [start_m, start_m + BLOCK_M): the key range [lo, hi) some row may attend,
+    and [mid_lo, mid_hi) (multiples of BLOCK_N) where every row may attend every key by position.
+    Tiles outside [lo, hi) are skipped: the cost follows the window, not the sequence."""
+    lo = start_m * 0
+    hi = seq_k + lo
+    mid_lo = lo
+    mid_hi = (seq_k // BLOCK_N) * BLOCK_N + lo
+    if HAS_LEFT:
+        lo = (tl.maximum(start_m - left, 0) // BLOCK_N) * BLOCK_N
+        mid_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 - left, 0), BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, start_m + BLOCK_M + right)
+        mid_hi = tl.minimum(mid_hi, ((start_m + right + 1) // BLOCK_N) * BLOCK_N)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def query_tile_range(
+    start_n, seq_q, left, right,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """For keys [start_n, start_n + BLOCK_N): the query range [lo, hi) whose rows may attend one of
+    them, and [mid_lo, mid_hi) (multiples of BLOCK_M, full query tiles) where every row may attend
+    every key by position."""
+    lo = start_n * 0
+    hi = seq_q + lo
+    mid_lo = lo
+    mid_hi = (seq_q // BLOCK_M) * BLOCK_M + lo
+    if HAS_RIGHT:
+        lo = (tl.maximum(start_n - right, 0) // BLOCK_M) * BLOCK_M
+        mid_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - right, 0), BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(hi, start_n + BLOCK_N + left)
+        mid_hi = tl.minimum(mid_hi, ((start_n + left + 1) // BLOCK_M) * BLOCK_M)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
 
 
 @triton.jit
@@ -43,6 +151,52 @@ def load_rows(ptrs, idx, n_rows, mask_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl.co
         else:
             tile = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
     return tile
+
+
+class Flags(NamedTuple):
+    """The constexpr switches of the score modifications (part of every launch and tuning key)."""
+
+    HAS_LEFT: bool
+    HAS_RIGHT: bool
+    MASK_KIND: int  # 0: none, 1: bool, 2: float
+    MASK_ROWS: bool  # the mask varies along queries (False: a key-padding mask, one row)
+    SOFTCAP: bool
+    ALIBI: bool
+    DROPOUT: bool
+    MAY_EMPTY: bool  # some row may attend nothing (guards for -inf maxima)
+
+
+_NO_STRIDES = (0, 0, 0, 0, 0, 0)
+
+
+def kernel_extras(ex: Extras, dummy: torch.Tensor) -> tuple[tuple, tuple, Flags]:
+    """Kernel arguments for ``ex``: pointer tensors (Mask, Alibi, Seed; ``dummy`` where absent),
+    runtime scalars (mask strides b/h/m/n, alibi strides b/h, left, right, softcap, dropout
+    threshold, 1 / keep probability) and the constexpr :class:`Flags`."""
+    mask, alibi = ex.mask, ex.alibi
+    strides = list(_NO_STRIDES)
+    kind, mask_rows = 0, False
+    if mask is not None:
+        strides[0:4] = mask.stride()
+        kind = 1 if mask.dtype == torch.bool else 2
+        mask_rows = mask.stride(2) != 0 and mask.shape[2] > 1
+    if alibi is not None:
+        strides[4:6] = alibi.stride()
+    p = ex.dropout_p
+    runtime = (
+        *strides, ex.left, ex.right, ex.softcap, as_int32(keep_threshold(p)),
+        1.0 / (1.0 - p) if p < 1.0 else 0.0,
+    )  # fmt: skip
+    flags = Flags(
+        ex.left >= 0, ex.right >= 0, kind, mask_rows, ex.softcap > 0, alibi is not None, p > 0,
+        ex.may_empty_rows,
+    )  # fmt: skip
+    tensors = (
+        dummy if mask is None else mask,
+        dummy if alibi is None else alibi,
+        dummy if ex.seed is None else ex.seed,
+    )
+    return tensors, runtime, flags
 
 
 def tune_len(seq_q: int, seq_k: int) -> int:
@@ -76,7 +230,8 @@ def make_autotune(
 ):
     """Wrap ``kernel`` in ``triton.autotune`` over ``shapes[dim_class(HEAD_DIM)]``.
 
-    The key is (head dim, causal, dot precision, length bucket, dtypes). Configs whose estimated
+    The key is (head dim, the score-modification flags, dot precision, length bucket, dtypes).
+    Configs whose estimated
     shared memory (``footprint(block_m, block_n, block_d, stages)`` elements) does not fit are
     pruned, keeping a quarter of the device's capacity spare for layout conversions; if none fits,
     the smallest tile with one stage is used. Under the interpreter: one 16x16 tile, so every loop
@@ -106,6 +261,6 @@ def make_autotune(
 
     return triton.autotune(
         configs=configs,
-        key=["HEAD_DIM", "CAUSAL", "PRECISION", "tune_len"],  # tensor dtypes are added by Triton
+        key=["HEAD_DIM", *Flags._fields, "PRECISION", "tune_len"],  # + tensor dtypes (Triton)
         prune_configs_by={"early_config_prune": prune},
     )(kernel)

@@ -2,7 +2,9 @@
 
 Tensors arrive as 4-D views ``(batch, heads, seq, head_dim)`` whose last dimension is contiguous
 (the wrapper copies the rare input that is not); key/value may have fewer heads than query (GQA:
-query head ``h`` reads key/value head ``h // group``).
+query head ``h`` reads key/value head ``h // group``). The score modifications of ``_extras``
+(position window / causal, masks, soft-capping, ALiBi, dropout) are switched by constexpr flags:
+a disabled feature compiles to nothing.
 """
 
 from __future__ import annotations
@@ -11,12 +13,18 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._launch import LaunchCache, dot_precision
 from torch_flashsys.attention._triton_common import (
     LOG2E,
+    dropout_keep,
     keep_scores,
+    kernel_extras,
+    key_tile_range,
+    load_mask,
     load_rows,
     make_autotune,
+    mod_scores,
     tune_len,
 )
 
@@ -36,25 +44,49 @@ def _fwd_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d,
-    lo, hi, seq_k, qk_scale,
-    CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d, row_ok,
+    lo, hi, seq_k, qk_scale, sm_scale, left, right, softcap, slope, mask_base,
+    stride_mm, stride_mn, seed, bh, threshold,
+    MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
+    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # Key tiles [lo, hi). MASKED tiles may cross the causal diagonal or the end of the keys.
+    # Key tiles [lo, hi). MASKED tiles may cross the window / causal diagonal or the end of keys.
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = load_rows(k_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # base-2 scores, fp32
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        mvals = qk
+        if MASK_KIND != 0:
+            col_ok = cols < seq_k
+            if MASK_ROWS:
+                ptrs = mask_base + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn
+                mvals = load_mask(ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
+            else:  # a key-padding mask: one vector per key tile
+                mvals = load_mask(mask_base + cols * stride_mn, col_ok, MASK_KIND)[None, :]
+        s, _t = mod_scores(
+            qk, offs_m[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
+            SOFTCAP, ALIBI, MASK_KIND == 2,
+        )  # fmt: skip
         if MASKED:
-            keep = keep_scores(offs_m[:, None], cols[None, :], seq_k, CAUSAL)
-            qk = tl.where(keep, qk, float("-inf"))
-        # Online softmax: every row has seen key 0 by now, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+            keep = keep_scores(
+                offs_m[:, None], cols[None, :], seq_k, left, right, HAS_LEFT, HAS_RIGHT
+            )
+            s = tl.where(keep, s, float("-inf"))
+        if MASK_KIND == 1:
+            s = tl.where(mvals, s, float("-inf"))
+        # Online softmax (base 2). m_use is 0 for a row that has seen no allowed key yet.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+        if MAY_EMPTY:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:  # dropped after the normalizer: softmax first, then dropout (as SDPA)
+            p = tl.where(dropout_keep(seed, offs_m[:, None], cols[None, :], bh, threshold), p, 0.0)
         v = load_rows(v_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)  # P in V's dtype
@@ -64,14 +96,24 @@ def _attn_fwd_inner(
     return acc, l_i, m_i
 
 
-# S = Q K^T * scale;  O = softmax(S) V;  LSE = logsumexp(S, dim=-1)   (one query tile per program)
-@triton.jit(do_not_specialize=["seq_q", "seq_k", "tune_len"])  # lengths of 1 would be constexpr
+# S = mods(Q K^T * scale);  O = dropout(softmax(S)) V;  LSE = logsumexp(S, dim=-1)
+# (one query tile per program)
+@triton.jit(
+    do_not_specialize=[
+        "seq_q", "seq_k", "tune_len", "left", "right", "threshold",
+        "stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_ab", "stride_ah",
+    ]
+)  # fmt: skip
 def _attn_fwd(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, Mask, Alibi, Seed,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    n_heads, group, seq_q, seq_k, tune_len, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
+    n_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
+    left, right, softcap, threshold, inv_keep,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_D >= HEAD_DIM)
@@ -82,7 +124,7 @@ def _attn_fwd(
     pid = tl.program_id(0)
     bh = pid // n_m_tiles
     tile_m = pid % n_m_tiles
-    if CAUSAL:
+    if HAS_RIGHT:
         tile_m = n_m_tiles - 1 - tile_m  # longest (most key tiles) first: better tail balance
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
@@ -93,56 +135,73 @@ def _attn_fwd(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM  # head dims that are not a power of two are padded to BLOCK_D
+    row_ok = offs_m < seq_q
     rows = offs_m.to(tl.int64)  # 64-bit offsets: a (b, l, h, d) layout can pass 2**31 elements
     q = load_rows(
         Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
         offs_m, seq_q, mask_d, True, EVEN_D,
     )  # fmt: skip
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+    mask_base = Mask + b * stride_mb + h * stride_mh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if CAUSAL:
-        # key tiles wholly left of the diagonal need no mask; later keys are masked for every row
-        n_full = tl.minimum((start_m + 1) // BLOCK_N, seq_k // BLOCK_N)
-        hi = tl.minimum(seq_k, start_m + BLOCK_M)
-    else:
-        n_full = seq_k // BLOCK_N
-        hi = seq_k
+    lo, mid_lo, mid_hi, hi = key_tile_range(
+        start_m, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
     cols = offs_n.to(tl.int64)
-    k_ptrs = K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :]
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d,
-        0, n_full * BLOCK_N, seq_k, qk_scale, CAUSAL, False, EVEN_D, PRECISION, BLOCK_N,
-    )  # fmt: skip
-    lo = n_full * BLOCK_N
-    k_ptrs += lo.to(tl.int64) * stride_kn
-    v_ptrs += lo.to(tl.int64) * stride_vn
-    acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d,
-        lo, hi, seq_k, qk_scale, CAUSAL, True, EVEN_D, PRECISION, BLOCK_N,
-    )  # fmt: skip
+    k_base = K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
+    v_base = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :]
+    bh32 = bh.to(tl.int32)
+    for seg in tl.static_range(3):  # masked window edge, unmasked middle, masked diagonal / end
+        if seg == 0:
+            seg_lo = lo
+            seg_hi = mid_lo
+        elif seg == 1:
+            seg_lo = mid_lo
+            seg_hi = mid_hi
+        else:
+            seg_lo = mid_hi
+            seg_hi = hi
+        if seg != 0 or HAS_LEFT:
+            acc, l_i, m_i = _attn_fwd_inner(
+                acc, l_i, m_i, q,
+                k_base + seg_lo.to(tl.int64) * stride_kn, v_base + seg_lo.to(tl.int64) * stride_vn,
+                stride_kn, stride_vn, offs_m, offs_n, mask_d, row_ok, seg_lo, seg_hi, seq_k,
+                qk_scale, sm_scale, left, right, softcap, slope, mask_base, stride_mm, stride_mn,
+                seed, bh32, threshold,
+                seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
+                MAY_EMPTY, EVEN_D, PRECISION, BLOCK_N,
+            )  # fmt: skip
 
-    acc = acc / l_i[:, None]
+    l_safe = l_i
+    if MAY_EMPTY:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row that attends nothing: out 0, lse -inf
+    if DROPOUT:
+        acc = acc * inv_keep  # kept probabilities are scaled by 1 / (1 - dropout_p)
+    acc = acc / l_safe[:, None]
     o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :]
     if EVEN_D:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(offs_m < seq_q)[:, None])
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
     else:
-        tl.store(
-            o_ptrs, acc.to(O.dtype.element_ty), mask=(offs_m < seq_q)[:, None] & mask_d[None, :]
-        )
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
     lse = (m_i + tl.math.log2(l_i)) * _LN2
-    tl.store(LSE + bh.to(tl.int64) * seq_q + rows, lse, mask=offs_m < seq_q)
+    tl.store(LSE + bh.to(tl.int64) * seq_q + rows, lse, mask=row_ok)
 
 
 _attn_fwd_tuned = make_autotune(_attn_fwd, FWD_SHAPES, _fwd_footprint)
-_launch_fwd = LaunchCache(_attn_fwd_tuned, n_tensors=5)
+_launch_fwd = LaunchCache(_attn_fwd_tuned, n_tensors=8)
 
 
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ex: Extras
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on 4-D views; returns ``out`` (like q) and fp32 ``lse`` (B, H, L).
 
@@ -156,14 +215,16 @@ def attention_forward(
         return out, lse
     precision = dot_precision(q.dtype)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    key = (q.shape, qs, k.shape, ks, vs, os_, q.dtype, is_causal, precision)
+    tensors, runtime, flags = kernel_extras(ex, q)
+    key = (q.shape, qs, k.shape, ks, vs, os_, q.dtype, precision, flags, tensors[0].dtype)
     _launch_fwd(
         key,
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
-        (q, k, v, out, lse, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-         os_[0], os_[1], os_[2], n_heads, n_heads // k.shape[1], seq_q, seq_k,
-         tune_len(seq_q, seq_k), scale * LOG2E),
-        {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-         "CAUSAL": is_causal, "PRECISION": precision},
+        (q, k, v, out, lse, *tensors, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2],
+         vs[0], vs[1], vs[2], os_[0], os_[1], os_[2], *runtime[:6],
+         n_heads, n_heads // k.shape[1], seq_q, seq_k, tune_len(seq_q, seq_k),
+         scale * LOG2E, scale, *runtime[6:]),
+        {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), **flags._asdict(),
+         "PRECISION": precision},
     )  # fmt: skip
     return out, lse

@@ -18,11 +18,6 @@ def _mha_unsupported_reason(mha: nn.MultiheadAttention) -> str | None:
         return "add_bias_kv=True is not supported"
     if mha.add_zero_attn:
         return "add_zero_attn=True is not supported"
-    if mha.dropout > 0.0:
-        return (
-            f"attention dropout ({mha.dropout}) is not supported; set its .dropout = 0.0 first "
-            "to drop it"
-        )
     return None
 
 
@@ -44,6 +39,56 @@ def _is_causal_mask(mask: torch.Tensor, seq: int) -> bool:
     return bool((mask == ref).all())
 
 
+def _sdpa_mask(
+    key_padding_mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    batch: int,
+    heads: int,
+    seq: int,
+) -> torch.Tensor | None:
+    """MHA's masks (bool: True = not allowed; float: added) -> one SDPA-style mask that broadcasts
+    to (batch, heads, seq, seq) (bool: True = allowed), without materialising it when possible."""
+    masks = []
+    if key_padding_mask is not None:
+        kpm = key_padding_mask
+        if kpm.dim() == 1:  # unbatched input
+            kpm = kpm.unsqueeze(0)
+        if kpm.shape != (batch, seq):
+            raise ValueError(
+                f"{_NAME}: key_padding_mask must be (batch, seq) = ({batch}, {seq}), got "
+                f"{tuple(key_padding_mask.shape)}"
+            )
+        masks.append(kpm.view(batch, 1, 1, seq))
+    if attn_mask is not None:
+        am = attn_mask
+        if am.dim() == 3:
+            if am.shape[0] != batch * heads:
+                raise ValueError(
+                    f"{_NAME}: a 3-D attn_mask must be (batch * num_heads, seq, seq) = "
+                    f"({batch * heads}, {seq}, {seq}), got {tuple(am.shape)}"
+                )
+            am = am.view(batch, heads, seq, seq)
+        elif am.shape != (seq, seq):
+            raise ValueError(
+                f"{_NAME}: attn_mask must be (seq, seq) or (batch * num_heads, seq, seq) with "
+                f"seq={seq}, got {tuple(attn_mask.shape)}"
+            )
+        masks.append(am)
+    if not masks:
+        return None
+    if all(m.dtype == torch.bool for m in masks):
+        allowed = [~m for m in masks]
+        return allowed[0] if len(allowed) == 1 else allowed[0] & allowed[1]
+    float_dtype = next(m.dtype for m in masks if m.dtype != torch.bool)
+    additive = [
+        torch.zeros(m.shape, dtype=float_dtype, device=m.device).masked_fill(m, float("-inf"))
+        if m.dtype == torch.bool
+        else m
+        for m in masks
+    ]
+    return additive[0] if len(additive) == 1 else additive[0] + additive[1]
+
+
 class FlashAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention computed by :func:`flash_attention`.
 
@@ -63,18 +108,24 @@ class FlashAttention(nn.Module):
     - nn.MultiheadAttention's form ``forward(query, key, value, key_padding_mask=None,
       need_weights=True, attn_mask=None, average_attn_weights=True, is_causal=False)`` returns
       ``(out, None)``, so the module can replace ``self_attn`` in ``nn.TransformerEncoderLayer``.
-      Self-attention only: ``key`` and ``value`` must be ``query`` itself. Attention is causal
-      when the module was built with ``causal=True``, when ``is_causal=True``, or when
-      ``attn_mask`` is exactly the causal mask (bool or additive float, as
-      ``nn.Transformer.generate_square_subsequent_mask`` makes it). Anything it cannot honour
-      raises ``NotImplementedError``: other ``attn_mask`` values, a ``key_padding_mask``,
-      ``need_weights=True`` (the default of MHA: pass ``need_weights=False``).
+      Self-attention only: ``key`` and ``value`` must be ``query`` itself. Masks follow MHA's
+      conventions: ``key_padding_mask`` (batch, seq) and ``attn_mask`` (seq, seq) or
+      (batch * num_heads, seq, seq), bool with True = *not* allowed, or float added to the scores;
+      both may be given (both apply). A mask that is exactly the causal mask (as
+      ``nn.Transformer.generate_square_subsequent_mask`` makes it), ``is_causal=True`` or
+      ``causal=True`` at construction use the causal kernels. A query row with no allowed key
+      gives zeros (SDPA's convention; MHA gives NaN). ``need_weights=True`` (the default of MHA:
+      pass ``need_weights=False``) raises ``NotImplementedError``.
+
+    Dropout on the attention weights (``dropout``, MHA's argument) applies in training mode only,
+    as in nn.MultiheadAttention.
 
     Args:
         embed_dim: model width; ``embed_dim // num_heads`` is the head dim.
         num_heads: query heads.
         num_kv_heads: key/value heads (a divisor of ``num_heads``); default ``num_heads``.
         bias: add biases to the input and output projections (as in MHA).
+        dropout: attention-weight dropout probability in training mode (MHA's ``dropout``).
         causal: always apply the causal mask.
         batch_first: inputs are (batch, seq, embed_dim); ``False``: (seq, batch, embed_dim).
         backend: ``backend`` of :func:`flash_attention` ("auto", "triton", "torch").
@@ -96,6 +147,7 @@ class FlashAttention(nn.Module):
         *,
         num_kv_heads: int | None = None,
         bias: bool = True,
+        dropout: float = 0.0,
         causal: bool = False,
         batch_first: bool = True,
         backend: str = "auto",
@@ -122,6 +174,13 @@ class FlashAttention(nn.Module):
             )
         if backend not in BACKENDS:
             raise ValueError(f"{_NAME}: backend must be one of {BACKENDS}, got {backend!r}")
+        if (
+            isinstance(dropout, bool)
+            or not isinstance(dropout, (int, float))
+            or not 0 <= dropout <= 1
+        ):
+            raise ValueError(f"{_NAME}: dropout must be a float in [0, 1], got {dropout!r}")
+        self.dropout = float(dropout)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -153,7 +212,7 @@ class FlashAttention(nn.Module):
         """A FlashAttention with ``mha``'s weights, device, dtype, batch_first and training mode.
 
         Raises ``ValueError`` for MHAs it cannot reproduce (kdim/vdim != embed_dim,
-        add_bias_kv, add_zero_attn, dropout > 0).
+        add_bias_kv, add_zero_attn). MHA's attention dropout carries over.
         """
         if not isinstance(mha, nn.MultiheadAttention):
             raise TypeError(
@@ -167,6 +226,7 @@ class FlashAttention(nn.Module):
             mha.embed_dim,
             mha.num_heads,
             bias=mha.in_proj_bias is not None,
+            dropout=mha.dropout,
             causal=causal,
             batch_first=mha.batch_first,
             backend=backend,
@@ -180,7 +240,7 @@ class FlashAttention(nn.Module):
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, "
-            f"bias={self.in_proj_bias is not None}, causal={self.causal}, "
+            f"bias={self.in_proj_bias is not None}, dropout={self.dropout}, causal={self.causal}, "
             f"batch_first={self.batch_first}, backend={self.backend!r}"
         )
 
@@ -207,12 +267,6 @@ class FlashAttention(nn.Module):
                     f"{_NAME}: need_weights=True is not supported (flash attention never forms "
                     "the attention weights); pass need_weights=False"
                 )
-        if key_padding_mask is not None:
-            raise NotImplementedError(
-                f"{_NAME}: key_padding_mask is not supported (got a mask of shape "
-                f"{tuple(key_padding_mask.shape)}); pad-free batches or "
-                "nn.MultiheadAttention are needed for padding"
-            )
         if not isinstance(query, torch.Tensor) or query.is_nested:
             raise TypeError(f"{_NAME}: query must be a dense torch.Tensor")
         if query.dim() not in (2, 3) or query.shape[-1] != self.embed_dim:
@@ -225,22 +279,19 @@ class FlashAttention(nn.Module):
         if not self.batch_first and query.dim() == 3:
             x = x.transpose(0, 1)
         causal = self.causal or bool(is_causal)
-        if attn_mask is not None:
-            if not _is_causal_mask(attn_mask, x.shape[1]):
-                raise NotImplementedError(
-                    f"{_NAME}: attn_mask is supported only when it is exactly the causal mask "
-                    f"(got dtype {attn_mask.dtype}, shape {tuple(attn_mask.shape)}); pass "
-                    "is_causal=True without a mask, or use nn.MultiheadAttention"
-                )
-            causal = True
-        out = self._attend(x, causal)
+        if attn_mask is not None and _is_causal_mask(attn_mask, x.shape[1]):
+            causal, attn_mask = True, None
+        mask = _sdpa_mask(key_padding_mask, attn_mask, x.shape[0], self.num_heads, x.shape[1])
+        out = self._attend(x, causal, mask)
         if not self.batch_first and query.dim() == 3:
             out = out.transpose(0, 1)
         out = out.squeeze(0) if query.dim() == 2 else out
         return (out, None) if mha_form else out
 
-    def _attend(self, x: torch.Tensor, causal: bool) -> torch.Tensor:
-        """(batch, seq, embed_dim) -> (batch, seq, embed_dim)."""
+    def _attend(
+        self, x: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(batch, seq, embed_dim) -> (batch, seq, embed_dim); ``mask`` in SDPA's convention."""
         from torch_flashsys.attention import flash_attention
 
         b, seq, _ = x.shape
@@ -250,5 +301,8 @@ class FlashAttention(nn.Module):
         q = q.view(b, seq, h, d).transpose(1, 2)  # (b, h, seq, d)
         k = k.view(b, seq, h_kv, d).transpose(1, 2)
         v = v.view(b, seq, h_kv, d).transpose(1, 2)
-        out = flash_attention(q, k, v, is_causal=causal, enable_gqa=h_kv != h, backend=self.backend)
+        out = flash_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal, enable_gqa=h_kv != h, backend=self.backend,
+        )  # fmt: skip
         return self.out_proj(out.transpose(1, 2).reshape(b, seq, self.embed_dim))

@@ -1,0 +1,99 @@
+"""What flash_attention passes to a backend besides q, k, v and the scale: the score modifications.
+
+``flash_attention`` validates its arguments (``_checks``) and normalizes them here into one
+:class:`Extras` whose tensors are views over the 4-D problem ``(batch, heads, seq_q, seq_k)`` (no
+copies: broadcast dimensions get stride 0). ``is_causal`` folds into the window as ``right = 0``, so
+the backends know one rule: query ``i`` may attend key ``j`` when ``j < seq_k``, ``j >= i - left``
+(if ``left >= 0``) and ``j <= i + right`` (if ``right >= 0``), and the boolean mask allows it.
+
+Scores are then ``s = scale * q.k``, ``s = softcap * tanh(s / softcap)`` (softcap > 0),
+``s -= slope * |i - j|`` (ALiBi), ``s += mask`` (float mask), and disallowed positions are ``-inf``;
+``P = softmax(s)`` (rows with no allowed key give zeros), dropped out with probability
+``dropout_p`` (``_dropout``), and ``out = P @ v``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torch_flashsys.attention._dropout import new_seed
+
+
+@dataclass(frozen=True)
+class Extras:
+    mask: torch.Tensor | None = None  # (B, H, L, S) view; bool (True = attend) or floating (added)
+    left: int = -1  # keys j >= i - left; -1: unbounded
+    right: int = -1  # keys j <= i + right; -1: unbounded (is_causal: 0)
+    softcap: float = 0.0  # > 0: s -> softcap * tanh(s / softcap)
+    alibi: torch.Tensor | None = None  # (B, H) float32 view: s -= slope * |i - j|
+    dropout_p: float = 0.0
+    seed: torch.Tensor | None = None  # int64 (1,) on the device, when dropout_p > 0
+
+    @property
+    def may_empty_rows(self) -> bool:
+        """Whether some query row may have no key to attend (then out = 0, lse = -inf)."""
+        return self.mask is not None or self.left >= 0
+
+    @property
+    def float_mask(self) -> bool:
+        return self.mask is not None and self.mask.dtype != torch.bool
+
+
+PLAIN = Extras()
+CAUSAL = Extras(right=0)
+
+
+def make_extras(
+    q4_shape: tuple[int, ...],
+    seq_k: int,
+    device: torch.device,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    window_size: tuple[int, int] | None,
+    softcap: float | None,
+    alibi_slopes: torch.Tensor | None,
+) -> Extras:
+    """Normalize validated arguments for the 4-D problem of shape ``q4_shape`` (B, H, L, E)."""
+    batch, heads, seq_q, _ = q4_shape
+    left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
+    if is_causal:
+        right = 0 if right < 0 else min(right, 0)
+    if (
+        attn_mask is None
+        and not dropout_p
+        and not softcap
+        and alibi_slopes is None
+        and left < 0
+        and right < 0
+    ):
+        return PLAIN
+    causal_only = left < 0 and right == 0 and alibi_slopes is None
+    if causal_only and attn_mask is None and not dropout_p and not softcap:
+        return CAUSAL
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask
+        if mask.dtype not in (torch.bool, torch.float16, torch.bfloat16, torch.float32):
+            mask = mask.float()  # e.g. float64: the kernels read at most 32 bits
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        mask = mask.expand(batch, heads, seq_q, seq_k)
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = alibi_slopes.float()
+        if alibi.dim() == 1:
+            alibi = alibi.unsqueeze(0)
+        alibi = alibi.expand(batch, heads)
+    p = float(dropout_p)
+    return Extras(
+        mask=mask,
+        left=left,
+        right=right,
+        softcap=float(softcap or 0.0),
+        alibi=alibi,
+        dropout_p=p,
+        seed=new_seed(device) if p > 0 else None,
+    )
