@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.attention.cases import ATOL_TF32, Case, cases, check_against_reference, max_err
+from tests.attention.test_features import FeatureCase, check_features, feature_cases
 from tests.reference import attention_reference
 from torch_flashsys import flash_attention
 
@@ -132,3 +133,19 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     ref, _ = attention_reference(q.detach(), k.detach(), v.detach(), is_causal=True)
     assert max_err(out, ref) < 5e-3
+
+
+@settings(max_examples=25)
+@given(
+    case=feature_cases(max_seq=300, head_dims=(32, 64, 128)),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
+def test_triton_features_match_float64_on_cuda(case, dtype):
+    """Masks, dropout (the GPU's Philox against PyTorch's replica), windows, softcap, ALiBi."""
+    check_features(case, dtype, "triton", device="cuda")
+
+
+def test_key_padding_and_window_long_sequence_on_cuda():
+    case = FeatureCase(2, 2, 2, 1500, 1500, 64, True, "key_padding", (200, -1), None, "heads",
+                       0.1, seed=21)  # fmt: skip
+    check_features(case, torch.bfloat16, "triton", device="cuda")

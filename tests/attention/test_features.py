@@ -1,0 +1,287 @@
+"""Masks, dropout, sliding windows, soft-capping and ALiBi, alone and combined, both backends,
+forward and backward, against float64 references that apply each rule explicitly
+(tests/reference.modded_attention). The Triton kernels run through the interpreter on CPU
+(float32/float16; its bfloat16 dot is broken); tests/attention/test_gpu.py repeats the property
+test on CUDA with bfloat16."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.attention.cases import ATOL, assert_close, max_err
+from tests.reference import modded_attention
+from torch_flashsys import flash_attention
+from torch_flashsys.attention._backend import triton_can_run_on
+from torch_flashsys.attention._dropout import dropout_keep_mask, new_seed
+
+needs_interpreter = pytest.mark.skipif(
+    not triton_can_run_on(torch.device("cpu")),
+    reason="Triton kernels cannot run on CPU here (no triton or TRITON_INTERPRET unset)",
+)
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+
+
+@dataclass(frozen=True)
+class FeatureCase:
+    batch: int
+    kv_heads: int
+    group: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    is_causal: bool
+    mask: str  # none | key_padding | bool | float | float_heads
+    window: tuple[int, int] | None
+    softcap: float | None
+    alibi: str  # none | heads | batch_heads
+    dropout_p: float
+    seed: int
+
+    @property
+    def heads(self) -> int:
+        return self.kv_heads * self.group
+
+    def tensors(self, dtype, device="cpu"):
+        gen = torch.Generator().manual_seed(self.seed)
+        b, h, hk = self.batch, self.heads, self.kv_heads
+        q = torch.randn(b, h, self.seq_q, self.head_dim, generator=gen)
+        k = torch.randn(b, hk, self.seq_k, self.head_dim, generator=gen)
+        v = torch.randn(b, hk, self.seq_k, self.head_dim, generator=gen)
+        mask = None
+        if self.mask == "key_padding":
+            lengths = torch.randint(1, self.seq_k + 1, (b,), generator=gen)
+            mask = (torch.arange(self.seq_k)[None, :] < lengths[:, None]).view(b, 1, 1, -1)
+        elif self.mask == "bool":
+            mask = torch.rand(self.seq_q, self.seq_k, generator=gen) > 0.3  # rows may be empty
+        elif self.mask == "float":
+            mask = torch.randn(b, 1, self.seq_q, self.seq_k, generator=gen)
+            mask = mask.masked_fill(torch.rand(mask.shape, generator=gen) < 0.2, float("-inf"))
+        elif self.mask == "float_heads":
+            mask = torch.randn(1, h, 1, self.seq_k, generator=gen)
+        alibi = None
+        if self.alibi == "heads":
+            alibi = torch.rand(h, generator=gen)
+        elif self.alibi == "batch_heads":
+            alibi = torch.rand(b, h, generator=gen)
+        q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
+        if mask is not None:
+            mask = mask.to(device)
+        if alibi is not None:
+            alibi = alibi.to(device)
+        return q, k, v, mask, alibi
+
+    def kwargs(self, mask, alibi):
+        return {
+            "attn_mask": mask,
+            "dropout_p": self.dropout_p,
+            "is_causal": self.is_causal,
+            "enable_gqa": self.group > 1,
+            "window_size": self.window,
+            "softcap": self.softcap,
+            "alibi_slopes": alibi,
+        }
+
+
+@st.composite
+def feature_cases(draw, max_seq=40, head_dims=(16, 32), only=None):
+    """Random problems with a random subset of the features (``only``: exactly those)."""
+    features = only
+    if features is None:
+        features = draw(
+            st.sets(st.sampled_from(["mask", "window", "softcap", "alibi", "dropout"]), max_size=3)
+        )
+    seq_q, seq_k = draw(st.integers(1, max_seq)), draw(st.integers(1, max_seq))
+    window = None
+    if "window" in features:
+        window = (draw(st.integers(-1, 12)), draw(st.integers(-1, 12)))
+    return FeatureCase(
+        batch=draw(st.integers(1, 2)),
+        kv_heads=draw(st.integers(1, 2)),
+        group=draw(st.sampled_from([1, 2])),
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=draw(st.sampled_from(head_dims)),
+        is_causal=draw(st.booleans()),
+        mask=draw(st.sampled_from(["key_padding", "bool", "float", "float_heads"]))
+        if "mask" in features
+        else "none",
+        window=window,
+        softcap=draw(st.sampled_from([0.5, 2.0, 20.0])) if "softcap" in features else None,
+        alibi=draw(st.sampled_from(["heads", "batch_heads"])) if "alibi" in features else "none",
+        dropout_p=draw(st.sampled_from([0.1, 0.5])) if "dropout" in features else 0.0,
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def check_features(case: FeatureCase, dtype, backend, device="cpu", atol=None):
+    """out, lse, dq, dk, dv against the float64 reference (the same dropout mask, read back)."""
+    q, k, v, mask, alibi = case.tensors(dtype, device)
+    kw = case.kwargs(mask, alibi)
+    torch.manual_seed(case.seed)
+    seed = new_seed(q.device)  # the seed flash_attention draws first after the same manual_seed
+    torch.manual_seed(case.seed)
+    out, lse = flash_attention(q, k, v, **kw, backend=backend, return_lse=True)
+    assert out.shape == q.shape and out.dtype == dtype and lse.dtype == torch.float32
+
+    keep = None
+    if case.dropout_p:
+        keep = dropout_keep_mask(
+            seed, case.batch, case.heads, case.seq_q, case.seq_k, case.dropout_p
+        )
+    ref_kw = {
+        "attn_mask": mask, "is_causal": case.is_causal, "window": case.window,
+        "softcap": case.softcap, "alibi": alibi, "keep": keep, "dropout_p": case.dropout_p,
+    }  # fmt: skip
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out64, lse64 = modded_attention(q64, k64, v64, **ref_kw)
+    qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    base, base_lse = modded_attention(qb, kb, vb, **ref_kw)  # PyTorch's own error in dtype
+    assert_close("out", out, base, out64, dtype, atol)
+    finite = lse64.isfinite()
+    assert torch.equal(lse.isfinite(), finite), "rows with no allowed key must have lse = -inf"
+    lse_tol = (1e-4 if atol is None else atol) * (
+        1 + lse64[finite].abs().max().item() if finite.any() else 1
+    )
+    assert max_err(lse[finite], lse64[finite]) <= lse_tol
+
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    dout = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
+    dlse = torch.randn(lse.shape, generator=gen).to(device) * finite  # -inf rows: no gradient
+    lse_term = lambda t: torch.where(finite, t, 0.0)
+    ((out.float() * dout.float()).sum() + (lse_term(lse) * dlse).sum()).backward()
+    ((out64 * dout.double()).sum() + (lse_term(lse64) * dlse.double()).sum()).backward()
+    ((base.float() * dout.float()).sum() + (lse_term(base_lse.float()) * dlse).sum()).backward()
+    for name, ours, b, r in (
+        ("dq", q.grad, qb.grad, q64.grad),
+        ("dk", k.grad, kb.grad, k64.grad),
+        ("dv", v.grad, vb.grad, v64.grad),
+    ):
+        assert ours.isfinite().all(), f"{name} has non-finite values"
+        assert_close(name, ours, b, r, dtype, atol)
+
+
+@settings(deadline=None)
+@given(case=feature_cases(), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_torch_backend_features_match_float64(case, dtype):
+    check_features(case, dtype, "torch")
+
+
+@needs_interpreter
+@settings(deadline=None)
+@given(case=feature_cases(max_seq=36), dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_triton_backend_features_match_float64(case, dtype):
+    check_features(case, dtype, "triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("feature", ["mask", "window", "softcap", "alibi", "dropout"])
+def test_each_feature_alone(feature, backend):
+    """Every feature on its own on a problem with ragged tiles (seq 37 x 45, GQA)."""
+    window = (5, 3) if feature == "window" else None
+    case = FeatureCase(2, 2, 2, 37, 45, 32, False, "float" if feature == "mask" else "none",
+                       window, 3.0 if feature == "softcap" else None,
+                       "heads" if feature == "alibi" else "none",
+                       0.3 if feature == "dropout" else 0.0, seed=17)  # fmt: skip
+    check_features(case, torch.float32, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_features_together_with_causal(backend):
+    case = FeatureCase(
+        2, 1, 2, 41, 41, 16, True, "key_padding", (9, -1), 4.0, "batch_heads", 0.2, 5
+    )
+    check_features(case, torch.float32, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_rows_give_zeros_like_sdpa(backend):
+    q, k, v = (torch.randn(1, 2, 5, 16, requires_grad=True) for _ in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool)
+    mask[2] = False
+    out, lse = flash_attention(q, k, v, attn_mask=mask, backend=backend, return_lse=True)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, sdpa, atol=2e-6, rtol=1e-5)
+    assert (out[:, :, 2] == 0).all() and (lse[:, :, 2] == float("-inf")).all()
+    out.sum().backward()
+    assert all(t.grad.isfinite().all() for t in (q, k, v)) and (q.grad[:, :, 2] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_statistics_scaling_and_reproducibility(backend):
+    """Kept fraction 1 - p, kept weights scaled by 1 / (1 - p), the same seed -> the same output,
+    another seed -> another mask; both backends draw the same mask for the same seed."""
+    p = 0.3
+    q, k = torch.randn(2, 3, 64, 16), torch.randn(2, 3, 64, 16)
+    v = torch.eye(64).expand(2, 3, 64, 64)[..., :16].contiguous()  # out = P[:, :16] (no mixing)
+    q, k = q * 0, k  # uniform attention: P = 1/64 everywhere
+    torch.manual_seed(0)
+    seed = new_seed(q.device)
+    torch.manual_seed(0)
+    out = flash_attention(q, k, v, dropout_p=p, backend=backend)
+    keep = dropout_keep_mask(seed, 2, 3, 64, 64, p)
+    kept = keep.float().mean().item()
+    assert abs(kept - (1 - p)) < 0.02, kept  # 24576 draws: 5 sigma ~ 0.015
+    expected = keep[..., :16].float() / 64 / (1 - p)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    torch.manual_seed(0)
+    again = flash_attention(q, k, v, dropout_p=p, backend=backend)
+    assert torch.equal(out, again)
+    assert not torch.equal(out, flash_attention(q, k, v, dropout_p=p, backend=backend))
+    assert torch.equal(
+        flash_attention(q, k, v, dropout_p=1.0, backend=backend), torch.zeros_like(out)
+    )
+
+
+@needs_interpreter
+def test_backends_draw_the_same_dropout_mask():
+    case = FeatureCase(1, 2, 1, 29, 33, 16, True, "none", None, None, "none", 0.4, seed=3)
+    q, k, v, _, _ = case.tensors(torch.float32)
+    outs = []
+    for backend in ("torch", "triton"):
+        torch.manual_seed(11)
+        outs.append(flash_attention(q, k, v, dropout_p=0.4, is_causal=True, backend=backend))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_equals_a_banded_mask(backend):
+    """window_size=(l, r) is the band |i - j| in [-l, r] (top-left aligned), with or without
+    is_causal, and equals an explicit bool mask of that band."""
+    q, k, v = (torch.randn(1, 2, 50, 16) for _ in range(3))
+    i, j = torch.arange(50)[:, None], torch.arange(50)[None, :]
+    for window, causal in (((7, 2), False), ((7, 2), True), ((0, 0), False), ((-1, 4), False)):
+        band = torch.ones(50, 50, dtype=torch.bool)
+        if window[0] >= 0:
+            band &= j >= i - window[0]
+        if window[1] >= 0:
+            band &= j <= i + window[1]
+        if causal:
+            band &= j <= i
+        out = flash_attention(q, k, v, window_size=window, is_causal=causal, backend=backend)
+        ref = flash_attention(q, k, v, attn_mask=band, backend="torch")
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_masked_results_match_sdpa_math():
+    """SDPA semantics for bool and float masks of every broadcast shape (float64, math path)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 9, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    for shape in ((9, 9), (2, 1, 9, 9), (1, 3, 1, 9), (2, 3, 9, 9), (9,)):
+        for kind in ("bool", "float"):
+            m = torch.randn(shape, generator=g, dtype=torch.float64)
+            m = m > -0.5 if kind == "bool" else m
+            with sdpa_kernel([SDPBackend.MATH]):
+                ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+            out = flash_attention(q.float(), k.float(), v.float(), attn_mask=m, backend="torch")
+            assert max_err(out, ref) < 1e-5, (shape, kind)
+
+
+def test_atol_table_covers_all_dtypes():
+    assert set(ATOL) >= {torch.float32, torch.float16, torch.bfloat16}
