@@ -184,3 +184,72 @@ def summary(rows: list[dict]) -> tuple[list[dict], list[dict]]:
         if r
     ]
     return table, totals
+
+
+# The score-modification targets: ours with a feature beside ours without it and beside every SDPA
+# backend that accepts the same call, fwd+bwd, bf16.
+FEATURES = ["key padding", "float mask", "dropout 0.1", "window (256, 0)"]
+
+
+def _feature_inputs(name: str, device: str, dtype, smoke: bool):
+    b, h, n, d = (1, 2, 256, 16) if smoke else (4, 16, 4096, 128)
+    if name.startswith("window"):
+        b, n = (1, 2048) if smoke else (1, 16384)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=gen)
+                     for _ in range(4))  # fmt: skip
+    ours, plain, sdpa = {}, {}, None
+    if name == "key padding":  # each sequence keeps 50-90% of its keys (10-50% padding)
+        keep = torch.rand(b, generator=gen, device=device) * 0.4 + 0.5
+        mask = (torch.arange(n, device=device)[None, :] < (keep * n)[:, None]).view(b, 1, 1, n)
+        ours = sdpa = {"attn_mask": mask}
+    elif name == "float mask":
+        mask = torch.randn(b, h, n, n, device=device, dtype=dtype, generator=gen)
+        ours = sdpa = {"attn_mask": mask}
+    elif name == "dropout 0.1":
+        ours = sdpa = {"dropout_p": 0.1}
+    else:
+        ours, plain = {"window_size": (256, 0), "is_causal": True}, {"is_causal": True}
+    return (q, k, v, dout), ours, plain, sdpa
+
+
+def _sdpa_call(backend_name: str, kwargs: dict):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    return run
+
+
+def run_features(smoke: bool = False) -> list[dict]:
+    from torch_flashsys import flash_attention
+
+    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = []
+    for name in FEATURES:
+        (q, k, v, dout), ours, plain, sdpa = _feature_inputs(name, device, dtype, smoke)
+        for t in (q, k, v):
+            t.requires_grad_()
+        impls = {
+            "flash_attention": lambda q, k, v, kw=ours: flash_attention(q, k, v, **kw),
+            "flash_attention without it": lambda q, k, v, kw=plain: flash_attention(q, k, v, **kw),
+        }
+        if sdpa is not None:
+            for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+                impls[f"sdpa {backend.split('_')[0].lower()}"] = _sdpa_call(backend, sdpa)
+        for impl, fn in impls.items():
+            row = {"feature": name, "impl": impl, "shape": "x".join(map(str, q.shape))}
+            try:
+                row["fwd+bwd ms"] = _measure(fn, q, k, v, dout, device)["fwd+bwd"]
+            except Exception as exc:  # SDPA backends refuse some of these calls
+                row["fwd+bwd ms"] = None
+                row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"
+            rows.append(row)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows

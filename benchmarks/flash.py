@@ -45,6 +45,8 @@ PRESETS = {
     "sweep": dict(batch=8, heads=1, seq="256,1024,4096,8192,16384", dim="16,32,64,128"),
     # The peer grid (its own shapes, see benchmarks/_peers.py): bf16, causal and not, d 64/128.
     "peers": dict(dtype="bf16"),
+    # Masks, dropout and windows against the same call without them and SDPA (benchmarks/_peers.py).
+    "features": dict(dtype="bf16"),
 }
 
 
@@ -316,6 +318,8 @@ def main(argv=None):
 
     if args.preset == "peers":
         return run_peers(args)
+    if args.preset == "features":
+        return run_features(args)
     if args.preset:
         for key, value in PRESETS[args.preset].items():
             setattr(args, key, value)
@@ -407,6 +411,28 @@ def run_peers(args) -> None:
             overhead,
             ["impl", "host us/call (wall)", "host us/call (process CPU)"],
         )
+
+
+def run_features(args) -> None:
+    from benchmarks import _peers
+
+    rows = _peers.run_features(smoke=args.smoke)
+    write_results(args.out, rows)
+    base = {
+        r["feature"]: r["fwd+bwd ms"] for r in rows if r["impl"] == "flash_attention without it"
+    }
+    peers: dict[str, float] = {}
+    for r in rows:
+        if r["impl"].startswith("sdpa") and r["fwd+bwd ms"] is not None:
+            peers[r["feature"]] = min(peers.get(r["feature"], float("inf")), r["fwd+bwd ms"])
+    for r in rows:
+        if r["impl"] == "flash_attention" and r["fwd+bwd ms"] is not None:
+            r["vs without"] = r["fwd+bwd ms"] / base[r["feature"]] if base.get(r["feature"]) else ""
+            r["vs fastest SDPA"] = (
+                r["fwd+bwd ms"] / peers[r["feature"]] if r["feature"] in peers else ""
+            )
+    columns = ["feature", "impl", "shape", "fwd+bwd ms", "vs without", "vs fastest SDPA", "note"]
+    print_report("Attention features (fwd+bwd, do_bench median; bf16)", rows, columns)
 
 
 def status(modes, text):
