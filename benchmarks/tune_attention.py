@@ -91,29 +91,38 @@ class Problem:
             (a.float() - b.float()).abs().max().item() for a, b in zip(got, want, strict=True)
         )
 
+    def _extras(self):
+        from torch_flashsys.attention._extras import CAUSAL, PLAIN
+        from torch_flashsys.attention._triton_common import kernel_extras
+
+        return kernel_extras(CAUSAL if self.causal else PLAIN, self.q)
+
     def args(self, kernel: str):
+        """The kernel's runtime arguments, as _triton_fwd / _triton_bwd pass them."""
         from torch_flashsys.attention._triton_common import LOG2E, tune_len
 
         _, h, n, _ = self.shape
+        tensors, runtime, _ = self._extras()
         s = lambda t: t.stride()[:3]
-        common = (h, 1, n, n, tune_len(n, n), self.scale * LOG2E)
+        tail = (n, n, tune_len(n, n), self.scale * LOG2E, self.scale, *runtime[6:])
         if kernel == "fwd":
-            return (self.q, self.k, self.v, self.out, self.lse, *s(self.q), *s(self.k),
-                    *s(self.v), *s(self.out), *common)  # fmt: skip
+            return (self.q, self.k, self.v, self.out, self.lse, *tensors, *s(self.q), *s(self.k),
+                    *s(self.v), *s(self.out), *runtime[:6], h, 1, *tail)  # fmt: skip
         if kernel == "dq":
             return (self.q, self.k, self.v, self.out, self.do, self.lse, self.lse, self.delta,
-                    self.dq, *s(self.q), *s(self.k), *s(self.v), *s(self.out), *s(self.do),
-                    *s(self.dq), *common, self.scale)  # fmt: skip
-        return (self.q, self.k, self.v, self.do, self.lse, self.delta, self.dk, self.dv,
+                    self.dq, *tensors, *s(self.q), *s(self.k), *s(self.v), *s(self.out),
+                    *s(self.do), *s(self.dq), *runtime[:6], h, 1, *tail)  # fmt: skip
+        return (self.q, self.k, self.v, self.do, self.lse, self.delta, self.dk, self.dv, *tensors,
                 *s(self.q), *s(self.k), *s(self.v), *s(self.do), *s(self.dk), *s(self.dv),
-                h, h, 1, n, n, tune_len(n, n), self.scale * LOG2E, self.scale)  # fmt: skip
+                *runtime[:6], h, h, 1, *tail)  # fmt: skip
 
     def constexprs(self, kernel: str):
         import triton
 
         d = self.shape[-1]
-        c = {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d), "CAUSAL": self.causal,
-             "PRECISION": "tf32"}  # fmt: skip
+        _, _, flags = self._extras()
+        c = {"HEAD_DIM": d, "BLOCK_D": triton.next_power_of_2(d), "HEAD_DIM_V": d,
+             "BLOCK_DV": triton.next_power_of_2(d), **flags._asdict(), "PRECISION": "tf32"}  # fmt: skip
         if kernel == "dq":
             c["HAS_DLSE"] = False
         return c

@@ -90,13 +90,11 @@ def modded_attention(
             s = s + attn_mask.to(s.dtype)
     s = s.masked_fill(~allowed, float("-inf"))
     # Kept finite where s or lse is -inf, also in the gradient (no 0 * NaN).
-    dead = s == float("-inf")
-    empty = dead.all(-1)
+    empty = (s == float("-inf")).all(-1)
     lse = torch.logsumexp(s.masked_fill(empty[..., None], 0.0), dim=-1)
     lse = lse.masked_fill(empty, float("-inf"))
-    s_safe = s.masked_fill(dead, 0.0)
     lse_safe = lse.masked_fill(empty, 0.0)
-    p = torch.where(dead, 0.0, torch.exp(s_safe - lse_safe[..., None]))
+    p = torch.exp(s - lse_safe[..., None])  # exp(-inf - finite) = 0, also in the gradient
     if keep is not None:
         p = p * keep.to(p.device) * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
     out = p.to(v.dtype) @ _expand_kv(v, heads)

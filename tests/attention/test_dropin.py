@@ -226,10 +226,7 @@ def _unsupported_calls():
     q = r(2, 2, 6, 16)
     return [
         ("mask that needs a gradient", (q, q, q), {"attn_mask": r(6, 6).requires_grad_()}),
-        ("float64", (q.double(),) * 3, {"is_causal": True}),
         ("broadcast batch", (q, r(1, 2, 6, 16), r(1, 2, 6, 16)), {}),
-        ("5-D", (r(1, 2, 2, 6, 16),) * 3, {}),
-        ("value head dim differs", (q, q, r(2, 2, 6, 8)), {}),
         ("heads 1 vs 2 broadcast", (r(1, 1, 6, 16), r(1, 2, 6, 16), r(1, 2, 6, 16)), {}),
         ("3-D broadcast batch", (r(2, 6, 16), r(1, 6, 16), r(1, 6, 16)), {}),
         # backend="triton" (below): head dim 12 is outside the kernels' range (and without the
@@ -270,11 +267,16 @@ def _masked_calls():
         ("key padding", (q, r(2, 2, 7, 16), r(2, 2, 7, 16)), {"attn_mask": pad}),
         ("per-head float mask", (q, q, q), {"attn_mask": r(2, 2, 6, 6), "scale": 0.3}),
         ("3-D with mask", (r(3, 6, 16),) * 3, {"attn_mask": r(3, 6, 6) > 0}),
+        ("float64", (q.double(),) * 3, {"is_causal": True}),
+        ("5-D", (r(1, 2, 2, 6, 16),) * 3, {}),
+        ("2-D", (r(6, 16),) * 3, {}),
+        ("value head dim differs", (q, q, r(2, 2, 6, 8)), {}),
+        ("no keys", (q, r(2, 2, 0, 16), r(2, 2, 0, 16)), {}),
     ]
 
 
 @pytest.mark.parametrize(("name", "args", "kwargs"), _masked_calls())
-def test_sdpa_override_routes_masked_calls(name, args, kwargs, flash_calls):
+def test_sdpa_override_routes_masked_and_other_calls(name, args, kwargs, flash_calls):
     expected = ORIGINAL_SDPA(*args, **kwargs)
     with sdpa_override(backend="torch"):
         out = F.scaled_dot_product_attention(*args, **kwargs)

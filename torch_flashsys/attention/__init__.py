@@ -48,9 +48,12 @@ def flash_attention(
     semantics) with memory linear in the sequence length, differentiable in query, key and value.
 
     Args:
-        query: ``(batch, heads, seq_q, head_dim)`` or ``(batch, seq_q, head_dim)``.
-        key: ``(batch, kv_heads, seq_k, head_dim)`` or ``(batch, seq_k, head_dim)``.
-        value: same shape as ``key``.
+        query: ``(batch, heads, seq_q, head_dim)``; also ``(batch, seq_q, head_dim)``,
+            ``(seq_q, head_dim)`` and several leading batch dimensions ``(..., heads, seq_q,
+            head_dim)``, as SDPA takes them (no broadcasting between q and k/v).
+        key: ``(..., kv_heads, seq_k, head_dim)``; ``seq_k`` may be 0 (output zeros).
+        value: ``(..., kv_heads, seq_k, head_dim_v)``; ``head_dim_v`` may differ from the
+            query/key head dim (e.g. 128 with 192 for MLA models).
         attn_mask: broadcastable to ``query.shape[:-1] + (seq_k,)``, e.g. a key-padding mask
             ``(batch, 1, 1, seq_k)``; bool (True = take part in attention) or float (added to the
             scaled scores), as in SDPA. Never materialised at full size. Rows with no allowed key
@@ -71,8 +74,9 @@ def flash_attention(
             cost grows with the window, not the sequence (as flash-attn's ``window_size``).
         softcap: ``> 0``: scores ``s`` become ``softcap * tanh(s / softcap)`` (Gemma 2), applied to
             the scaled scores before ALiBi and the mask. ``None`` or ``0``: off.
-        alibi_slopes: ``(heads,)`` or ``(batch, heads)``: adds ``-slope * |i - j|`` to the scaled
-            scores (ALiBi, as flash-attn's ``alibi_slopes`` when ``seq_q == seq_k``).
+        alibi_slopes: ``(heads,)`` or ``(batch, heads)`` (batch: the product of the leading
+            dimensions): adds ``-slope * |i - j|`` to the scaled scores (ALiBi, as flash-attn's
+            ``alibi_slopes`` when ``seq_q == seq_k``).
         backend: ``"triton"`` (Triton kernels: CUDA tensors, or CPU tensors under
             ``TRITON_INTERPRET=1``), ``"torch"`` (pure-PyTorch tiled FlashAttention-2, any device), or
             ``"auto"`` (Triton where it can run, else torch).
@@ -80,11 +84,12 @@ def flash_attention(
             float32, shape ``query.shape[:-1]``; ``-inf`` for rows with no allowed key.
 
     Returns:
-        ``out`` with the shape, dtype and memory layout of ``query``; ``(out, lse)`` when
-        ``return_lse``.
+        ``out`` with the shape (last dimension ``head_dim_v``), dtype and memory layout of
+        ``query``; ``(out, lse)`` when ``return_lse``.
 
     Dtypes are float16, bfloat16 and float32 (float32 dots are full precision unless TF32 is
-    allowed, e.g. ``torch.backends.cuda.matmul.allow_tf32 = True``, read at each call).
+    allowed, e.g. ``torch.backends.cuda.matmul.allow_tf32 = True``, read at each call), and
+    float64 through the PyTorch backend (``"auto"`` picks it; for ``torch.autograd.gradcheck``).
     Under ``torch.autocast``, query, key and value are first cast to the autocast dtype, as
     ``scaled_dot_product_attention`` does.
     The Triton backend takes head dims 16..256 that are multiples of 8.
@@ -103,20 +108,40 @@ def flash_attention(
         window_size, softcap, alibi_slopes,
     )  # fmt: skip
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    mods = (dropout_p, is_causal, window_size, softcap, alibi_slopes)
+    if query.dim() in (3, 4):
+        out, lse = _attend(query, key, value, attn_mask, mods, sm_scale, resolved)
+        return (out, lse) if return_lse else out
+    # 2-D, or several leading batch dimensions: the same problem on 4-D views
+    q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
+    mask4 = attn_mask
+    if attn_mask is not None and query.dim() > 4:
+        mask4 = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+        mask4 = mask4.reshape(-1, *mask4.shape[-3:])
+    out, lse = _attend(q4, k4, v4, mask4, mods, sm_scale, resolved)
+    out = out.reshape(*query.shape[:-1], value.shape[-1])
+    lse = lse.reshape(query.shape[:-1])
+    return (out, lse) if return_lse else out
+
+
+def _attend(query, key, value, attn_mask, mods, sm_scale: float, backend: str):
+    """The validated 3-D/4-D problem on ``backend``: ``(out, lse)``."""
     q4_shape = query.shape if query.dim() == 4 else (1, *query.shape)
-    ex = make_extras(
-        q4_shape, key.shape[-2], query.device, attn_mask, dropout_p, is_causal, window_size,
-        softcap, alibi_slopes,
-    )  # fmt: skip
-    if resolved == "triton":
+    ex = make_extras(q4_shape, key.shape[-2], query.device, attn_mask, *mods)
+    if backend == "triton":
         from torch_flashsys.attention._ops import triton_attention
 
-        out, lse = triton_attention(query, key, value, sm_scale, ex)
-    else:
-        from torch_flashsys.attention._torch_impl import TiledAttention
+        return triton_attention(query, key, value, sm_scale, ex)
+    from torch_flashsys.attention._torch_impl import TiledAttention
 
-        out, lse = TiledAttention.apply(query, key, value, sm_scale, ex)
-    return (out, lse) if return_lse else out
+    return TiledAttention.apply(query, key, value, sm_scale, ex)
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """(seq, dim) -> (1, 1, seq, dim); (..., heads, seq, dim) -> (batch, heads, seq, dim)."""
+    if t.dim() == 2:
+        return t.view(1, 1, *t.shape)
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)

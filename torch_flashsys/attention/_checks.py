@@ -13,7 +13,8 @@ from torch_flashsys.attention._backend import (
     triton_installed,
 )
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TRITON_HEAD_DIMS = "16..256, multiples of 8"
 
 _NAME = "flash_attention"
@@ -84,12 +85,12 @@ def check_inputs(
     ):
         _fail(ValueError, f"softcap must be None or a finite float >= 0 (0: off), got {softcap!r}")
 
-    # Ranks and shapes.
-    if query.dim() not in (3, 4):
+    # Ranks and shapes: (..., heads, seq, head_dim), any number of leading batch dimensions.
+    if query.dim() < 2:
         _fail(
             ValueError,
-            "query must be 3-D (batch, seq, head_dim) or 4-D (batch, heads, seq, head_dim), "
-            f"got {query.dim()}-D with shape {tuple(query.shape)}",
+            "query must have at least 2 dimensions (..., seq, head_dim), got "
+            f"{query.dim()}-D with shape {tuple(query.shape)}",
         )
     if key.dim() != query.dim() or value.dim() != query.dim():
         _fail(
@@ -98,11 +99,11 @@ def check_inputs(
             f"{query.dim()}, {key.dim()} and {value.dim()}",
         )
     e_q, e_k, e_v = query.shape[-1], key.shape[-1], value.shape[-1]
-    if not e_q == e_k == e_v:
+    if e_q != e_k:
         _fail(
             ValueError,
-            f"query, key and value must have the same head dim (last dimension), got {e_q}, "
-            f"{e_k} and {e_v}",
+            f"query and key must have the same head dim (last dimension), got {e_q} and {e_k} "
+            f"(value may differ: {e_v})",
         )
     if key.shape[:-1] != value.shape[:-1]:
         _fail(
@@ -111,34 +112,34 @@ def check_inputs(
             f"{tuple(key.shape)} and {tuple(value.shape)} (sequence lengths "
             f"{key.shape[-2]} and {value.shape[-2]})",
         )
-    if query.dim() == 4 and query.shape[0] != key.shape[0]:
+    if query.dim() >= 4 and query.shape[:-3] != key.shape[:-3]:
         _fail(
             ValueError,
-            f"query and key must have the same batch size, got {query.shape[0]} and {key.shape[0]}",
+            "query and key must have the same batch dimensions (all but the last three), got "
+            f"{tuple(query.shape[:-3])} and {tuple(key.shape[:-3])}",
         )
-    if key.shape[-2] == 0:
-        _fail(ValueError, "key and value must have at least one position (seq length 0 given)")
-    h_q, h_kv = query.shape[-3], key.shape[-3]
-    if h_q != h_kv:
-        if not enable_gqa:
-            _fail(
-                ValueError,
-                f"query has {h_q} heads but key/value have {h_kv}; pass enable_gqa=True for "
-                "grouped-query attention",
-            )
-        if h_kv == 0 or h_q % h_kv != 0:
-            _fail(
-                ValueError,
-                f"with enable_gqa=True the query heads ({h_q}) must be a multiple of the key/value "
-                f"heads ({h_kv})",
-            )
+    if query.dim() >= 3:
+        h_q, h_kv = query.shape[-3], key.shape[-3]
+        if h_q != h_kv:
+            if not enable_gqa:
+                _fail(
+                    ValueError,
+                    f"query has {h_q} heads but key/value have {h_kv}; pass enable_gqa=True for "
+                    "grouped-query attention",
+                )
+            if h_kv == 0 or h_q % h_kv != 0:
+                _fail(
+                    ValueError,
+                    f"with enable_gqa=True the query heads ({h_q}) must be a multiple of the "
+                    f"key/value heads ({h_kv})",
+                )
 
     # Dtypes and devices.
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dtype not in SUPPORTED_DTYPES:
             _fail(
                 TypeError,
-                f"{name} must be float16, bfloat16 or float32, got {t.dtype}",
+                f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}",
             )
     if not query.dtype == key.dtype == value.dtype:
         _fail(
@@ -159,7 +160,17 @@ def check_inputs(
         _check_alibi(alibi_slopes, query)
 
     resolved = resolve_backend(backend, query.device)
+    if query.shape[-2] == 0 or key.shape[-2] == 0:
+        return "torch"  # an empty sequence: zeros / an empty output, from the PyTorch backend
+    if backend == "auto" and query.dtype == torch.float64:
+        resolved = "torch"  # float64 (e.g. gradcheck): the PyTorch backend, on any device
     if resolved == "triton":
+        if query.dtype not in TRITON_DTYPES:
+            _fail(
+                TypeError,
+                f"backend='triton' supports float16, bfloat16 and float32, got {query.dtype}; "
+                "use backend='torch' (or 'auto') for float64",
+            )
         if not triton_installed():
             _fail(RuntimeError, "backend='triton' needs the triton package (pip install triton)")
         if query.device.type != "cuda" and not (
@@ -171,12 +182,13 @@ def check_inputs(
                 "backend='torch', or set TRITON_INTERPRET=1 before importing triton to run the "
                 "kernels on CPU tensors through the Triton interpreter",
             )
-        if not triton_head_dim_ok(e_q):
-            _fail(
-                ValueError,
-                f"backend='triton' supports head dims {TRITON_HEAD_DIMS}, got {e_q}; "
-                "use backend='torch' for other head dims",
-            )
+        for name, e in (("query/key", e_q), ("value", e_v)):
+            if not triton_head_dim_ok(e):
+                _fail(
+                    ValueError,
+                    f"backend='triton' supports head dims {TRITON_HEAD_DIMS}, got {e} ({name}); "
+                    "use backend='torch' for other head dims",
+                )
     return resolved
 
 
@@ -213,8 +225,8 @@ def _check_alibi(slopes: object, query: torch.Tensor) -> None:
     if not isinstance(slopes, torch.Tensor) or not slopes.is_floating_point():
         what = slopes.dtype if isinstance(slopes, torch.Tensor) else type(slopes).__name__
         _fail(TypeError, f"alibi_slopes must be a float tensor, got {what}")
-    heads = query.shape[-3]
-    batch = query.shape[0] if query.dim() == 4 else 1
+    heads = query.shape[-3] if query.dim() >= 3 else 1
+    batch = math.prod(query.shape[:-3]) if query.dim() >= 4 else 1
     if tuple(slopes.shape) not in ((heads,), (batch, heads)):
         _fail(
             ValueError,

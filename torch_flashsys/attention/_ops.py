@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from torch_flashsys.attention._extras import Extras
+from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._triton_bwd import attention_backward
 from torch_flashsys.attention._triton_fwd import attention_forward
 
@@ -34,7 +35,7 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 def _forward(q, k, v, scale: float, ex: Extras):
     out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), scale, ex)
-    return out.view(q.shape), lse.view(q.shape[:-1])
+    return out.view(*q.shape[:-1], v.shape[-1]), lse.view(q.shape[:-1])
 
 
 def _backward(dout, q, k, v, out, lse, dlse, scale: float, ex: Extras):
@@ -94,7 +95,7 @@ def attn_fwd(
 
 @attn_fwd.register_fake
 def _(q, k, v, mask, alibi, seed, scale, left, right, softcap, dropout_p):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return empty_like_layout(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_LIB}::attn_bwd", mutates_args=())

@@ -17,6 +17,7 @@ import torch
 
 from torch_flashsys.attention._dropout import keep_threshold, keep_tile
 from torch_flashsys.attention._extras import PLAIN, Extras
+from torch_flashsys.attention._tensors import empty_like_layout
 
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # key rows per tile
@@ -31,17 +32,6 @@ def _grouped(t: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
 def _kv(t: torch.Tensor) -> torch.Tensor:
     """View key/value (..., Hkv, S, E) as (B, Hkv, 1, S, E), broadcasting over the query group."""
     return (t.unsqueeze(0) if t.dim() == 3 else t).unsqueeze(2)
-
-
-def empty_like_layout(t: torch.Tensor, last: int) -> torch.Tensor:
-    """An empty tensor of ``t``'s shape with last dimension ``last``, in ``t``'s memory layout
-    (the order of its strides), e.g. a (B, L, H, E) tensor viewed as (B, H, L, E)."""
-    if last == t.shape[-1]:
-        return torch.empty_like(t)
-    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d))  # outermost first
-    base = t.new_empty([t.shape[d] for d in order] + [last])
-    inverse = [order.index(d) for d in range(t.dim() - 1)] + [t.dim() - 1]
-    return base.permute(inverse)
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:

@@ -63,19 +63,20 @@ def _dq_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int:
 # (times 1 - tanh^2 under softcap);  dQ_i = scale * sum_j dS K_j
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d, row_ok,
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d, mask_dv,
+    row_ok,
     lo, hi, seq_k, qk_scale, sm_scale, left, right, softcap, slope, mask_base,
     stride_mm, stride_mn, seed, bh, threshold, inv_keep,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = load_rows(k_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
-        v = load_rows(v_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
+        v = load_rows(v_ptrs, cols, seq_k, mask_dv, MASKED, EVEN_DV)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         mvals = qk
         if MASK_KIND != 0:
@@ -119,15 +120,17 @@ def _attn_bwd_dq(
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     n_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
     left, right, softcap, threshold, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
     n_m_tiles = tl.cdiv(seq_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // n_m_tiles
@@ -144,18 +147,20 @@ def _attn_bwd_dq(
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seq_q
     mask_d = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < HEAD_DIM_V
     rows = offs_m.to(tl.int64)
     q = load_rows(
         Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
         offs_m, seq_q, mask_d, True, EVEN_D,
     )  # fmt: skip
     do = load_rows(
-        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-        offs_m, seq_q, mask_d, True, EVEN_D,
+        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_dv[None, :],
+        offs_m, seq_q, mask_dv, True, EVEN_DV,
     )  # fmt: skip
     o = load_rows(
-        O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :],
-        offs_m, seq_q, mask_d, True, EVEN_D,
+        O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_dv[None, :],
+        offs_m, seq_q, mask_dv, True, EVEN_DV,
     )  # fmt: skip
     row_ptrs = bh.to(tl.int64) * seq_q + rows
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -179,7 +184,7 @@ def _attn_bwd_dq(
     )
     cols = offs_n.to(tl.int64)
     k_base = K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
-    v_base = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :]
+    v_base = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :]
     bh32 = bh.to(tl.int32)
     for seg in tl.static_range(3):
         if seg == 0:
@@ -195,11 +200,11 @@ def _attn_bwd_dq(
             dq = _attn_bwd_dq_inner(
                 dq, q, do, lse2, delta,
                 k_base + seg_lo.to(tl.int64) * stride_kn, v_base + seg_lo.to(tl.int64) * stride_vn,
-                stride_kn, stride_vn, offs_m, offs_n, mask_d, row_ok, seg_lo, seg_hi, seq_k,
-                qk_scale, sm_scale, left, right, softcap, slope, mask_base, stride_mm, stride_mn,
-                seed, bh32, threshold, inv_keep,
+                stride_kn, stride_vn, offs_m, offs_n, mask_d, mask_dv, row_ok, seg_lo, seg_hi,
+                seq_k, qk_scale, sm_scale, left, right, softcap, slope, mask_base, stride_mm,
+                stride_mn, seed, bh32, threshold, inv_keep,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
-                EVEN_D, PRECISION, BLOCK_N,
+                EVEN_D, EVEN_DV, PRECISION, BLOCK_N,
             )  # fmt: skip
 
     dq *= sm_scale
@@ -216,19 +221,19 @@ def _attn_bwd_dq(
 @triton.jit
 def _attn_bwd_dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
-    offs_n, offs_m0, mask_d, key_ok, lo, hi, seq_q, seq_k, qk_scale, sm_scale,
+    offs_n, offs_m0, mask_d, mask_dv, key_ok, lo, hi, seq_q, seq_k, qk_scale, sm_scale,
     left, right, softcap, slope, mask_base, mask_keys, stride_mm, stride_mn,
     seed, bh, threshold, inv_keep,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
         q = load_rows(q_ptrs, offs_m, seq_q, mask_d, MASKED, EVEN_D)
-        do = load_rows(do_ptrs, offs_m, seq_q, mask_d, MASKED, EVEN_D)
+        do = load_rows(do_ptrs, offs_m, seq_q, mask_dv, MASKED, EVEN_DV)
         if MASKED:
             lse = tl.load(lse_ptrs, mask=offs_m < seq_q, other=0.0)
             delta = tl.load(delta_ptrs, mask=offs_m < seq_q, other=0.0)
@@ -286,14 +291,16 @@ def _attn_bwd_dkdv(
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     n_heads, n_kv_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
     left, right, softcap, threshold, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
     n_n_tiles = tl.cdiv(seq_k, BLOCK_N)
     pid = tl.program_id(0)
     bhk = pid // n_n_tiles
@@ -305,6 +312,8 @@ def _attn_bwd_dkdv(
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < HEAD_DIM_V
     key_ok = offs_n < seq_k
     cols = offs_n.to(tl.int64)
     k = load_rows(
@@ -312,11 +321,11 @@ def _attn_bwd_dkdv(
         offs_n, seq_k, mask_d, True, EVEN_D,
     )  # fmt: skip
     v = load_rows(
-        V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :],
-        offs_n, seq_k, mask_d, True, EVEN_D,
+        V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :],
+        offs_n, seq_k, mask_dv, True, EVEN_DV,
     )  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     seed = 0
     if DROPOUT:
         seed = tl.load(Seed)
@@ -354,24 +363,27 @@ def _attn_bwd_dkdv(
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v,
                 q_base + rows[:, None] * stride_qm + offs_d[None, :],
-                do_base + rows[:, None] * stride_dom + offs_d[None, :],
+                do_base + rows[:, None] * stride_dom + offs_dv[None, :],
                 LSE + row_base + rows, Delta + row_base + rows, stride_qm, stride_dom,
-                offs_n, offs_m0, mask_d, key_ok, seg_lo, seg_hi, seq_q, seq_k, qk_scale, sm_scale,
+                offs_n, offs_m0, mask_d, mask_dv, key_ok, seg_lo, seg_hi, seq_q, seq_k, qk_scale,
+                sm_scale,
                 left, right, softcap, slope, mask_base, mask_keys, stride_mm, stride_mn,
                 seed, bh32, threshold, inv_keep,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
-                MAY_EMPTY, EVEN_D, PRECISION, BLOCK_M,
+                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, BLOCK_M,
             )  # fmt: skip
 
     dk *= sm_scale
     dk_ptrs = DK + b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :]
-    dv_ptrs = DV + b * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :]
+    dv_ptrs = DV + b * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_dv[None, :]
     if EVEN_D:
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
     else:
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & mask_d[None, :])
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None] & mask_d[None, :])
+    if EVEN_DV:
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+    else:
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None] & mask_dv[None, :])
 
 
 _attn_bwd_dq_tuned = make_autotune(_attn_bwd_dq, DQ_SHAPES, _dq_footprint)
@@ -408,9 +420,12 @@ def attention_backward(
     qk_scale = scale * LOG2E
     tl_len = tune_len(seq_q, seq_k)
     tensors, runtime, flags = kernel_extras(ex, q)
+    dim_v = v.shape[-1]
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
+                  "HEAD_DIM_V": dim_v, "BLOCK_DV": triton.next_power_of_2(dim_v),
                   **flags._asdict(), "PRECISION": precision}  # fmt: skip
-    key = (q.shape, qs, k.shape, ks, vs, os_, dos, q.dtype, precision, flags, tensors[0].dtype)
+    key = (q.shape, qs, k.shape, ks, v.shape, vs, os_, dos, q.dtype, precision, flags,
+           tensors[0].dtype)  # fmt: skip
     _launch_dq(
         (key, dlse is None),
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),

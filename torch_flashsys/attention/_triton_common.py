@@ -247,7 +247,8 @@ def make_autotune(
     ]
 
     def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-        head_dim, block_d = kwargs["HEAD_DIM"], kwargs["BLOCK_D"]
+        head_dim = max(kwargs["HEAD_DIM"], kwargs["HEAD_DIM_V"])
+        block_d = max(kwargs["BLOCK_D"], kwargs["BLOCK_DV"])
         first = next(iter(named_args.values()))
         budget = 0.75 * _shared_memory_bytes(first.device.index or 0)
         elem = first.element_size()
@@ -261,6 +262,6 @@ def make_autotune(
 
     return triton.autotune(
         configs=configs,
-        key=["HEAD_DIM", *Flags._fields, "PRECISION", "tune_len"],  # + tensor dtypes (Triton)
+        key=["HEAD_DIM", "HEAD_DIM_V", *Flags._fields, "PRECISION", "tune_len"],  # + dtypes
         prune_configs_by={"early_config_prune": prune},
     )(kernel)

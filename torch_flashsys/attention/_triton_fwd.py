@@ -15,6 +15,7 @@ import triton.language as tl
 
 from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._launch import LaunchCache, dot_precision
+from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._triton_common import (
     LOG2E,
     dropout_keep,
@@ -44,13 +45,13 @@ def _fwd_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d, row_ok,
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d, mask_dv, row_ok,
     lo, hi, seq_k, qk_scale, sm_scale, left, right, softcap, slope, mask_base,
     stride_mm, stride_mn, seed, bh, threshold,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Key tiles [lo, hi). MASKED tiles may cross the window / causal diagonal or the end of keys.
     for start_n in range(lo, hi, BLOCK_N):
@@ -87,7 +88,7 @@ def _attn_fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # dropped after the normalizer: softmax first, then dropout (as SDPA)
             p = tl.where(dropout_keep(seed, offs_m[:, None], cols[None, :], bh, threshold), p, 0.0)
-        v = load_rows(v_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
+        v = load_rows(v_ptrs, cols, seq_k, mask_dv, MASKED, EVEN_DV)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)  # P in V's dtype
         m_i = m_new
@@ -111,14 +112,16 @@ def _attn_fwd(
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     n_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
     left, right, softcap, threshold, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)  # tl.dot's minimum tile
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
     # 1-D grid (no 65535 limit on batch*heads): consecutive programs share a head, so K/V stay in L2.
     n_m_tiles = tl.cdiv(seq_q, BLOCK_M)
     pid = tl.program_id(0)
@@ -135,6 +138,8 @@ def _attn_fwd(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM  # head dims that are not a power of two are padded to BLOCK_D
+    offs_dv = tl.arange(0, BLOCK_DV)  # value head dim (may differ from the query/key one)
+    mask_dv = offs_dv < HEAD_DIM_V
     row_ok = offs_m < seq_q
     rows = offs_m.to(tl.int64)  # 64-bit offsets: a (b, l, h, d) layout can pass 2**31 elements
     q = load_rows(
@@ -151,14 +156,14 @@ def _attn_fwd(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = key_tile_range(
         start_m, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     cols = offs_n.to(tl.int64)
     k_base = K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
-    v_base = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :]
+    v_base = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :]
     bh32 = bh.to(tl.int32)
     for seg in tl.static_range(3):  # masked window edge, unmasked middle, masked diagonal / end
         if seg == 0:
@@ -174,11 +179,11 @@ def _attn_fwd(
             acc, l_i, m_i = _attn_fwd_inner(
                 acc, l_i, m_i, q,
                 k_base + seg_lo.to(tl.int64) * stride_kn, v_base + seg_lo.to(tl.int64) * stride_vn,
-                stride_kn, stride_vn, offs_m, offs_n, mask_d, row_ok, seg_lo, seg_hi, seq_k,
+                stride_kn, stride_vn, offs_m, offs_n, mask_d, mask_dv, row_ok, seg_lo, seg_hi, seq_k,
                 qk_scale, sm_scale, left, right, softcap, slope, mask_base, stride_mm, stride_mn,
                 seed, bh32, threshold,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
-                MAY_EMPTY, EVEN_D, PRECISION, BLOCK_N,
+                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, BLOCK_N,
             )  # fmt: skip
 
     l_safe = l_i
@@ -187,11 +192,11 @@ def _attn_fwd(
     if DROPOUT:
         acc = acc * inv_keep  # kept probabilities are scaled by 1 / (1 - dropout_p)
     acc = acc / l_safe[:, None]
-    o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :]
-    if EVEN_D:
+    o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_dv[None, :]
+    if EVEN_DV:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
     else:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & mask_dv[None, :])
     lse = (m_i + tl.math.log2(l_i)) * _LN2
     tl.store(LSE + bh.to(tl.int64) * seq_q + rows, lse, mask=row_ok)
 
@@ -203,20 +208,21 @@ _launch_fwd = LaunchCache(_attn_fwd_tuned, n_tensors=8)
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ex: Extras
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on 4-D views; returns ``out`` (like q) and fp32 ``lse`` (B, H, L).
+    """Launch the forward kernel on 4-D views; returns ``out`` (q's shape and layout, v's head dim)
+    and fp32 ``lse`` (B, H, L).
 
     The last dimension of q, k and v must be contiguous (stride 1).
     """
     batch, n_heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
-    out = torch.empty_like(q)  # keeps q's layout, e.g. a (B, L, H, E)-transposed view
+    out = empty_like_layout(q, v.shape[-1])  # q's layout, e.g. a (B, L, H, E)-transposed view
     lse = torch.empty((batch, n_heads, seq_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
     precision = dot_precision(q.dtype)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     tensors, runtime, flags = kernel_extras(ex, q)
-    key = (q.shape, qs, k.shape, ks, vs, os_, q.dtype, precision, flags, tensors[0].dtype)
+    key = (q.shape, qs, k.shape, ks, v.shape, vs, os_, q.dtype, precision, flags, tensors[0].dtype)
     _launch_fwd(
         key,
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
@@ -224,7 +230,8 @@ def attention_forward(
          vs[0], vs[1], vs[2], os_[0], os_[1], os_[2], *runtime[:6],
          n_heads, n_heads // k.shape[1], seq_q, seq_k, tune_len(seq_q, seq_k),
          scale * LOG2E, scale, *runtime[6:]),
-        {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), **flags._asdict(),
-         "PRECISION": precision},
+        {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
+         "HEAD_DIM_V": v.shape[-1], "BLOCK_DV": triton.next_power_of_2(v.shape[-1]),
+         **flags._asdict(), "PRECISION": precision},
     )  # fmt: skip
     return out, lse

@@ -1,0 +1,16 @@
+"""Tensor plumbing shared by the backends: outputs in the query's memory layout."""
+
+from __future__ import annotations
+
+import torch
+
+
+def empty_like_layout(t: torch.Tensor, last: int) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape with last dimension ``last``, in ``t``'s memory layout
+    (the order of its strides), e.g. a (B, L, H, E) tensor viewed as (B, H, L, E)."""
+    if last == t.shape[-1]:
+        return torch.empty_like(t)
+    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d))  # outermost first
+    base = t.new_empty([t.shape[d] for d in order] + [last])
+    inverse = [order.index(d) for d in range(t.dim() - 1)] + [t.dim() - 1]
+    return base.permute(inverse)
