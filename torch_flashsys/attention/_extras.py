@@ -30,6 +30,16 @@ class Extras:
     alibi: torch.Tensor | None = None  # (B, H) float32 view: s -= slope * |i - j|
     dropout_p: float = 0.0
     seed: torch.Tensor | None = None  # int64 (1,) on the device, when dropout_p > 0
+    # Packed variable-length batch: int32 cumulative lengths (n + 1,) and the longest lengths.
+    # q/k/v are then (1, heads, total, head_dim) views of the packed (total, heads, head_dim).
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_q is not None
 
     @property
     def may_empty_rows(self) -> bool:

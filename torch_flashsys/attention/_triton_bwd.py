@@ -18,6 +18,7 @@ from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._launch import LaunchCache, dot_precision
 from torch_flashsys.attention._triton_common import (
     LOG2E,
+    batch_strides,
     dropout_keep,
     keep_scores,
     kernel_extras,
@@ -26,7 +27,9 @@ from torch_flashsys.attention._triton_common import (
     load_rows,
     make_autotune,
     mod_scores,
+    problem_dims,
     query_tile_range,
+    seq_bounds,
     tune_len,
 )
 
@@ -47,6 +50,7 @@ DQ_SHAPES = {
 _SPECIALIZE_NOT = [
     "seq_q", "seq_k", "tune_len", "left", "right", "threshold",
     "stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_ab", "stride_ah",
+    "stride_lb", "stride_lh",
 ]  # fmt: skip
 
 
@@ -113,10 +117,10 @@ def _attn_bwd_dq_inner(
 
 @triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE, DLSE, Delta, DQ, Mask, Alibi, Seed,
+    Q, K, V, O, DO, LSE, DLSE, Delta, DQ, Mask, Alibi, Seed, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     n_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
     left, right, softcap, threshold, inv_keep,
@@ -124,8 +128,8 @@ def _attn_bwd_dq(
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
@@ -141,6 +145,11 @@ def _attn_bwd_dq(
     h = (bh % n_heads).to(tl.int64)
     hk = h // group
     start_m = tile_m * BLOCK_M
+    q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
+    k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
+    if VARLEN:
+        if start_m >= seq_q:
+            return
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -151,18 +160,19 @@ def _attn_bwd_dq(
     mask_dv = offs_dv < HEAD_DIM_V
     rows = offs_m.to(tl.int64)
     q = load_rows(
-        Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+        Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
         offs_m, seq_q, mask_d, True, EVEN_D,
     )  # fmt: skip
     do = load_rows(
-        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_dv[None, :],
+        DO + b * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dom
+        + offs_dv[None, :],
         offs_m, seq_q, mask_dv, True, EVEN_DV,
     )  # fmt: skip
     o = load_rows(
-        O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_dv[None, :],
+        O + b * stride_ob + h * stride_oh + (q_start + rows)[:, None] * stride_om + offs_dv[None, :],
         offs_m, seq_q, mask_dv, True, EVEN_DV,
     )  # fmt: skip
-    row_ptrs = bh.to(tl.int64) * seq_q + rows
+    row_ptrs = b * stride_lb + h * stride_lh + q_start + rows  # LSE, dLSE and D: one layout
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:  # gradient flowing into the returned lse: dS gains + dLSE * P
         delta -= tl.load(DLSE + row_ptrs, mask=row_ok, other=0.0)
@@ -183,8 +193,16 @@ def _attn_bwd_dq(
         start_m, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     cols = offs_n.to(tl.int64)
-    k_base = K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
-    v_base = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :]
+    k_base = (
+        K + b * stride_kb + hk * stride_kh + (k_start + cols)[:, None] * stride_kn + offs_d[None, :]
+    )
+    v_base = (
+        V
+        + b * stride_vb
+        + hk * stride_vh
+        + (k_start + cols)[:, None] * stride_vn
+        + offs_dv[None, :]
+    )
     bh32 = bh.to(tl.int32)
     for seg in tl.static_range(3):
         if seg == 0:
@@ -208,7 +226,13 @@ def _attn_bwd_dq(
             )  # fmt: skip
 
     dq *= sm_scale
-    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :]
+    dq_ptrs = (
+        DQ
+        + b * stride_dqb
+        + h * stride_dqh
+        + (q_start + rows)[:, None] * stride_dqm
+        + offs_d[None, :]
+    )
     if EVEN_D:
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -284,10 +308,10 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, Delta, DK, DV, Mask, Alibi, Seed,
+    Q, K, V, DO, LSE, Delta, DK, DV, Mask, Alibi, Seed, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     n_heads, n_kv_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
     left, right, softcap, threshold, inv_keep,
@@ -295,7 +319,7 @@ def _attn_bwd_dkdv(
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
@@ -307,6 +331,11 @@ def _attn_bwd_dkdv(
     start_n = (pid % n_n_tiles) * BLOCK_N
     b = (bhk // n_kv_heads).to(tl.int64)
     hk = (bhk % n_kv_heads).to(tl.int64)
+    q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
+    k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
+    if VARLEN:
+        if start_n >= seq_k:
+            return  # a key tile past this sequence's end
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -317,11 +346,11 @@ def _attn_bwd_dkdv(
     key_ok = offs_n < seq_k
     cols = offs_n.to(tl.int64)
     k = load_rows(
-        K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
+        K + b * stride_kb + hk * stride_kh + (k_start + cols)[:, None] * stride_kn + offs_d[None, :],
         offs_n, seq_k, mask_d, True, EVEN_D,
     )  # fmt: skip
     v = load_rows(
-        V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :],
+        V + b * stride_vb + hk * stride_vh + (k_start + cols)[:, None] * stride_vn + offs_dv[None, :],
         offs_n, seq_k, mask_dv, True, EVEN_DV,
     )  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -338,9 +367,9 @@ def _attn_bwd_dkdv(
     )
     for g in range(0, group):
         h = hk * group + g  # the query heads that share this key/value head
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
-        row_base = (b * n_heads + h) * seq_q
+        q_base = Q + b * stride_qb + h * stride_qh + q_start * stride_qm
+        do_base = DO + b * stride_dob + h * stride_doh + q_start * stride_dom
+        row_base = b * stride_lb + h * stride_lh + q_start
         slope = 0.0
         if ALIBI:
             slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
@@ -374,8 +403,20 @@ def _attn_bwd_dkdv(
             )  # fmt: skip
 
     dk *= sm_scale
-    dk_ptrs = DK + b * stride_dkb + hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :]
-    dv_ptrs = DV + b * stride_dvb + hk * stride_dvh + cols[:, None] * stride_dvn + offs_dv[None, :]
+    dk_ptrs = (
+        DK
+        + b * stride_dkb
+        + hk * stride_dkh
+        + (k_start + cols)[:, None] * stride_dkn
+        + offs_d[None, :]
+    )
+    dv_ptrs = (
+        DV
+        + b * stride_dvb
+        + hk * stride_dvh
+        + (k_start + cols)[:, None] * stride_dvn
+        + offs_dv[None, :]
+    )
     if EVEN_D:
         tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
     else:
@@ -388,8 +429,8 @@ def _attn_bwd_dkdv(
 
 _attn_bwd_dq_tuned = make_autotune(_attn_bwd_dq, DQ_SHAPES, _dq_footprint)
 _attn_bwd_dkdv_tuned = make_autotune(_attn_bwd_dkdv, DKDV_SHAPES, _dkdv_footprint)
-_launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=12)
-_launch_dkdv = LaunchCache(_attn_bwd_dkdv_tuned, n_tensors=11)
+_launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=14)
+_launch_dkdv = LaunchCache(_attn_bwd_dkdv_tuned, n_tensors=13)
 
 
 def attention_backward(
@@ -403,19 +444,24 @@ def attention_backward(
     scale: float,
     ex: Extras,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the two backward kernels on 4-D views; ``lse``/``dlse`` are contiguous (B, H, L).
+    """Launch the two backward kernels on 4-D views; ``lse``/``dlse`` are contiguous (B, H, L)
+    ((1, H, total) for a packed batch).
 
     The last dimension of every 4-D tensor must be contiguous (stride 1).
     """
-    batch, n_heads, seq_q, head_dim = q.shape
-    n_kv_heads, seq_k = k.shape[1], k.shape[2]
+    n_heads, head_dim, n_kv_heads = q.shape[1], q.shape[3], k.shape[1]
+    batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
+    if ex.varlen:
+        dk.zero_()  # keys of no sequence (none in a well-formed packed batch) get no gradient
+        dv.zero_()
     delta = torch.empty_like(lse)
     precision = dot_precision(q.dtype)
-    qs, ks, vs, os_, dos = q.stride(), k.stride(), v.stride(), out.stride(), dout.stride()
-    dqs, dks, dvs = dq.stride(), dk.stride(), dv.stride()
+    qs, ks, vs, os_, dos, dqs, dks, dvs = (
+        batch_strides(t, ex) for t in (q, k, v, out, dout, dq, dk, dv)
+    )
     group = n_heads // n_kv_heads
     qk_scale = scale * LOG2E
     tl_len = tune_len(seq_q, seq_k)
@@ -424,14 +470,13 @@ def attention_backward(
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
                   "HEAD_DIM_V": dim_v, "BLOCK_DV": triton.next_power_of_2(dim_v),
                   **flags._asdict(), "PRECISION": precision}  # fmt: skip
-    key = (q.shape, qs, k.shape, ks, v.shape, vs, os_, dos, q.dtype, precision, flags,
-           tensors[0].dtype)  # fmt: skip
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
+           dout.stride(), q.dtype, precision, flags, tensors[0].dtype, batch, seq_q, seq_k)  # fmt: skip
     _launch_dq(
         (key, dlse is None),
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
         (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, *tensors,
-         qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
-         dos[0], dos[1], dos[2], dqs[0], dqs[1], dqs[2], *runtime[:6],
+         *qs, *ks, *vs, *os_, *dos, *dqs, *lse_strides, *runtime[:6],
          n_heads, group, seq_q, seq_k, tl_len, qk_scale, scale, *runtime[6:]),
         {**constexprs, "HAS_DLSE": dlse is not None},
     )  # fmt: skip
@@ -439,8 +484,7 @@ def attention_backward(
         key,
         lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads,),
         (q, k, v, dout, lse, delta, dk, dv, *tensors,
-         qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], dos[0], dos[1], dos[2],
-         dks[0], dks[1], dks[2], dvs[0], dvs[1], dvs[2], *runtime[:6],
+         *qs, *ks, *vs, *dos, *dks, *dvs, *lse_strides, *runtime[:6],
          n_heads, n_kv_heads, group, seq_q, seq_k, tl_len, qk_scale, scale, *runtime[6:]),
         constexprs,
     )  # fmt: skip

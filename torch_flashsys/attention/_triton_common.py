@@ -137,6 +137,18 @@ def query_tile_range(
 
 
 @triton.jit
+def seq_bounds(Cu, b, length, VARLEN: tl.constexpr):
+    """(first row, length) of sequence ``b``: from the cumulative lengths ``Cu`` of a packed batch
+    when VARLEN, else (0, ``length``): every sequence of a padded batch has the same length."""
+    if VARLEN:
+        start = tl.load(Cu + b)
+        length = tl.load(Cu + b + 1) - start
+    else:
+        start = b * 0
+    return start.to(tl.int64), length
+
+
+@triton.jit
 def load_rows(ptrs, idx, n_rows, mask_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
     """Load a (rows, BLOCK_D) tile; rows ``idx >= n_rows`` (when CHECK_ROWS) and padded head-dim
     columns (unless EVEN_D) read as zero."""
@@ -146,7 +158,7 @@ def load_rows(ptrs, idx, n_rows, mask_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl.co
         else:
             tile = tl.load(ptrs, mask=(idx < n_rows)[:, None] & mask_d[None, :], other=0.0)
     else:
-        if EVEN_D:  # noqa: SIM108 (constexpr branches, spelled out for Triton)
+        if EVEN_D:
             tile = tl.load(ptrs)
         else:
             tile = tl.load(ptrs, mask=mask_d[None, :], other=0.0)
@@ -164,13 +176,15 @@ class Flags(NamedTuple):
     ALIBI: bool
     DROPOUT: bool
     MAY_EMPTY: bool  # some row may attend nothing (guards for -inf maxima)
+    VARLEN: bool  # a packed batch: per-sequence bounds from cumulative lengths
 
 
 _NO_STRIDES = (0, 0, 0, 0, 0, 0)
 
 
 def kernel_extras(ex: Extras, dummy: torch.Tensor) -> tuple[tuple, tuple, Flags]:
-    """Kernel arguments for ``ex``: pointer tensors (Mask, Alibi, Seed; ``dummy`` where absent),
+    """Kernel arguments for ``ex``: pointer tensors (Mask, Alibi, Seed, CuQ, CuK; ``dummy`` where
+    absent),
     runtime scalars (mask strides b/h/m/n, alibi strides b/h, left, right, softcap, dropout
     threshold, 1 / keep probability) and the constexpr :class:`Flags`."""
     mask, alibi = ex.mask, ex.alibi
@@ -189,14 +203,31 @@ def kernel_extras(ex: Extras, dummy: torch.Tensor) -> tuple[tuple, tuple, Flags]
     )  # fmt: skip
     flags = Flags(
         ex.left >= 0, ex.right >= 0, kind, mask_rows, ex.softcap > 0, alibi is not None, p > 0,
-        ex.may_empty_rows,
+        ex.may_empty_rows, ex.varlen,
     )  # fmt: skip
     tensors = (
         dummy if mask is None else mask,
         dummy if alibi is None else alibi,
         dummy if ex.seed is None else ex.seed,
+        dummy if ex.cu_q is None else ex.cu_q,
+        dummy if ex.cu_k is None else ex.cu_k,
     )
     return tensors, runtime, flags
+
+
+def problem_dims(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> tuple[int, int, int, tuple]:
+    """(batch, seq_q, seq_k, lse strides (b, h)) of the launch: for a packed batch the number of
+    sequences and the longest lengths (the lse is then (1, heads, total))."""
+    if ex.varlen:
+        return ex.cu_q.shape[0] - 1, ex.max_q, ex.max_k, (0, q.shape[2])
+    return q.shape[0], q.shape[2], k.shape[2], (q.shape[1] * q.shape[2], q.shape[2])
+
+
+def batch_strides(t: torch.Tensor, ex: Extras) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a 4-D view; a packed batch has no batch stride (b is the
+    sequence, located by its cumulative length)."""
+    s = t.stride()
+    return (0 if ex.varlen else s[0]), s[1], s[2]
 
 
 def tune_len(seq_q: int, seq_k: int) -> int:

@@ -18,6 +18,7 @@ from torch_flashsys.attention._launch import LaunchCache, dot_precision
 from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._triton_common import (
     LOG2E,
+    batch_strides,
     dropout_keep,
     keep_scores,
     kernel_extras,
@@ -26,6 +27,8 @@ from torch_flashsys.attention._triton_common import (
     load_rows,
     make_autotune,
     mod_scores,
+    problem_dims,
+    seq_bounds,
     tune_len,
 )
 
@@ -103,12 +106,13 @@ def _attn_fwd_inner(
     do_not_specialize=[
         "seq_q", "seq_k", "tune_len", "left", "right", "threshold",
         "stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_ab", "stride_ah",
+        "stride_lb", "stride_lh",
     ]
 )  # fmt: skip
 def _attn_fwd(
-    Q, K, V, O, LSE, Mask, Alibi, Seed,
+    Q, K, V, O, LSE, Mask, Alibi, Seed, CuQ, CuK,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     n_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
     left, right, softcap, threshold, inv_keep,
@@ -116,13 +120,14 @@ def _attn_fwd(
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)  # tl.dot's minimum tile
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
     # 1-D grid (no 65535 limit on batch*heads): consecutive programs share a head, so K/V stay in L2.
+    # Packed (VARLEN): b is the sequence, seq_q/seq_k the longest; each program reads its own.
     n_m_tiles = tl.cdiv(seq_q, BLOCK_M)
     pid = tl.program_id(0)
     bh = pid // n_m_tiles
@@ -133,6 +138,11 @@ def _attn_fwd(
     h = (bh % n_heads).to(tl.int64)
     hk = h // group  # shared key/value head (GQA); group == 1 otherwise
     start_m = tile_m * BLOCK_M
+    q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
+    k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
+    if VARLEN:
+        if start_m >= seq_q:
+            return  # a query tile past this sequence's end
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -143,7 +153,7 @@ def _attn_fwd(
     row_ok = offs_m < seq_q
     rows = offs_m.to(tl.int64)  # 64-bit offsets: a (b, l, h, d) layout can pass 2**31 elements
     q = load_rows(
-        Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+        Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
         offs_m, seq_q, mask_d, True, EVEN_D,
     )  # fmt: skip
     slope = 0.0
@@ -162,8 +172,16 @@ def _attn_fwd(
         start_m, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     cols = offs_n.to(tl.int64)
-    k_base = K + b * stride_kb + hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :]
-    v_base = V + b * stride_vb + hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :]
+    k_base = (
+        K + b * stride_kb + hk * stride_kh + (k_start + cols)[:, None] * stride_kn + offs_d[None, :]
+    )
+    v_base = (
+        V
+        + b * stride_vb
+        + hk * stride_vh
+        + (k_start + cols)[:, None] * stride_vn
+        + offs_dv[None, :]
+    )
     bh32 = bh.to(tl.int32)
     for seg in tl.static_range(3):  # masked window edge, unmasked middle, masked diagonal / end
         if seg == 0:
@@ -192,42 +210,44 @@ def _attn_fwd(
     if DROPOUT:
         acc = acc * inv_keep  # kept probabilities are scaled by 1 / (1 - dropout_p)
     acc = acc / l_safe[:, None]
-    o_ptrs = O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_dv[None, :]
+    o_ptrs = (
+        O + b * stride_ob + h * stride_oh + (q_start + rows)[:, None] * stride_om + offs_dv[None, :]
+    )
     if EVEN_DV:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
     else:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & mask_dv[None, :])
     lse = (m_i + tl.math.log2(l_i)) * _LN2
-    tl.store(LSE + bh.to(tl.int64) * seq_q + rows, lse, mask=row_ok)
+    tl.store(LSE + b * stride_lb + h * stride_lh + q_start + rows, lse, mask=row_ok)
 
 
 _attn_fwd_tuned = make_autotune(_attn_fwd, FWD_SHAPES, _fwd_footprint)
-_launch_fwd = LaunchCache(_attn_fwd_tuned, n_tensors=8)
+_launch_fwd = LaunchCache(_attn_fwd_tuned, n_tensors=10)
 
 
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ex: Extras
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on 4-D views; returns ``out`` (q's shape and layout, v's head dim)
-    and fp32 ``lse`` (B, H, L).
+    and fp32 ``lse`` (B, H, L) ((1, H, total) for a packed batch).
 
     The last dimension of q, k and v must be contiguous (stride 1).
     """
-    batch, n_heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
+    n_heads, head_dim = q.shape[1], q.shape[3]
+    batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     out = empty_like_layout(q, v.shape[-1])  # q's layout, e.g. a (B, L, H, E)-transposed view
-    lse = torch.empty((batch, n_heads, seq_q), device=q.device, dtype=torch.float32)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
     precision = dot_precision(q.dtype)
-    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
+    qs, ks, vs, os_ = (batch_strides(t, ex) for t in (q, k, v, out))
     tensors, runtime, flags = kernel_extras(ex, q)
-    key = (q.shape, qs, k.shape, ks, v.shape, vs, os_, q.dtype, precision, flags, tensors[0].dtype)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), q.dtype,
+           precision, flags, tensors[0].dtype, batch, seq_q, seq_k)  # fmt: skip
     _launch_fwd(
         key,
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
-        (q, k, v, out, lse, *tensors, qs[0], qs[1], qs[2], ks[0], ks[1], ks[2],
-         vs[0], vs[1], vs[2], os_[0], os_[1], os_[2], *runtime[:6],
+        (q, k, v, out, lse, *tensors, *qs, *ks, *vs, *os_, *lse_strides, *runtime[:6],
          n_heads, n_heads // k.shape[1], seq_q, seq_k, tune_len(seq_q, seq_k),
          scale * LOG2E, scale, *runtime[6:]),
         {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
