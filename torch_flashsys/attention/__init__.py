@@ -39,6 +39,10 @@ def flash_attention(
     window_size: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     backend: str = "auto",
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +81,15 @@ def flash_attention(
         alibi_slopes: ``(heads,)`` or ``(batch, heads)`` (batch: the product of the leading
             dimensions): adds ``-slope * |i - j|`` to the scaled scores (ALiBi, as flash-attn's
             ``alibi_slopes`` when ``seq_q == seq_k``).
+        cu_seqlens_q, cu_seqlens_k: a packed batch, as flash-attn's ``flash_attn_varlen_func``:
+            query ``(total_q, heads, head_dim)``, key/value ``(total_k, kv_heads, head_dim)`` hold
+            the sequences back to back; these int32 (or int64) ``(n + 1,)`` tensors are their
+            cumulative lengths (starting at 0). No sequence attends across a boundary; causal
+            and windows are top-left aligned within each sequence. Output ``(total_q, heads,
+            head_dim_v)``. Nested tensors (``layout=torch.jagged``, (batch, heads, j, dim) as SDPA
+            takes them) are packed batches too and give a nested output.
+        max_seqlen_q, max_seqlen_k: the longest sequences. Optional; passing them on CUDA avoids
+            reading the lengths on the host (the checks of ``cu_seqlens`` then run on the GPU).
         backend: ``"triton"`` (Triton kernels: CUDA tensors, or CPU tensors under
             ``TRITON_INTERPRET=1``), ``"torch"`` (pure-PyTorch tiled FlashAttention-2, any device), or
             ``"auto"`` (Triton where it can run, else torch).
@@ -102,7 +115,24 @@ def flash_attention(
         >>> pad = torch.ones(2, 1, 1, 128, dtype=torch.bool); pad[1, ..., 100:] = False
         >>> out = flash_attention(q, k, v, attn_mask=pad, window_size=(32, 0), backend="torch")
     """
+    if isinstance(query, torch.Tensor) and query.is_nested:
+        from torch_flashsys.attention._varlen import nested_attention
+
+        kwargs = {"attn_mask": attn_mask, "dropout_p": dropout_p, "is_causal": is_causal,
+                  "scale": scale, "enable_gqa": enable_gqa, "window_size": window_size,
+                  "softcap": softcap, "alibi_slopes": alibi_slopes, "backend": backend}  # fmt: skip
+        out, lse = nested_attention(query, key, value, kwargs, _run)
+        return (out, lse) if return_lse else out
     query, key, value = _autocast(query, key, value)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        from torch_flashsys.attention._varlen import packed_attention
+
+        out, lse = packed_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+            softcap, alibi_slopes, backend, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, _run,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     resolved = check_inputs(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
         window_size, softcap, alibi_slopes,
@@ -128,6 +158,10 @@ def _attend(query, key, value, attn_mask, mods, sm_scale: float, backend: str):
     """The validated 3-D/4-D problem on ``backend``: ``(out, lse)``."""
     q4_shape = query.shape if query.dim() == 4 else (1, *query.shape)
     ex = make_extras(q4_shape, key.shape[-2], query.device, attn_mask, *mods)
+    return _run(query, key, value, ex, sm_scale, backend)
+
+
+def _run(query, key, value, ex, sm_scale: float, backend: str):
     if backend == "triton":
         from torch_flashsys.attention._ops import triton_attention
 

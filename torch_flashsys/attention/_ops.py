@@ -71,8 +71,8 @@ class _TritonAttention(torch.autograd.Function):
 
 
 # The custom ops take the Extras spelled out (a custom op's schema holds tensors and scalars).
-def _extras(mask, alibi, seed, left, right, softcap, dropout_p) -> Extras:
-    return Extras(mask, left, right, softcap, alibi, dropout_p, seed)
+def _extras(mask, alibi, seed, left, right, softcap, dropout_p, cu_q, cu_k, max_q, max_k):
+    return Extras(mask, left, right, softcap, alibi, dropout_p, seed, cu_q, cu_k, max_q, max_k)
 
 
 @torch.library.custom_op(f"{_LIB}::attn_fwd", mutates_args=())
@@ -88,13 +88,18 @@ def attn_fwd(
     right: int,
     softcap: float,
     dropout_p: float,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward kernel: ``(out, lse)``; out like ``q``, lse float32 of shape ``q.shape[:-1]``."""
-    return _forward(q, k, v, scale, _extras(mask, alibi, seed, left, right, softcap, dropout_p))
+    ex = _extras(mask, alibi, seed, left, right, softcap, dropout_p, cu_q, cu_k, max_q, max_k)
+    return _forward(q, k, v, scale, ex)
 
 
 @attn_fwd.register_fake
-def _(q, k, v, mask, alibi, seed, scale, left, right, softcap, dropout_p):
+def _(q, k, v, mask, alibi, seed, scale, left, right, softcap, dropout_p, cu_q, cu_k, mq, mk):
     return empty_like_layout(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -115,14 +120,18 @@ def attn_bwd(
     right: int,
     softcap: float,
     dropout_p: float,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward kernels: ``(dq, dk, dv)`` shaped like ``(q, k, v)``; dk/dv summed over GQA groups."""
-    ex = _extras(mask, alibi, seed, left, right, softcap, dropout_p)
+    ex = _extras(mask, alibi, seed, left, right, softcap, dropout_p, cu_q, cu_k, max_q, max_k)
     return _backward(dout, q, k, v, out, lse, dlse, scale, ex)
 
 
 @attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, mask, alibi, seed, scale, left, right, softcap, dropout_p):
+def _(dout, q, k, v, out, lse, dlse, mask, alibi, seed, scale, left, right, softcap, dropout_p, *_):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -138,7 +147,7 @@ def _op_backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.extras)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 12
 
 
 attn_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -150,8 +159,9 @@ def triton_attention(
     """Differentiable Triton attention; inputs already validated by ``flash_attention``."""
     if torch.compiler.is_compiling():
         return attn_fwd(
-            q, k, v, ex.mask, ex.alibi, ex.seed, scale, ex.left, ex.right, ex.softcap, ex.dropout_p
-        )
+            q, k, v, ex.mask, ex.alibi, ex.seed, scale, ex.left, ex.right, ex.softcap, ex.dropout_p,
+            ex.cu_q, ex.cu_k, ex.max_q, ex.max_k,
+        )  # fmt: skip
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _TritonAttention.apply(q, k, v, scale, ex)
     return _forward(q, k, v, scale, ex)

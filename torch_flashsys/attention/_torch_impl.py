@@ -12,6 +12,7 @@ same dropout random numbers (``_dropout``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -41,7 +42,9 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 class _Tiles:
     """Per-tile score rule for one problem: scores -> modified scores, keep mask, dropout."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, scale: float, ex: Extras) -> None:
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, scale: float, ex: Extras, bh_base: int = 0
+    ) -> None:
         self.ex, self.scale = ex, scale
         self.n_kv = k.shape[-3]
         q4 = q.unsqueeze(0) if q.dim() == 3 else q
@@ -50,7 +53,7 @@ class _Tiles:
         self.device = q.device
         group = self.heads // self.n_kv
         # (B, Hkv, G, 1, 1) index of each query head, for dropout counters and ALiBi slopes
-        self.bh = torch.arange(self.batch * self.heads, device=q.device).view(
+        self.bh = bh_base + torch.arange(self.batch * self.heads, device=q.device).view(
             self.batch, self.n_kv, group, 1, 1
         )
         self.mask = None if ex.mask is None else ex.mask.unflatten(1, (self.n_kv, group))
@@ -107,6 +110,16 @@ class _Tiles:
         return p * keep
 
 
+def _sequences(ex: Extras, heads: int):
+    """A packed batch, one sequence at a time: (query rows, key rows, that sequence's Extras, its
+    first dropout-counter head ``b * heads``)."""
+    cu_q, cu_k = ex.cu_q.tolist(), ex.cu_k.tolist()
+    for b in range(len(cu_q) - 1):
+        alibi = None if ex.alibi is None else ex.alibi[b : b + 1]
+        sub = dataclasses.replace(ex, alibi=alibi, cu_q=None, cu_k=None)
+        yield slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), sub, b * heads
+
+
 def tiled_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -115,10 +128,19 @@ def tiled_forward(
     ex: Extras = PLAIN,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
+    bh_base: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``out`` (q's shape with v's head dim, q's layout) and ``lse`` of shape
-    ``q.shape[:-1]`` (float32; float64 for float64 inputs)."""
-    tiles = _Tiles(q, k, scale, ex)
+    ``q.shape[:-1]`` (float32; float64 for float64 inputs). A packed batch (``ex.varlen``: 4-D
+    views (1, heads, total, dim)) is computed one sequence at a time."""
+    if ex.varlen:
+        out = empty_like_layout(q, v.shape[-1])
+        lse = torch.empty(q.shape[:-1], device=q.device, dtype=_acc_dtype(q))
+        for rq, rk, sub, base in _sequences(ex, q.shape[1]):
+            o, l = tiled_forward(q[:, :, rq], k[:, :, rk], v[:, :, rk], scale, sub, bh_base=base)
+            out[:, :, rq], lse[:, :, rq] = o, l
+        return out, lse
+    tiles = _Tiles(q, k, scale, ex, bh_base)
     acc_t = _acc_dtype(q)
     n_kv, seq_q = k.shape[-3], q.shape[-2]
     out = empty_like_layout(q, v.shape[-1])
@@ -164,9 +186,19 @@ def tiled_backward(
     ex: Extras = PLAIN,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
+    bh_base: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(dq, dk, dv)``; dk/dv summed over the query heads of each GQA group."""
-    tiles = _Tiles(q, k, scale, ex)
+    if ex.varlen:
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rq, rk, sub, base in _sequences(ex, q.shape[1]):
+            d = None if dlse is None else dlse[:, :, rq]
+            dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = tiled_backward(
+                dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq],
+                lse[:, :, rq], d, scale, sub, bh_base=base,
+            )  # fmt: skip
+        return dq, dk, dv
+    tiles = _Tiles(q, k, scale, ex, bh_base)
     acc_t = _acc_dtype(q)
     n_kv = k.shape[-3]
     seq_q, seq_k = q.shape[-2], k.shape[-2]
