@@ -104,17 +104,18 @@ class Problem:
         _, h, n, _ = self.shape
         tensors, runtime, _ = self._extras()
         s = lambda t: t.stride()[:3]
+        lse_strides = (h * n, n)
         tail = (n, n, tune_len(n, n), self.scale * LOG2E, self.scale, *runtime[6:])
         if kernel == "fwd":
             return (self.q, self.k, self.v, self.out, self.lse, *tensors, *s(self.q), *s(self.k),
-                    *s(self.v), *s(self.out), *runtime[:6], h, 1, *tail)  # fmt: skip
+                    *s(self.v), *s(self.out), *lse_strides, *runtime[:6], h, 1, *tail)  # fmt: skip
         if kernel == "dq":
             return (self.q, self.k, self.v, self.out, self.do, self.lse, self.lse, self.delta,
                     self.dq, *tensors, *s(self.q), *s(self.k), *s(self.v), *s(self.out),
-                    *s(self.do), *s(self.dq), *runtime[:6], h, 1, *tail)  # fmt: skip
+                    *s(self.do), *s(self.dq), *lse_strides, *runtime[:6], h, 1, *tail)  # fmt: skip
         return (self.q, self.k, self.v, self.do, self.lse, self.delta, self.dk, self.dv, *tensors,
                 *s(self.q), *s(self.k), *s(self.v), *s(self.do), *s(self.dk), *s(self.dv),
-                *runtime[:6], h, h, 1, *tail)  # fmt: skip
+                *lse_strides, *runtime[:6], h, h, 1, *tail)  # fmt: skip
 
     def constexprs(self, kernel: str):
         import triton

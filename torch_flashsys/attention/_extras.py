@@ -36,6 +36,9 @@ class Extras:
     cu_k: torch.Tensor | None = None
     max_q: int = 0
     max_k: int = 0
+    # A KV cache: per-sequence numbers of valid keys (B,) int32; key/value hold seq_k >= these.
+    # Queries are then the last seq_q positions of each sequence (bottom-right aligned).
+    seqused_k: torch.Tensor | None = None
 
     @property
     def varlen(self) -> bool:
@@ -44,7 +47,13 @@ class Extras:
     @property
     def may_empty_rows(self) -> bool:
         """Whether some query row may have no key to attend (then out = 0, lse = -inf)."""
-        return self.mask is not None or self.left >= 0
+        # (a packed batch or a KV cache may hold a sequence with no keys)
+        return (
+            self.mask is not None
+            or self.left >= 0
+            or self.cu_q is not None
+            or self.seqused_k is not None
+        )
 
     @property
     def float_mask(self) -> bool:

@@ -63,6 +63,11 @@ class _TritonAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if ctx.ex.seqused_k is not None:
+            raise NotImplementedError(
+                "flash_attention: no backward with cache_seqlens (KV-cache decoding is forward "
+                "only); run generation under torch.no_grad()"
+            )
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)

@@ -43,8 +43,15 @@ class _Tiles:
     """Per-tile score rule for one problem: scores -> modified scores, keep mask, dropout."""
 
     def __init__(
-        self, q: torch.Tensor, k: torch.Tensor, scale: float, ex: Extras, bh_base: int = 0
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        scale: float,
+        ex: Extras,
+        bh_base: int = 0,
+        shift: int = 0,
     ) -> None:
+        self.shift = shift  # query row i sits at position i + shift (KV cache: bottom-right)
         self.ex, self.scale = ex, scale
         self.n_kv = k.shape[-3]
         q4 = q.unsqueeze(0) if q.dim() == 3 else q
@@ -66,8 +73,9 @@ class _Tiles:
 
     def key_range(self, i0: int, rows: int) -> tuple[int, int]:
         """Keys [lo, hi) that some query row in [i0, i0 + rows) may attend."""
-        lo = max(0, i0 - self.ex.left) if self.ex.left >= 0 else 0
-        hi = min(self.seq_k, i0 + rows + self.ex.right) if self.ex.right >= 0 else self.seq_k
+        p0 = i0 + self.shift
+        lo = max(0, p0 - self.ex.left) if self.ex.left >= 0 else 0
+        hi = min(self.seq_k, p0 + rows + self.ex.right) if self.ex.right >= 0 else self.seq_k
         return lo, hi
 
     def scores(self, qk: torch.Tensor, i0: int, j0: int):
@@ -79,7 +87,7 @@ class _Tiles:
         if ex.softcap > 0:
             t = torch.tanh(s / ex.softcap)
             s = ex.softcap * t
-        i = torch.arange(i0, i0 + rows, device=self.device)[:, None]
+        i = self.shift + torch.arange(i0, i0 + rows, device=self.device)[:, None]
         j = torch.arange(j0, j0 + cols, device=self.device)[None, :]
         if self.slopes is not None:
             s = s - self.slopes * (i - j).abs().to(s.dtype)
@@ -129,10 +137,28 @@ def tiled_forward(
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
     bh_base: int = 0,
+    shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``out`` (q's shape with v's head dim, q's layout) and ``lse`` of shape
     ``q.shape[:-1]`` (float32; float64 for float64 inputs). A packed batch (``ex.varlen``: 4-D
-    views (1, heads, total, dim)) is computed one sequence at a time."""
+    views (1, heads, total, dim)) and a KV cache (``ex.seqused_k``) are computed one sequence at
+    a time."""
+    if ex.seqused_k is not None:
+        out = empty_like_layout(q, v.shape[-1])
+        lse = torch.empty(q.shape[:-1], device=q.device, dtype=_acc_dtype(q))
+        heads, seq_q = q.shape[1], q.shape[2]
+        for b, used in enumerate(ex.seqused_k.tolist()):
+            sub = dataclasses.replace(
+                ex, seqused_k=None,
+                mask=None if ex.mask is None else ex.mask[b : b + 1, ..., :used],
+                alibi=None if ex.alibi is None else ex.alibi[b : b + 1],
+            )  # fmt: skip
+            o, l = tiled_forward(
+                q[b : b + 1], k[b : b + 1, :, :used], v[b : b + 1, :, :used], scale, sub,
+                bh_base=b * heads, shift=used - seq_q,
+            )  # fmt: skip
+            out[b : b + 1], lse[b : b + 1] = o, l
+        return out, lse
     if ex.varlen:
         out = empty_like_layout(q, v.shape[-1])
         lse = torch.empty(q.shape[:-1], device=q.device, dtype=_acc_dtype(q))
@@ -140,7 +166,7 @@ def tiled_forward(
             o, l = tiled_forward(q[:, :, rq], k[:, :, rk], v[:, :, rk], scale, sub, bh_base=base)
             out[:, :, rq], lse[:, :, rq] = o, l
         return out, lse
-    tiles = _Tiles(q, k, scale, ex, bh_base)
+    tiles = _Tiles(q, k, scale, ex, bh_base, shift)
     acc_t = _acc_dtype(q)
     n_kv, seq_q = k.shape[-3], q.shape[-2]
     out = empty_like_layout(q, v.shape[-1])
@@ -270,6 +296,11 @@ class TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if ctx.ex.seqused_k is not None:
+            raise NotImplementedError(
+                "flash_attention: no backward with cache_seqlens (KV-cache decoding is forward "
+                "only); run generation under torch.no_grad()"
+            )
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)

@@ -117,7 +117,7 @@ def _attn_bwd_dq_inner(
 
 @triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE, DLSE, Delta, DQ, Mask, Alibi, Seed, CuQ, CuK,
+    Q, K, V, O, DO, LSE, DLSE, Delta, DQ, Mask, Alibi, Seed, CuQ, CuK, SeqUsed,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
@@ -128,9 +128,10 @@ def _attn_bwd_dq(
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, SEQUSED: tl.constexpr, HAS_DLSE: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    tl.static_assert(not SEQUSED)  # KV-cache decoding is forward only
     tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -308,7 +309,7 @@ def _attn_bwd_dkdv_inner(
 
 @triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, Delta, DK, DV, Mask, Alibi, Seed, CuQ, CuK,
+    Q, K, V, DO, LSE, Delta, DK, DV, Mask, Alibi, Seed, CuQ, CuK, SeqUsed,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
@@ -319,8 +320,10 @@ def _attn_bwd_dkdv(
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    VARLEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    tl.static_assert(not SEQUSED)  # KV-cache decoding is forward only
     tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -429,8 +432,8 @@ def _attn_bwd_dkdv(
 
 _attn_bwd_dq_tuned = make_autotune(_attn_bwd_dq, DQ_SHAPES, _dq_footprint)
 _attn_bwd_dkdv_tuned = make_autotune(_attn_bwd_dkdv, DKDV_SHAPES, _dkdv_footprint)
-_launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=14)
-_launch_dkdv = LaunchCache(_attn_bwd_dkdv_tuned, n_tensors=13)
+_launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=15)
+_launch_dkdv = LaunchCache(_attn_bwd_dkdv_tuned, n_tensors=14)
 
 
 def attention_backward(

@@ -107,7 +107,7 @@ def key_tile_range(
         mid_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 - left, 0), BLOCK_N) * BLOCK_N
     if HAS_RIGHT:
         hi = tl.minimum(hi, start_m + BLOCK_M + right)
-        mid_hi = tl.minimum(mid_hi, ((start_m + right + 1) // BLOCK_N) * BLOCK_N)
+        mid_hi = tl.minimum(mid_hi, (tl.maximum(start_m + right + 1, 0) // BLOCK_N) * BLOCK_N)
     mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
     mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
     return lo, mid_lo, mid_hi, hi
@@ -177,6 +177,7 @@ class Flags(NamedTuple):
     DROPOUT: bool
     MAY_EMPTY: bool  # some row may attend nothing (guards for -inf maxima)
     VARLEN: bool  # a packed batch: per-sequence bounds from cumulative lengths
+    SEQUSED: bool  # a KV cache: per-sequence numbers of valid keys (forward only)
 
 
 _NO_STRIDES = (0, 0, 0, 0, 0, 0)
@@ -203,7 +204,7 @@ def kernel_extras(ex: Extras, dummy: torch.Tensor) -> tuple[tuple, tuple, Flags]
     )  # fmt: skip
     flags = Flags(
         ex.left >= 0, ex.right >= 0, kind, mask_rows, ex.softcap > 0, alibi is not None, p > 0,
-        ex.may_empty_rows, ex.varlen,
+        ex.may_empty_rows, ex.varlen, ex.seqused_k is not None,
     )  # fmt: skip
     tensors = (
         dummy if mask is None else mask,
@@ -211,6 +212,7 @@ def kernel_extras(ex: Extras, dummy: torch.Tensor) -> tuple[tuple, tuple, Flags]
         dummy if ex.seed is None else ex.seed,
         dummy if ex.cu_q is None else ex.cu_q,
         dummy if ex.cu_k is None else ex.cu_k,
+        dummy if ex.seqused_k is None else ex.seqused_k,
     )
     return tensors, runtime, flags
 

@@ -48,7 +48,8 @@ def _fwd_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d, mask_dv, row_ok,
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_p, offs_n, mask_d, mask_dv,
+    row_ok,
     lo, hi, seq_k, qk_scale, sm_scale, left, right, softcap, slope, mask_base,
     stride_mm, stride_mn, seed, bh, threshold,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -71,12 +72,12 @@ def _attn_fwd_inner(
             else:  # a key-padding mask: one vector per key tile
                 mvals = load_mask(mask_base + cols * stride_mn, col_ok, MASK_KIND)[None, :]
         s, _t = mod_scores(
-            qk, offs_m[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
+            qk, offs_p[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
             SOFTCAP, ALIBI, MASK_KIND == 2,
         )  # fmt: skip
-        if MASKED:
+        if MASKED:  # positions: offs_p (= offs_m, or shifted to the end of a KV cache)
             keep = keep_scores(
-                offs_m[:, None], cols[None, :], seq_k, left, right, HAS_LEFT, HAS_RIGHT
+                offs_p[:, None], cols[None, :], seq_k, left, right, HAS_LEFT, HAS_RIGHT
             )
             s = tl.where(keep, s, float("-inf"))
         if MASK_KIND == 1:
@@ -110,7 +111,7 @@ def _attn_fwd_inner(
     ]
 )  # fmt: skip
 def _attn_fwd(
-    Q, K, V, O, LSE, Mask, Alibi, Seed, CuQ, CuK,
+    Q, K, V, O, LSE, Mask, Alibi, Seed, CuQ, CuK, SeqUsed,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
@@ -120,7 +121,8 @@ def _attn_fwd(
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    VARLEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)  # tl.dot's minimum tile
@@ -143,8 +145,13 @@ def _attn_fwd(
     if VARLEN:
         if start_m >= seq_q:
             return  # a query tile past this sequence's end
+    shift = seq_k * 0  # query row i sits at position i + shift
+    if SEQUSED:  # a KV cache: seq_k valid keys of this sequence; queries are its last positions
+        seq_k = tl.load(SeqUsed + b)
+        shift = seq_k - seq_q
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_p = offs_m + shift
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM  # head dims that are not a power of two are padded to BLOCK_D
@@ -169,7 +176,7 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = key_tile_range(
-        start_m, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+        start_m + shift, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     cols = offs_n.to(tl.int64)
     k_base = (
@@ -197,7 +204,7 @@ def _attn_fwd(
             acc, l_i, m_i = _attn_fwd_inner(
                 acc, l_i, m_i, q,
                 k_base + seg_lo.to(tl.int64) * stride_kn, v_base + seg_lo.to(tl.int64) * stride_vn,
-                stride_kn, stride_vn, offs_m, offs_n, mask_d, mask_dv, row_ok, seg_lo, seg_hi, seq_k,
+                stride_kn, stride_vn, offs_m, offs_p, offs_n, mask_d, mask_dv, row_ok, seg_lo, seg_hi, seq_k,
                 qk_scale, sm_scale, left, right, softcap, slope, mask_base, stride_mm, stride_mn,
                 seed, bh32, threshold,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
@@ -222,7 +229,7 @@ def _attn_fwd(
 
 
 _attn_fwd_tuned = make_autotune(_attn_fwd, FWD_SHAPES, _fwd_footprint)
-_launch_fwd = LaunchCache(_attn_fwd_tuned, n_tensors=10)
+_launch_fwd = LaunchCache(_attn_fwd_tuned, n_tensors=11)
 
 
 def attention_forward(
