@@ -14,10 +14,12 @@ from torch_flashsys.attention._dropin import (
     sdpa_override,
 )
 from torch_flashsys.attention._extras import make_extras
+from torch_flashsys.attention._kvcache import KVCache
 from torch_flashsys.attention.module import FlashAttention
 
 __all__ = [
     "FlashAttention",
+    "KVCache",
     "disable_sdpa_override",
     "enable_sdpa_override",
     "flash_attention",
@@ -43,6 +45,7 @@ def flash_attention(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    cache_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +93,13 @@ def flash_attention(
             takes them) are packed batches too and give a nested output.
         max_seqlen_q, max_seqlen_k: the longest sequences. Optional; passing them on CUDA avoids
             reading the lengths on the host (the checks of ``cu_seqlens`` then run on the GPU).
+        cache_seqlens: decoding with a KV cache, as flash-attn's ``flash_attn_with_kvcache``:
+            key/value are pre-allocated caches ``(batch, kv_heads, capacity, head_dim)`` of which
+            the first ``cache_seqlens[b]`` positions (int32 ``(batch,)``) are valid; the
+            ``seq_q`` queries are the last ``seq_q`` of those positions (bottom-right aligned:
+            with ``is_causal``, query ``i`` attends keys ``j <= cache_seqlens[b] - seq_q + i``).
+            Up to 128 query rows per key/value head (e.g. 1-16 new tokens) run a split-KV
+            kernel that spreads the cache over the whole GPU. Forward only.
         backend: ``"triton"`` (Triton kernels: CUDA tensors, or CPU tensors under
             ``TRITON_INTERPRET=1``), ``"torch"`` (pure-PyTorch tiled FlashAttention-2, any device), or
             ``"auto"`` (Triton where it can run, else torch).
@@ -139,6 +149,13 @@ def flash_attention(
     )  # fmt: skip
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     mods = (dropout_p, is_causal, window_size, softcap, alibi_slopes)
+    if cache_seqlens is not None:
+        from torch_flashsys.attention._cache import cached_attention
+
+        out, lse = cached_attention(
+            query, key, value, attn_mask, mods, sm_scale, resolved, cache_seqlens
+        )
+        return (out, lse) if return_lse else out
     if query.dim() in (3, 4):
         out, lse = _attend(query, key, value, attn_mask, mods, sm_scale, resolved)
         return (out, lse) if return_lse else out

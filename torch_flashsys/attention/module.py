@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from torch_flashsys.attention._backend import BACKENDS
+from torch_flashsys.attention._kvcache import KVCache
 
 _NAME = "FlashAttention"
 
@@ -119,6 +120,11 @@ class FlashAttention(nn.Module):
 
     Dropout on the attention weights (``dropout``, MHA's argument) applies in training mode only,
     as in nn.MultiheadAttention.
+
+    Generation with a KV cache: ``cache = attn.new_cache(batch, capacity)``, then
+    ``attn(x, kv_cache=cache)`` for the prompt and for each new token (under ``torch.no_grad()``):
+    the call appends its keys/values to the cache and attends over everything cached (causally,
+    queries aligned to the cache's end, when the module is causal or ``is_causal=True``).
 
     Args:
         embed_dim: model width; ``embed_dim // num_heads`` is the head dim.
@@ -254,6 +260,8 @@ class FlashAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, None]:
         mha_form = key is not None or value is not None
         if mha_form:
@@ -279,17 +287,43 @@ class FlashAttention(nn.Module):
         if not self.batch_first and query.dim() == 3:
             x = x.transpose(0, 1)
         causal = self.causal or bool(is_causal)
-        if attn_mask is not None and _is_causal_mask(attn_mask, x.shape[1]):
-            causal, attn_mask = True, None
-        mask = _sdpa_mask(key_padding_mask, attn_mask, x.shape[0], self.num_heads, x.shape[1])
-        out = self._attend(x, causal, mask)
+        if kv_cache is not None:
+            if key_padding_mask is not None or attn_mask is not None:
+                raise ValueError(f"{_NAME}: masks are not supported together with kv_cache")
+            out = self._attend(x, causal, None, kv_cache)
+        else:
+            if attn_mask is not None and _is_causal_mask(attn_mask, x.shape[1]):
+                causal, attn_mask = True, None
+            mask = _sdpa_mask(key_padding_mask, attn_mask, x.shape[0], self.num_heads, x.shape[1])
+            out = self._attend(x, causal, mask)
         if not self.batch_first and query.dim() == 3:
             out = out.transpose(0, 1)
         out = out.squeeze(0) if query.dim() == 2 else out
         return (out, None) if mha_form else out
 
+    def new_cache(
+        self,
+        batch: int,
+        capacity: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """An empty :class:`~torch_flashsys.attention.KVCache` for this layer (its key/value heads
+        and head dim; the parameters' device and dtype unless given)."""
+        weight = self.in_proj_weight
+        return KVCache(
+            batch, self.num_kv_heads, capacity, self.head_dim,
+            device=weight.device if device is None else device,
+            dtype=weight.dtype if dtype is None else dtype,
+        )  # fmt: skip
+
     def _attend(
-        self, x: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        causal: bool,
+        mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """(batch, seq, embed_dim) -> (batch, seq, embed_dim); ``mask`` in SDPA's convention."""
         from torch_flashsys.attention import flash_attention
@@ -301,6 +335,13 @@ class FlashAttention(nn.Module):
         q = q.view(b, seq, h, d).transpose(1, 2)  # (b, h, seq, d)
         k = k.view(b, seq, h_kv, d).transpose(1, 2)
         v = v.view(b, seq, h_kv, d).transpose(1, 2)
+        if kv_cache is not None:  # generation: the new positions join the cache, then attend
+            kv_cache.append(k, v)
+            out = flash_attention(
+                q, kv_cache.key, kv_cache.value, is_causal=causal, enable_gqa=h_kv != h,
+                cache_seqlens=kv_cache.seqlens, backend=self.backend,
+            )  # fmt: skip
+            return self.out_proj(out.transpose(1, 2).reshape(b, seq, self.embed_dim))
         out = flash_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal, enable_gqa=h_kv != h, backend=self.backend,

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from torch_flashsys.attention._kvcache import KVCache
 from torch_flashsys.models._config import ATTENTION_CHOICES
 
 
@@ -65,9 +66,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)  # (context, head_dim/2)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Rotate ``x``'s positions ``offset .. offset + seq - 1`` (offset: generation with a cache)."""
         seq = x.shape[-2]
-        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        cos, sin = (
+            self.cos[offset : offset + seq].to(x.dtype),
+            self.sin[offset : offset + seq].to(x.dtype),
+        )
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -112,6 +117,32 @@ def causal_attention(
     raise ValueError(f"causal_attention: impl must be one of {ATTENTION_CHOICES}, got {impl!r}")
 
 
+def cached_causal_attention(
+    q: torch.Tensor, cache: KVCache, impl: str, flash_backend: str = "auto"
+) -> torch.Tensor:
+    """The new queries (the cache's last positions) against everything cached, causally.
+
+    "flash" reads the cache in place (``cache_seqlens``, the split-KV kernel on GPUs); "sdpa" and
+    "naive" attend to the cache's valid prefix with a bottom-right causal mask.
+    """
+    if impl == "flash":
+        from torch_flashsys.attention import flash_attention
+
+        return flash_attention(
+            q, cache.key, cache.value, is_causal=True, cache_seqlens=cache.seqlens,
+            backend=flash_backend,
+        )  # fmt: skip
+    n, total = q.shape[-2], cache.length
+    k, v = cache.key[:, :, :total], cache.value[:, :, :total]
+    allowed = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+    if impl == "sdpa":
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    if impl == "naive":
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+    raise ValueError(f"causal_attention: impl must be one of {ATTENTION_CHOICES}, got {impl!r}")
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE on queries and keys.
 
@@ -140,10 +171,18 @@ class CausalSelfAttention(nn.Module):
         _init_linear(self.qkv_proj)
         _init_linear(self.out_proj)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """``cache``: generation; x holds the positions after those cached, which it appends."""
         b, seq, d_model = x.shape
         qkv = self.qkv_proj(x).view(b, seq, 3, self.num_heads, d_model // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, heads, seq, head_dim)
-        q, k = rope(q), rope(k)
-        out = causal_attention(q, k, v, self.attention, self.flash_backend)
+        offset = 0 if cache is None else cache.length
+        q, k = rope(q, offset), rope(k, offset)
+        if cache is None:
+            out = causal_attention(q, k, v, self.attention, self.flash_backend)
+        else:
+            cache.append(k, v)
+            out = cached_causal_attention(q, cache, self.attention, self.flash_backend)
         return self.out_proj(out.transpose(1, 2).reshape(b, seq, d_model))

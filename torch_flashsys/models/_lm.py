@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torch_flashsys.attention._kvcache import KVCache
 from torch_flashsys.models._config import ATTENTION_CHOICES, ModelConfig
 from torch_flashsys.models._layers import (
     CausalSelfAttention,
@@ -28,8 +29,10 @@ class TransformerBlock(nn.Module):
         self.norm2 = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.ffn = SwiGLU(config.d_model, config.d_ff, **kw)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, cache)
         return x + self.ffn(self.norm2(x))
 
 
@@ -92,21 +95,98 @@ class TransformerLM(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.token_embeddings.weight.numel() if exclude_embeddings else n
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """``caches`` (one per layer, :meth:`new_caches`): generation; ``tokens`` are the positions
+        after those cached, and their keys/values are appended."""
         if tokens.dim() != 2:
             raise ValueError(
                 f"TransformerLM.forward: tokens must be 2-D (batch, seq), got shape "
                 f"{tuple(tokens.shape)}"
             )
-        if tokens.shape[1] > self.config.context_length:
+        cached = 0 if caches is None else caches[0].length if caches else 0
+        if cached + tokens.shape[1] > self.config.context_length:
             raise ValueError(
-                f"TransformerLM.forward: sequence length {tokens.shape[1]} exceeds "
+                f"TransformerLM.forward: sequence length {cached + tokens.shape[1]} exceeds "
                 f"context_length {self.config.context_length}"
             )
+        if caches is not None and len(caches) != len(self.layers):
+            raise ValueError(
+                f"TransformerLM.forward: caches must hold one KVCache per layer "
+                f"({len(self.layers)}), got {len(caches)}"
+            )
         x = self.token_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x, self.rope)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self.rope, None if caches is None else caches[i])
         return self.lm_head(self.final_norm(x))
+
+    def new_caches(self, batch: int, capacity: int | None = None) -> list[KVCache]:
+        """Empty per-layer KV caches for generation (capacity: the context length by default),
+        on the model's device and dtype."""
+        c = self.config
+        w = self.lm_head.weight
+        capacity = c.context_length if capacity is None else capacity
+        return [
+            KVCache(batch, c.num_heads, capacity, c.head_dim, device=w.device, dtype=w.dtype)
+            for _ in self.layers
+        ]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        use_cache: bool = True,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue ``tokens`` (batch, seq) by ``max_new_tokens``: (batch, seq + max_new_tokens).
+
+        Greedy (``temperature=0``) or sampled (softmax of logits / temperature, optionally the
+        ``top_k`` most likely). ``use_cache``: run the prompt once and then one position per step
+        against per-layer KV caches (the "flash" attention reads them in place with
+        ``cache_seqlens``); ``False``: re-run the whole sequence every step (the reference).
+
+        Example:
+            >>> model = build_model("tiny", context_length=32, vocab_size=50, attention="flash")
+            >>> model.generate(torch.zeros(2, 4, dtype=torch.long), 6).shape
+            torch.Size([2, 10])
+        """
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 0
+        ):
+            raise ValueError(
+                f"TransformerLM.generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}"
+            )
+        total = tokens.shape[1] + max_new_tokens
+        if total > self.config.context_length:
+            raise ValueError(
+                f"TransformerLM.generate: {tokens.shape[1]} + {max_new_tokens} tokens exceed "
+                f"context_length {self.config.context_length}"
+            )
+        out = tokens
+        caches = self.new_caches(tokens.shape[0], total) if use_cache else None
+        step_input = tokens
+        for _ in range(max_new_tokens):
+            logits = self(step_input if use_cache else out, caches)[:, -1].float()
+            nxt = _sample(logits, temperature, top_k, generator)
+            out = torch.cat([out, nxt], dim=1)
+            step_input = nxt
+        return out
+
+
+def _sample(logits, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+    """(batch, vocab) logits -> (batch, 1) next tokens."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
 
 
 def build_model(

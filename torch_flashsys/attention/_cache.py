@@ -1,0 +1,63 @@
+"""KV-cache decoding: flash_attention(q, k_cache, v_cache, cache_seqlens=...), forward only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from torch_flashsys.attention._extras import make_extras
+
+_NAME = "flash_attention"
+
+
+def _fail(exc: type[Exception], msg: str) -> None:
+    raise exc(f"{_NAME}: {msg}")
+
+
+def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.Tensor) -> None:
+    """(batch,) int32/int64 on the inputs' device, values in [0, capacity]: checked on the host
+    for CPU tensors and on the device (no synchronization) for CUDA ones."""
+    if query.dim() != 4:
+        _fail(ValueError, "cache_seqlens needs 4-D (batch, heads, seq, head_dim) inputs, got "
+                          f"{query.dim()}-D query")  # fmt: skip
+    batch, capacity = query.shape[0], key.shape[2]
+    if (
+        not isinstance(cache_seqlens, torch.Tensor)
+        or cache_seqlens.dtype not in (torch.int32, torch.int64)
+        or tuple(cache_seqlens.shape) != (batch,)
+    ):
+        what = (f"{cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}"
+                if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens).__name__)  # fmt: skip
+        _fail(TypeError, f"cache_seqlens must be an int32 (or int64) tensor of shape (batch,) = "
+                         f"({batch},), got {what}")  # fmt: skip
+    if cache_seqlens.device != query.device:
+        _fail(ValueError, f"cache_seqlens must be on {query.device}, got {cache_seqlens.device}")
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        _fail(ValueError, "cache_seqlens (KV-cache decoding) is forward only; call it under "
+                          "torch.no_grad() / torch.inference_mode()")  # fmt: skip
+    if cache_seqlens.is_cuda:
+        ok = (cache_seqlens.min() >= 0) & (cache_seqlens.max() <= capacity)
+        torch._assert_async(ok, f"{_NAME}: cache_seqlens must lie in [0, {capacity}] (capacity)")
+    elif batch and (int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > capacity):
+        _fail(ValueError, f"cache_seqlens must lie in [0, {capacity}] (the cache capacity, key's "
+                          f"dim -2), got {cache_seqlens.tolist()}")  # fmt: skip
+
+
+def cached_attention(query, key, value, attn_mask, mods, sm_scale, backend, cache_seqlens):
+    """The decode step: split-KV Triton kernel where it applies, else the prefill kernel's cache
+    mode or the PyTorch backend. Returns ``(out, lse)``."""
+    check_cache_seqlens(cache_seqlens, query, key)
+    ex = make_extras(query.shape, key.shape[-2], query.device, attn_mask, *mods)
+    ex = dataclasses.replace(ex, seqused_k=cache_seqlens)
+    if backend == "triton":
+        from torch_flashsys.attention._triton_decode import decode_forward, decode_supported
+
+        if decode_supported(query, key, ex):
+            return decode_forward(query, key, value, sm_scale, ex)
+        from torch_flashsys.attention._ops import triton_attention
+
+        return triton_attention(query, key, value, sm_scale, ex)
+    from torch_flashsys.attention._torch_impl import TiledAttention
+
+    return TiledAttention.apply(query, key, value, sm_scale, ex)
