@@ -11,6 +11,7 @@ sweep. Examples::
         --seq 256,1024,4096,8192,16384 --dtype bf16 --out sweep.csv --plot sweep.png
     python benchmarks/flash.py --preset peers --out docs/data/attention_peers_h100.csv
                                    # ours vs SDPA flash/cuDNN/efficient and FlexAttention
+    python benchmarks/flash.py --preset varlen --out docs/data/attention_varlen_h100.csv
     python benchmarks/flash.py --smoke                        # tiny, CPU, seconds
 """
 
@@ -47,6 +48,8 @@ PRESETS = {
     "peers": dict(dtype="bf16"),
     # Masks, dropout and windows against the same call without them and SDPA (benchmarks/_peers.py).
     "features": dict(dtype="bf16"),
+    # Packed batches and KV-cache decoding beside their peers (benchmarks/_varlen.py).
+    "varlen": dict(dtype="bf16"),
 }
 
 
@@ -320,6 +323,13 @@ def main(argv=None):
         return run_peers(args)
     if args.preset == "features":
         return run_features(args)
+    if args.preset == "varlen":
+        from benchmarks._varlen import run_varlen
+
+        rows = run_varlen(smoke=args.smoke)
+        write_results(args.out, rows)
+        columns = ["impl", "case", "ms", "TFLOP/s", "GB/s", "note"]
+        return print_report("Packed batches and KV-cache decoding (do_bench median)", rows, columns)
     if args.preset:
         for key, value in PRESETS[args.preset].items():
             setattr(args, key, value)

@@ -183,7 +183,10 @@ def main(argv=None):
     )  # fmt: skip
     p.add_argument("--causal", default="1,0", help="causal values to sweep (1,0)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float16")
-    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument(
+        "--workers", type=int, default=min(16, os.cpu_count() or 1),
+        help="processes that compile the variants in parallel (default: up to 16 cores)",
+    )  # fmt: skip
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per point")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, one tiny shape")
     p.add_argument("--out", help="write every row to this .csv/.json")
