@@ -131,6 +131,7 @@ BAD_INPUTS = [
         "softcap must be None or a finite",
     ),
     ("softcap inf", lambda: _call(softcap=float("inf")), ValueError, "softcap must be"),
+    ("softcap zero", lambda: _call(softcap=0.0), ValueError, r"softcap must be None \(off\) or"),
     (
         "alibi shape",
         lambda: _call(alibi_slopes=torch.ones(3)),

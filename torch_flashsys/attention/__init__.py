@@ -80,7 +80,7 @@ def flash_attention(
             ``is_causal`` the right side is 0). Key tiles outside the window are skipped, so the
             cost grows with the window, not the sequence (as flash-attn's ``window_size``).
         softcap: ``> 0``: scores ``s`` become ``softcap * tanh(s / softcap)`` (Gemma 2), applied to
-            the scaled scores before ALiBi and the mask. ``None`` or ``0``: off.
+            the scaled scores before ALiBi and the mask. ``None``: off (flash-attn's ``0.0``).
         alibi_slopes: ``(heads,)`` or ``(batch, heads)`` (batch: the product of the leading
             dimensions): adds ``-slope * |i - j|`` to the scaled scores (ALiBi, as flash-attn's
             ``alibi_slopes`` when ``seq_q == seq_k``).

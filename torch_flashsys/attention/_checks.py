@@ -81,9 +81,13 @@ def check_inputs(
         isinstance(softcap, bool)
         or not isinstance(softcap, (int, float))
         or not math.isfinite(softcap)
-        or softcap < 0
+        or softcap <= 0
     ):
-        _fail(ValueError, f"softcap must be None or a finite float >= 0 (0: off), got {softcap!r}")
+        _fail(
+            ValueError,
+            f"softcap must be None (off) or a finite float > 0, got {softcap!r} (flash-attn's "
+            "softcap=0.0 for 'off' is softcap=None here)",
+        )
 
     # Ranks and shapes: (..., heads, seq, head_dim), any number of leading batch dimensions.
     if query.dim() < 2:
