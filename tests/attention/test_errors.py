@@ -128,7 +128,7 @@ BAD_INPUTS = [
         "softcap negative",
         lambda: _call(softcap=-1.0),
         ValueError,
-        "softcap must be None or a finite",
+        "softcap must be None \\(off\\) or a finite float > 0",
     ),
     ("softcap inf", lambda: _call(softcap=float("inf")), ValueError, "softcap must be"),
     ("softcap zero", lambda: _call(softcap=0.0), ValueError, r"softcap must be None \(off\) or"),
