@@ -81,3 +81,38 @@ def test_opcheck_custom_ops_with_score_modifications():
     out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), *extras)
     qkv = (q.detach(), k.detach(), v.detach())
     torch.library.opcheck(attn_bwd, (torch.randn_like(out), *qkv, out, lse, None, *extras))
+
+
+class MaskedWindowedModel(TinyAttentionModel):
+    """Key-padding mask, sliding window, softcap, ALiBi and (optionally) dropout in one call."""
+
+    def __init__(self, dropout_p: float = 0.0):
+        super().__init__()
+        self.dropout_p = dropout_p
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25]))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = flash_attention(
+            q, k, v, attn_mask=pad[:, None, None, :], dropout_p=self.dropout_p, is_causal=True,
+            window_size=(6, 0), softcap=5.0, alibi_slopes=self.slopes,
+        )  # fmt: skip
+        return self.proj(y.transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_score_modifications_compile_fullgraph(dropout_p):
+    torch.manual_seed(0)
+    model = MaskedWindowedModel(dropout_p).to(DEVICE)
+    x = torch.randn(2, 19, 32, device=DEVICE)
+    pad = torch.ones(2, 19, dtype=torch.bool, device=DEVICE)
+    pad[1, 12:] = False
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out_c = compiled(x, pad)
+    out_c.sum().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+    assert torch._dynamo.explain(model)(x, pad).graph_break_count == 0
+    if not dropout_p:
+        torch.testing.assert_close(out_c, model(x, pad), atol=2e-5, rtol=1e-4)
