@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from tests.attention.cases import ATOL_TF32, Case, cases, check_against_reference, max_err
 from tests.attention.test_features import FeatureCase, check_features, feature_cases
+from tests.attention.test_kvcache import check_decode, decode_cases
+from tests.attention.test_varlen import check_packed, packed_cases
 from tests.reference import attention_reference
 from torch_flashsys import flash_attention
 
@@ -149,3 +151,27 @@ def test_key_padding_and_window_long_sequence_on_cuda():
     case = FeatureCase(2, 2, 2, 1500, 1500, 64, True, "key_padding", (200, -1), None, "heads",
                        0.1, seed=21)  # fmt: skip
     check_features(case, torch.bfloat16, "triton", device="cuda")
+
+
+@settings(max_examples=12)
+@given(case=packed_cases(max_len=300, head_dims=(64, 128)),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))  # fmt: skip
+def test_packed_batches_match_per_sequence_float64_on_cuda(case, dtype):
+    check_packed(case, dtype, "triton", device="cuda")
+
+
+def test_packed_batch_with_max_seqlen_checks_on_the_device():
+    """With max_seqlen given, cu_seqlens are checked on the GPU (no host synchronization)."""
+    lens = [300, 17, 0, 129]
+    q = torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 300, 317, 317, 446], device="cuda", dtype=torch.int32)
+    out = flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,
+                          max_seqlen_k=300, is_causal=True)  # fmt: skip
+    ref = flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=True)
+    assert torch.equal(out, ref)
+
+
+@settings(max_examples=12)
+@given(case=decode_cases(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_split_kv_decode_matches_float64_on_cuda(case, dtype):
+    check_decode(case, dtype, "triton", device="cuda")
