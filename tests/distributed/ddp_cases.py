@@ -531,10 +531,11 @@ def train_loop(
     wrap: Callable[[nn.Module], nn.Module],
     batches: list[list[tuple[tuple, torch.Tensor]]],
     pattern: str,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """AdamW steps as a user's loop would run them (``pattern``, see LOOP_PATTERNS); for
     BucketedDDP also the number of gradient copies into the buckets in each backward."""
-    wrapped = wrap(build(kind, seed, init_rank))
+    wrapped = wrap(build(kind, seed, init_rank).to(device))
     module = getattr(wrapped, "module", wrapped)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05, weight_decay=0.1)
     ours = isinstance(wrapped, BucketedDDP)
@@ -543,6 +544,7 @@ def train_loop(
         if pattern == "before":
             opt.zero_grad()
         for i, (args, target) in enumerate(micro_batches):
+            args, target = tuple(a.to(device) for a in args), target.to(device)
             unsynced = pattern == "no_sync" and i < len(micro_batches) - 1 and wrapped is not module
             with wrapped.no_sync() if unsynced else contextlib.nullcontext():
                 loss = (wrapped(*args) - target).pow(2).mean()
@@ -570,7 +572,12 @@ def train_loop(
 
 def default_loop(rank: int, world: int, seed: int, bucket_mb: float | None) -> dict:
     """Every (model kind, loop pattern): single process (rank 0), torch DDP, BucketedDDP, and
-    BucketedDDP with the views not pointed ahead of the backward (the copy path, a control)."""
+    BucketedDDP with the views not pointed ahead of the backward (the copy path, a control).
+    On CUDA (cuda:<rank>) under NCCL, on the CPU otherwise."""
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     out: dict[str, Any] = {}
     steps = 3
     for kind in ("tied", "frozen", "branches", "mixed"):
@@ -583,7 +590,7 @@ def default_loop(rank: int, world: int, seed: int, bucket_mb: float | None) -> d
                     [full_batch(kind, seed, s, range(world), m) for m in range(micro)]
                     for s in range(steps)
                 ]
-                res["single"] = train_loop(kind, seed, 0, _identity, full, pattern)
+                res["single"] = train_loop(kind, seed, 0, _identity, full, pattern, device)
             unused = kind == "branches"
             res["torch"] = train_loop(
                 kind,
@@ -592,9 +599,10 @@ def default_loop(rank: int, world: int, seed: int, bucket_mb: float | None) -> d
                 lambda m, unused=unused: TorchDDP(m, find_unused_parameters=unused),
                 mine,
                 pattern,
+                device,
             )
             res["ours"] = train_loop(
-                kind, seed, rank, lambda m: BucketedDDP(m, bucket_mb), mine, pattern
+                kind, seed, rank, lambda m: BucketedDDP(m, bucket_mb), mine, pattern, device
             )
             if pattern == "default":
 
@@ -603,6 +611,6 @@ def default_loop(rank: int, world: int, seed: int, bucket_mb: float | None) -> d
                     ddp._prepoint = False
                     return ddp
 
-                res["ours_copying"] = train_loop(kind, seed, rank, copying, mine, pattern)
+                res["ours_copying"] = train_loop(kind, seed, rank, copying, mine, pattern, device)
             out[f"{kind}/{pattern}"] = res
     return out

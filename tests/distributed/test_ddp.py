@@ -232,6 +232,10 @@ def test_default_loop_matches_single_process_without_copies(world, seed, bucket_
     copied into the buckets (AccumulateGrad adds into the views), except the first parameter
     of each backward, whose gradient arrives before BucketedDDP can point it."""
     runs = run_distributed(ddp_cases.default_loop, world, args=(seed, bucket_mb), timeout=300)
+    check_default_loop(runs, bucket_mb)
+
+
+def check_default_loop(runs: list[dict], bucket_mb: float | None) -> None:
     for rank, run in enumerate(runs):
         for key, res in run.items():
             what = f"rank {rank} {key} bucket_size_mb={bucket_mb}"
@@ -258,3 +262,15 @@ def test_default_loop_matches_single_process_without_copies(world, seed, bucket_
                 # every model here has >= 2 parameters with a gradient in every backward
                 assert min(control.pop("copies")[1:]) >= 2, f"{what}: control"
                 assert_close_tree(control, res["torch"], f"{what} copy path vs torch DDP", **tol)
+
+
+@pytest.mark.gpu
+def test_nccl_world_size_one():
+    """One GPU, NCCL: BucketedDDP against torch DDP (bucket sizes, compression) and the loop
+    people run (copies into the buckets counted on CUDA's autograd thread)."""
+    (run,) = run_distributed(ddp_cases.nccl_equivalence, 1, args=(0,), backend="nccl", timeout=300)
+    for key in [k for k in run if "/ours[" in k]:
+        assert run[key].pop("views"), f"{key}: grads are not bucket views"
+        assert_close_tree(run[key], run[f"{key.split('/')[0]}/torch"], key)
+    runs = run_distributed(ddp_cases.default_loop, 1, args=(1, 25.0), backend="nccl", timeout=300)
+    check_default_loop(runs, 25.0)
