@@ -137,9 +137,9 @@ class Bucket:
         for k in range(len(self.params)):
             self.adopt_grad(k)
 
-    def allocate(self) -> None:
-        """A transient buffer (ZeRO-2, another rank's bucket): zeroed, flags 1, ``None`` grads
-        pointed at their views so that the backward accumulates into it in place."""
+    def allocate(self, point: bool = True) -> None:
+        """A transient buffer (ZeRO-2, another rank's bucket): zeroed, flags 1, and (``point``)
+        ``None`` grads pointed at their views so that the backward accumulates into it in place."""
         self.buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)
         self.views = [
             chunk.view_as(p)
@@ -150,7 +150,8 @@ class Bucket:
         self.flags = self.buffer[self.total :]
         self.flags.fill_(1)
         self.flags_set = True
-        self.point_grads(zeroed=True)
+        if point:
+            self.point_grads(zeroed=True)
 
     def release(self) -> None:
         """Drop a transient buffer and this rank's gradients of its (not owned) parameters."""
@@ -216,7 +217,7 @@ class Bucket:
         ``reduce_avg``: the backend averages (``ReduceOp.AVG``, NCCL); else divide, then sum.
         """
         if self.buffer is None:  # ZeRO-2: no gradient of this bucket arrived on this rank
-            self.allocate()
+            self.allocate(point=False)
         self._none_here = []
         if self.pending or not self.flags_set:  # else: every gradient arrived, flags are 1
             if not self.flags_set:

@@ -375,7 +375,7 @@ class BucketedDDP(torch.nn.Module):
         bucket ``b`` itself if it is one of them and has none)."""
         bucket = self._buckets[b] if b >= 0 else None
         if bucket is not None and not bucket.keeps and bucket.buffer is None:
-            bucket.allocate()
+            bucket.allocate(point=self._prepoint)
         target = min(len(self._remote), bisect.bisect_right(self._remote, b) + _AHEAD)
         while self._bw.remote_next < target:
             ahead = self._buckets[self._remote[self._bw.remote_next]]
