@@ -312,7 +312,7 @@ def profile_variant(name: str, args, device: torch.device) -> dict:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         recording = profile(activities=activities) if dist.get_rank() == 0 else None
         t0 = time.perf_counter()
-        with recording or contextlib.nullcontext():
+        with recording if recording is not None else contextlib.nullcontext():
             for _ in range(args.profile_steps):
                 step(labelled=True)
             _sync(device)
@@ -354,8 +354,8 @@ def _summarize(name: str, prof, args, cuda: bool) -> dict:
 def default_out(world: int, device: torch.device) -> str | None:
     if device.type != "cuda":
         return None
-    gpu = torch.cuda.get_device_name(device).lower().replace("nvidia", "").split()
-    short = next((w for w in gpu if re.fullmatch(r"[a-z]+\d+[a-z]*", w)), "gpu")
+    words = re.split(r"[^a-z0-9]+", torch.cuda.get_device_name(device).lower())
+    short = next((w for w in words if re.fullmatch(r"[a-z]+\d+[a-z]*", w)), "gpu")  # h200
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return os.path.join(root, "docs", "data", f"ddp_{world}x{short}.csv")
 
