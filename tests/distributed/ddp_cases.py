@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from torch_flashsys.distributed import BucketedDDP
+from torch_flashsys.distributed import BucketedDDP, _buckets
 
 F64 = torch.float64
 
@@ -286,7 +287,7 @@ def behaviours(rank: int, world: int, seed: int) -> dict:
 
     # Communication: none under no_sync; one all-reduce per bucket, all launched during backward
     calls: list[int] = []
-    real_all_reduce = dist.all_reduce
+    real_all_reduce = _buckets.all_reduce  # BucketedDDP's collectives go through it
 
     def counting_all_reduce(*a: Any, **k: Any) -> Any:
         calls.append(1)
@@ -295,9 +296,9 @@ def behaviours(rank: int, world: int, seed: int) -> dict:
     ddp = BucketedDDP(build("frozen", seed, rank), 0)
     launched = []
     for p in (ddp.module.a.weight, ddp.module.a.bias):  # the last two to get their gradients
-        p.register_post_accumulate_grad_hook(lambda p: launched.append(ddp._next_bucket))
+        p.register_post_accumulate_grad_hook(lambda p: launched.append(ddp._bw.next_bucket))
     args, target = shard("frozen", seed, 0, rank)
-    dist.all_reduce = counting_all_reduce
+    _buckets.all_reduce = counting_all_reduce
     try:
         with ddp.no_sync():
             _grads_after_backward(ddp, args, target)
@@ -305,7 +306,7 @@ def behaviours(rank: int, world: int, seed: int) -> dict:
         _grads_after_backward(ddp, args, target)
         out["comm/sync"] = len(calls)
     finally:
-        dist.all_reduce = real_all_reduce
+        _buckets.all_reduce = real_all_reduce
     out["comm/buckets"] = len(ddp._buckets)
     out["comm/launched_in_hooks"] = max(launched[2:])  # of the synchronizing backward
 
@@ -491,4 +492,125 @@ def nccl_equivalence(rank: int, world: int, seed: int) -> dict:
     out["compress/ours_bf16"] = {
         k: v.cpu() for k, v in _grads_after_backward(ours, args, target).items()
     }
+    return out
+
+
+# ---------------------------------------------------------------- the loop people run
+
+# Where the loop zeroes gradients (and how); every pattern must give single-process results.
+#   default: backward; step; zero_grad()      (PyTorch's default set_to_none=True)
+#   before:  zero_grad(); forward; backward; step
+#   between: forward; zero_grad(); backward; step   (grads are None when the backward starts)
+#   zeros:   backward; step; zero_grad(set_to_none=False)
+#   manual:  backward; step; zero_grad(); then every other parameter's grad replaced by hand
+#   no_sync: two micro-batches, the first under no_sync(); then step; zero_grad()
+LOOP_PATTERNS = ("default", "before", "between", "zeros", "manual", "no_sync")
+
+
+class _CountBucketCopies(TorchDispatchMode):
+    """Counts copy_ calls whose destination is in one of ``storages`` (gradient bucket copies)."""
+
+    def __init__(self, storages: set[int]) -> None:
+        super().__init__()
+        self.storages, self.count = storages, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.count += args[0].untyped_storage().data_ptr() in self.storages
+        return func(*args, **(kwargs or {}))
+
+
+def _bucket_storages(ddp: BucketedDDP) -> set[int]:
+    return {s.untyped_storage().data_ptr() for s, _, _ in ddp._storages}
+
+
+def train_loop(
+    kind: str,
+    seed: int,
+    init_rank: int,
+    wrap: Callable[[nn.Module], nn.Module],
+    batches: list[list[tuple[tuple, torch.Tensor]]],
+    pattern: str,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """AdamW steps as a user's loop would run them (``pattern``, see LOOP_PATTERNS); for
+    BucketedDDP also the number of gradient copies into the buckets in each backward."""
+    wrapped = wrap(build(kind, seed, init_rank).to(device))
+    module = getattr(wrapped, "module", wrapped)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05, weight_decay=0.1)
+    ours = isinstance(wrapped, BucketedDDP)
+    copies = []
+    for micro_batches in batches:
+        if pattern == "before":
+            opt.zero_grad()
+        for i, (args, target) in enumerate(micro_batches):
+            args, target = tuple(a.to(device) for a in args), target.to(device)
+            unsynced = pattern == "no_sync" and i < len(micro_batches) - 1 and wrapped is not module
+            with wrapped.no_sync() if unsynced else contextlib.nullcontext():
+                loss = (wrapped(*args) - target).pow(2).mean()
+                if pattern == "between":
+                    opt.zero_grad()
+                counter = _CountBucketCopies(_bucket_storages(wrapped) if ours else set())
+                with counter:
+                    loss.backward()
+                copies.append(counter.count)
+        opt.step()
+        if pattern in ("default", "manual", "no_sync"):
+            opt.zero_grad()
+        elif pattern == "zeros":
+            opt.zero_grad(set_to_none=False)
+        if pattern == "manual":
+            for p in list(module.parameters())[::2]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+    out = snapshot(module)
+    if ours:
+        out["views"] = grads_are_bucket_views(wrapped)
+        out["copies"] = copies
+    return out
+
+
+def default_loop(rank: int, world: int, seed: int, bucket_mb: float | None) -> dict:
+    """Every (model kind, loop pattern): single process (rank 0), torch DDP, BucketedDDP, and
+    BucketedDDP with the views not pointed ahead of the backward (the copy path, a control).
+    On CUDA (cuda:<rank>) under NCCL, on the CPU otherwise."""
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    out: dict[str, Any] = {}
+    steps = 3
+    for kind in ("tied", "frozen", "branches", "mixed"):
+        for pattern in LOOP_PATTERNS:
+            micro = 2 if pattern == "no_sync" else 1
+            mine = [[shard(kind, seed, s, rank, m) for m in range(micro)] for s in range(steps)]
+            res: dict[str, Any] = {}
+            if rank == 0:
+                full = [
+                    [full_batch(kind, seed, s, range(world), m) for m in range(micro)]
+                    for s in range(steps)
+                ]
+                res["single"] = train_loop(kind, seed, 0, _identity, full, pattern, device)
+            unused = kind == "branches"
+            res["torch"] = train_loop(
+                kind,
+                seed,
+                rank,
+                lambda m, unused=unused: TorchDDP(m, find_unused_parameters=unused),
+                mine,
+                pattern,
+                device,
+            )
+            res["ours"] = train_loop(
+                kind, seed, rank, lambda m: BucketedDDP(m, bucket_mb), mine, pattern, device
+            )
+            if pattern == "default":
+
+                def copying(m: nn.Module) -> BucketedDDP:
+                    ddp = BucketedDDP(m, bucket_mb)
+                    ddp._prepoint = False
+                    return ddp
+
+                res["ours_copying"] = train_loop(kind, seed, rank, copying, mine, pattern, device)
+            out[f"{kind}/{pattern}"] = res
     return out

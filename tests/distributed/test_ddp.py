@@ -82,6 +82,7 @@ def test_bucket_views_adopt_existing_grads():
     params[0].grad = torch.randn(3, 4)
     before = params[0].grad.clone()
     bucket = Bucket(params, ["a", "b"])
+    bucket.bind(torch.zeros(bucket.size))
     assert params[1].grad is None
     torch.testing.assert_close(params[0].grad, before, rtol=0, atol=0)
     assert params[0].grad.data_ptr() == bucket.buffer.data_ptr()  # a view into the flat buffer
@@ -217,3 +218,59 @@ def test_nccl_matches_torch_ddp(seed):
             assert diff <= 2 * eps * g.abs().max().item(), (rank, param)
             got = run["compress/ours_bf16"][param]
             assert torch.equal(got, got.bfloat16().to(got.dtype)), (rank, param)
+
+
+# ---------------------------------------------------------------- the default loop (issue 18)
+
+
+@given(world=st.integers(2, 4), seed=SEEDS, bucket_mb=st.sampled_from([None, 0, 0.0005, 25.0]))
+@ONE_RUN
+def test_default_loop_matches_single_process_without_copies(world, seed, bucket_mb):
+    """backward; step; zero_grad() and five other placements of zero_grad (LOOP_PATTERNS), on
+    tied, frozen, unused-branch and mixed-dtype models: equal to one process on the full batch
+    and to torch DDP; param.grad stays a bucket view; and after the first step no gradient is
+    copied into the buckets (AccumulateGrad adds into the views), except the first parameter
+    of each backward, whose gradient arrives before BucketedDDP can point it."""
+    runs = run_distributed(ddp_cases.default_loop, world, args=(seed, bucket_mb), timeout=300)
+    check_default_loop(runs, bucket_mb)
+
+
+def check_default_loop(runs: list[dict], bucket_mb: float | None) -> None:
+    for rank, run in enumerate(runs):
+        for key, res in run.items():
+            what = f"rank {rank} {key} bucket_size_mb={bucket_mb}"
+            ours, pattern = res["ours"], key.split("/")[1]
+            views = ours.pop("views")  # "manual" ends with the grads the user put there
+            assert views or pattern == "manual", f"{what}: param.grad is not a bucket view"
+            copies = ours.pop("copies")
+            # "mixed" passes float64 gradients through a float32 layer: float32 tolerances
+            tol = {"rtol": 1e-5, "atol": 1e-6} if key.startswith("mixed") else {}
+            assert_close_tree(ours, res["torch"], f"{what} vs torch DDP", **tol)
+            assert_close_tree(ours, runs[0][key]["single"], f"{what} vs single process", **tol)
+            # Per backward after the first step (the first one adopts whatever was there).
+            later = copies[2:] if pattern == "no_sync" else copies[1:]
+            if pattern == "zeros":
+                assert max(later) == 0, f"{what}: grads already views, yet copies {copies}"
+            elif pattern == "manual":  # the replaced grads are copied in, nothing else
+                replaced = sum(g is not None for g in list(res["torch"]["grads"].values())[::2])
+                assert max(later) <= replaced + 1, f"{what}: copies {copies}"
+            else:
+                assert max(later) <= 1, f"{what}: copies into the buckets {copies}"
+            if "ours_copying" in res:  # the control: without pointing, every gradient is copied
+                control = res["ours_copying"]
+                control.pop("views")
+                # every model here has >= 2 parameters with a gradient in every backward
+                assert min(control.pop("copies")[1:]) >= 2, f"{what}: control"
+                assert_close_tree(control, res["torch"], f"{what} copy path vs torch DDP", **tol)
+
+
+@pytest.mark.gpu
+def test_nccl_world_size_one():
+    """One GPU, NCCL: BucketedDDP against torch DDP (bucket sizes, compression) and the loop
+    people run (copies into the buckets counted on CUDA's autograd thread)."""
+    (run,) = run_distributed(ddp_cases.nccl_equivalence, 1, args=(0,), backend="nccl", timeout=300)
+    for key in [k for k in run if "/ours[" in k]:
+        assert run[key].pop("views"), f"{key}: grads are not bucket views"
+        assert_close_tree(run[key], run[f"{key.split('/')[0]}/torch"], key)
+    runs = run_distributed(ddp_cases.default_loop, 1, args=(1, 25.0), backend="nccl", timeout=300)
+    check_default_loop(runs, 25.0)

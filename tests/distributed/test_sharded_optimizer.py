@@ -40,13 +40,14 @@ cases = st.fixed_dictionaries(
         "scheduler": st.booleans(),
         "add_group": st.booleans(),
         "checkpoint": st.sampled_from([None, "consolidated", "sharded"]),
+        "tiny_chunks": st.booleans(),
     }
 )
 
 _ALL_ON = {
     "seed": 7, "vocab": 9, "d": 6, "widths": [5, 3], "tied": True, "frozen": True,
     "float64": True, "scalar": True, "groups": 3, "steps": 4, "closure": True,
-    "scheduler": True, "add_group": True,
+    "scheduler": True, "add_group": True, "tiny_chunks": True,
 }  # fmt: skip
 # Every optimizer and both checkpoint forms at least once, whatever hypothesis draws.
 _EVERY_FEATURE = [
@@ -54,6 +55,7 @@ _EVERY_FEATURE = [
     dict(_ALL_ON, optimizer="sgd", checkpoint="sharded", closure=False, seed=8),
     dict(_ALL_ON, optimizer="adam", checkpoint="sharded", scheduler=False, seed=9),
     dict(_ALL_ON, optimizer="adam", checkpoint="consolidated", tied=False, groups=1, seed=10),
+    dict(_ALL_ON, optimizer="adamw", checkpoint="consolidated", closure=False, seed=11),
 ]
 
 
@@ -95,8 +97,11 @@ def check_training(results: list[list[dict]], case_list: list[dict]) -> None:
             # ~1/world of the state: at most an equal share plus the largest parameter's.
             bound = out["total_state_bytes"] / world + out["largest_state_bytes"]
             assert out["state_bytes"] <= bound, where
-            # A few coalesced broadcasts per step (one per dtype and owner), not one per param.
+            # A few coalesced broadcasts per step (per dtype, owner and chunk), not one per param.
             assert max(out["broadcasts"]) <= out["max_broadcasts"], where
+            several = any(results[r][c]["owned_trainable"] > 1 for r in range(world))
+            if case.get("tiny_chunks") and not case["closure"] and several and world > 1:
+                assert out["pipelined"], f"{where}: the chunked step did not run"
             if "consolidated" in out:
                 _check_state_dicts_equal(out["consolidated"], out["plain_sd"])
                 _check_state_dicts_equal(out["reloaded_plain_sd"], out["plain_sd"])
@@ -170,6 +175,15 @@ ERRORS = {
     "load_state_dict: given a shard": (ValueError, "load it with load_sharded_state_dict"),
     "load_sharded_state_dict: another rank's shard": (RuntimeError, "saved by rank 1 of 2"),
     "load_sharded_state_dict: another model's shard": (ValueError, "saved for different param"),
+    "shard_gradients: not a bool": (TypeError, "shard_gradients must be a bool, got str"),
+    "shard_gradients: no BucketedDDP": (ValueError, "shard_gradients=True needs .*found none"),
+    "shard_gradients: torch DDP": (ValueError, "wrapped by one BucketedDDP.*found none"),
+    "shard_gradients: a BucketedDDP parameter not in the optimizer": (
+        ValueError,
+        "every parameter of the BucketedDDP in the optimizer; 'bias' is not",
+    ),
+    "shard_gradients: another process group": (ValueError, "use the same process group"),
+    "shard_gradients: differs across ranks": (RuntimeError, "differs across ranks.*shard_grad"),
 }
 
 
@@ -217,5 +231,14 @@ def test_matches_plain_optimizer_nccl(tmp_path):
     """The same checks on CUDA with NCCL (2 GPUs)."""
     results = run_distributed(
         run_training_cases, 2, args=(_EVERY_FEATURE, str(tmp_path)), backend="nccl"
+    )
+    check_training(results, _EVERY_FEATURE)
+
+
+@pytest.mark.gpu
+def test_matches_plain_optimizer_nccl_one_gpu(tmp_path):
+    """Every feature on one GPU with NCCL (world size 1: the optimizer's step, nothing else)."""
+    results = run_distributed(
+        run_training_cases, 1, args=(_EVERY_FEATURE, str(tmp_path)), backend="nccl"
     )
     check_training(results, _EVERY_FEATURE)

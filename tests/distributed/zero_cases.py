@@ -8,7 +8,8 @@ a list of drawn cases, and returns what the parent test compares. A case is a di
     weight = embedding), frozen (a frozen layer), float64 (one layer in float64), scalar (a 0-dim
     parameter), groups (1-3 param groups with different hyperparameters), steps, closure,
     scheduler (StepLR), add_group (a layer unfrozen and added mid-training), checkpoint (None |
-    "consolidated" | "sharded": save after half the steps, rebuild, load, continue)
+    "consolidated" | "sharded": save after half the steps, rebuild, load, continue),
+    tiny_chunks (exchange chunks of a few bytes, so the pipelined step runs in several chunks)
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_flashsys import ShardedOptimizer
+from torch_flashsys.distributed import _sharding
+
+_DEFAULT_MIN_CHUNK, _DEFAULT_CHUNKS = _sharding._MIN_CHUNK_BYTES, _sharding._CHUNKS_PER_RANK
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
@@ -204,6 +208,8 @@ def _checkpoint(trainer: _Trainer, plain: _Trainer, tmpdir: str, tag: str) -> di
 
 def train_case(case: dict, tmpdir: str, tag: str) -> dict:
     torch.manual_seed(0)
+    _sharding._MIN_CHUNK_BYTES = 1 if case.get("tiny_chunks") else _DEFAULT_MIN_CHUNK
+    _sharding._CHUNKS_PER_RANK = 10**6 if case.get("tiny_chunks") else _DEFAULT_CHUNKS
     sharded, plain = _Trainer(case, True), _Trainer(case, False)
     out: dict = {"broadcasts": []}
     for step in range(case["steps"]):
@@ -216,7 +222,12 @@ def train_case(case: dict, tmpdir: str, tag: str) -> dict:
             out.setdefault("losses", []).append((sharded.step(step), plain.step(step)))
         out["broadcasts"].append(counter.count)
     trainable_dtypes = {p.dtype for p in sharded.model.parameters() if p.requires_grad}
-    out["max_broadcasts"] = dist.get_world_size() * len(trainable_dtypes)
+    # Coalesced: one broadcast per (owner, dtype) and chunk, not one per parameter (tiny
+    # chunks: one parameter per chunk, so no bound).
+    chunks = _DEFAULT_CHUNKS + 1 if not case.get("tiny_chunks") else 10**6
+    out["max_broadcasts"] = dist.get_world_size() * len(trainable_dtypes) * chunks
+    out["pipelined"] = len(getattr(sharded.opt, "_chunks", ())) > 1
+    out["owned_trainable"] = sum(p.requires_grad for p in sharded.opt._owned(sharded.opt._params))
     out["sharded"] = [p.detach().cpu().clone() for p in sharded.model.parameters()]
     out["plain"] = [p.detach().cpu().clone() for p in plain.model.parameters()]
     out["state_bytes"] = state_bytes(sharded.opt.optim)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_flashsys import ShardedOptimizer
+from torch_flashsys import BucketedDDP, ShardedOptimizer
 
 SGD = torch.optim.SGD
 
@@ -123,6 +123,35 @@ def _add_group_not_dict(rank, tmpdir):
     ShardedOptimizer(_params((3,)), SGD, lr=0.1).add_param_group(_params((3,)))
 
 
+def _zero2_not_bool(rank, tmpdir):
+    ShardedOptimizer(_params((3,)), SGD, shard_gradients="yes", lr=0.1)
+
+
+def _zero2_without_ddp(rank, tmpdir):
+    ShardedOptimizer(_params((3,)), SGD, shard_gradients=True, lr=0.1)
+
+
+def _zero2_torch_ddp(rank, tmpdir):
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    ShardedOptimizer(model.parameters(), SGD, shard_gradients=True, lr=0.1)
+
+
+def _zero2_param_missing(rank, tmpdir):
+    model = BucketedDDP(nn.Linear(3, 2))
+    ShardedOptimizer([model.module.weight], SGD, shard_gradients=True, lr=0.1)
+
+
+def _zero2_other_group(rank, tmpdir):
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank calls
+    model = BucketedDDP(nn.Linear(3, 2), process_group=groups[rank])
+    ShardedOptimizer(model.parameters(), SGD, shard_gradients=True, lr=0.1)
+
+
+def _zero2_differs(rank, tmpdir):
+    model = BucketedDDP(nn.Linear(3, 2))
+    ShardedOptimizer(model.parameters(), SGD, shard_gradients=rank == 0, lr=0.1)
+
+
 CASES = {
     "params: not tensors": lambda r, d: ShardedOptimizer([1, 2], SGD, lr=0.1),
     "params: a single tensor": lambda r, d: ShardedOptimizer(_params((3,))[0], SGD, lr=0.1),
@@ -160,6 +189,12 @@ CASES = {
     "load_state_dict: given a shard": _load_shard_as_plain,
     "load_sharded_state_dict: another rank's shard": _load_other_ranks_shard,
     "load_sharded_state_dict: another model's shard": _load_shard_of_other_model,
+    "shard_gradients: not a bool": _zero2_not_bool,
+    "shard_gradients: no BucketedDDP": _zero2_without_ddp,
+    "shard_gradients: torch DDP": _zero2_torch_ddp,
+    "shard_gradients: a BucketedDDP parameter not in the optimizer": _zero2_param_missing,
+    "shard_gradients: another process group": _zero2_other_group,
+    "shard_gradients: differs across ranks": _zero2_differs,
 }
 
 

@@ -1,13 +1,19 @@
 """Gradient buckets for :class:`BucketedDDP`: assignment, flat buffers, ``param.grad`` views.
 
-A bucket holds parameters of one device and dtype in one flat buffer::
+A bucket holds parameters of one device and dtype (under ZeRO-2 also of one owner rank) in one
+flat buffer::
 
     buffer = [ grad of p0 | grad of p1 | ... | grad of pk | flag p0 | ... | flag pk ]
 
 ``param.grad`` is a view into its slice, so gradients cost no memory beyond the buffer and the
-all-reduce needs no copy. The trailing ``flags`` (one element per parameter, 1 when this rank
-holds a gradient for it) ride along in the same all-reduce: after it, a flag of zero means no
+reduction needs no copy. The trailing ``flags`` (one element per parameter, 1 when this rank
+holds a gradient for it) ride along in the same collective: after it, a flag of zero means no
 rank had a gradient, so that parameter's ``grad`` stays ``None`` as in single-process training.
+
+Buffers of buckets that this rank keeps are slices of one storage per (device, dtype), so the
+start of a backward can zero all of them with one memset (see ``BucketedDDP._prepare``).
+Under ZeRO-2 a bucket owned by another rank has no persistent buffer: one is allocated when
+the backward reaches it and released once its reduction to the owner is done.
 """
 
 from __future__ import annotations
@@ -20,22 +26,28 @@ import torch.distributed as dist
 _BROADCAST_CHUNK_BYTES = 250 * 2**20  # as torch DDP: large enough for few calls, bounded memory
 
 
-def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int | None) -> list[list[int]]:
+def assign_buckets(
+    params: Sequence[torch.Tensor],
+    bucket_bytes: int | None,
+    owners: Sequence[int] | None = None,
+) -> list[list[int]]:
     """Group parameter indices into buckets, in reverse order of ``params`` (registration order).
 
-    Parameters of different (device, dtype) never share a bucket. A bucket holds at most
-    ``bucket_bytes`` of gradient unless a single parameter is larger (then it is alone);
-    ``None`` means no limit, ``0`` one parameter per bucket. Buckets are ordered by when their
-    last parameter is expected to receive its gradient (reverse registration order).
+    Parameters of different (device, dtype), or of different ``owners`` when given, never share
+    a bucket. A bucket holds at most ``bucket_bytes`` of gradient unless a single parameter is
+    larger (then it is alone); ``None`` means no limit, ``0`` one parameter per bucket. Buckets
+    are ordered by when their last parameter is expected to receive its gradient (reverse
+    registration order).
 
     Example: params of 4, 4, 4, 8 bytes and ``bucket_bytes=8`` -> ``[[3], [2, 1], [0]]``.
     """
-    open_: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    open_bytes: dict[tuple[torch.device, torch.dtype], int] = {}
+    open_: dict[tuple, list[int]] = {}
+    open_bytes: dict[tuple, int] = {}
     closed: list[list[int]] = []
     for i in reversed(range(len(params))):
         p = params[i]
-        key, nbytes = (p.device, p.dtype), p.numel() * p.element_size()
+        key = (p.device, p.dtype, None if owners is None else owners[i])
+        nbytes = p.numel() * p.element_size()
         current = open_.get(key)
         full = bucket_bytes is not None and (
             bucket_bytes == 0 or open_bytes.get(key, 0) + nbytes > bucket_bytes
@@ -52,45 +64,137 @@ def assign_buckets(params: Sequence[torch.Tensor], bucket_bytes: int | None) -> 
     return sorted(closed, key=lambda bucket: -bucket[-1])
 
 
+def all_reduce(group: dist.ProcessGroup, tensor: torch.Tensor, op: dist.ReduceOp) -> dist.Work:
+    """Asynchronous all-reduce, straight to the ProcessGroup: the ``torch.distributed`` wrappers
+    cost ~30 us per call in Python (measured with gloo), paid on the backward's thread."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return group.allreduce([tensor], opts)
+
+
+def reduce(
+    group: dist.ProcessGroup, tensor: torch.Tensor, op: dist.ReduceOp, dst: int
+) -> dist.Work:
+    """Asynchronous reduce to group rank ``dst``, straight to the ProcessGroup (as all_reduce)."""
+    opts = dist.ReduceOptions()
+    opts.reduceOp, opts.rootRank, opts.rootTensor = op, dst, 0
+    return group.reduce([tensor], opts)
+
+
+def _holds(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
+    """Whether ``grad`` is ``view`` (the same tensor object, or the same memory and shape)."""
+    if grad is None:
+        return False
+    return grad is view or (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape)
+
+
 class Bucket:
     """Flat gradient buffer of some parameters (one device and dtype) and their ``grad`` views.
 
+    ``owner``: ``None`` (every rank keeps the average: all-reduce) or the group rank that keeps
+    it (ZeRO-2: reduce to the owner). ``keeps``: this rank keeps the result, so its buffer is
+    persistent (bound with :meth:`bind`); otherwise :meth:`allocate` makes a transient one.
+
     Per-backward state: ``ready[k]`` (gradient of ``params[k]`` accumulated), ``pending`` (count
-    not ready), ``work`` (the in-flight all-reduce, if launched).
+    not ready), ``phantom`` (indices whose ``grad`` was set to a zeroed view and has received
+    nothing since), ``flags_set`` (the buffer was zeroed and its flags set to 1 in this
+    backward, so no gradient slice or flag needs touching before the reduction), ``work``.
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        owner: int | None = None,
+        keeps: bool = True,
+    ) -> None:
         self.params, self.names = list(params), list(names)
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
-        numels = [p.numel() for p in self.params]
-        total = sum(numels)
-        self.nbytes = total * self.params[0].element_size()
-        self.buffer = torch.zeros(total + len(numels), dtype=self.dtype, device=self.device)
+        self.numels = [p.numel() for p in self.params]
+        self.total = sum(self.numels)
+        self.size = self.total + len(self.params)  # elements: gradients, then one flag each
+        self.nbytes = self.total * self.params[0].element_size()
+        self.owner, self.keeps = owner, keeps
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.flags: torch.Tensor | None = None
+        self.phantom: set[int] = set()
+        self.flags_set = False
+        self.reset()
+        self.work: dist.Work | None = None
+        self._comm: torch.Tensor | None = None  # what is being reduced (buffer or a copy)
+        self._none_here: list[int] = []  # params with no gradient on this rank at launch
+
+    def bind(self, buffer: torch.Tensor) -> None:
+        """Use ``buffer`` (``size`` elements) and move existing gradients into it."""
+        self.buffer = buffer
         self.views = [
             chunk.view_as(p)
-            for chunk, p in zip(self.buffer[:total].split(numels), self.params, strict=True)
+            for chunk, p in zip(buffer[: self.total].split(self.numels), self.params, strict=True)
         ]
-        self.flags = self.buffer[total:]
-        self.ready = [False] * len(self.params)
-        self.pending = len(self.params)
-        self.work: dist.Work | None = None
-        self._comm: torch.Tensor | None = None  # what is being all-reduced (buffer or a copy)
-        self._none_here: list[int] = []  # params with no gradient on this rank at launch
-        for k in range(len(self.params)):  # existing gradients move into the buffer
+        self.flags = buffer[self.total :]
+        self.flags_set = False
+        for k in range(len(self.params)):
             self.adopt_grad(k)
+
+    def allocate(self, point: bool = True) -> None:
+        """A transient buffer (ZeRO-2, another rank's bucket): zeroed, flags 1, and (``point``)
+        ``None`` grads pointed at their views so that the backward accumulates into it in place."""
+        self.buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        self.views = [
+            chunk.view_as(p)
+            for chunk, p in zip(
+                self.buffer[: self.total].split(self.numels), self.params, strict=True
+            )
+        ]
+        self.flags = self.buffer[self.total :]
+        self.flags.fill_(1)
+        self.flags_set = True
+        if point:
+            self.point_grads(zeroed=True)
+
+    def release(self) -> None:
+        """Drop a transient buffer and this rank's gradients of its (not owned) parameters."""
+        for p in self.params:
+            p.grad = None
+        self.buffer, self.views, self.flags = None, [], None
+        self.phantom.clear()
+        self.flags_set = False
 
     def reset(self) -> None:
         """Forget the previous backward's readiness (call before a synchronizing backward)."""
         self.ready = [False] * len(self.params)
         self.pending = len(self.params)
-        self.work = self._comm = None
+
+    def holds_views(self) -> bool:
+        """Whether some parameter's ``grad`` is its view (holds data a memset would destroy)."""
+        return any(_holds(p.grad, v) for p, v in zip(self.params, self.views, strict=True))
+
+    def point_grads(self, zeroed: bool) -> None:
+        """Point every ``None`` grad at its view (zeroing it unless ``zeroed``): AccumulateGrad
+        then adds in place instead of handing over a fresh tensor that would need copying."""
+        for k, p in enumerate(self.params):
+            if p.grad is None:
+                if not zeroed:
+                    self.views[k].zero_()
+                p.grad = self.views[k]
+                self.phantom.add(k)
+
+    def clear_phantoms(self) -> None:
+        """End of a backward: grads we pointed at zeroed views that received nothing -> None."""
+        for k in self.phantom:
+            if _holds(self.params[k].grad, self.views[k]):
+                self.params[k].grad = None
+        self.phantom.clear()
 
     def adopt_grad(self, k: int) -> None:
-        """Make ``params[k].grad`` the bucket view again (after ``zero_grad(set_to_none=True)``
-        AccumulateGrad creates a fresh tensor: copy it in, then point ``grad`` at the view)."""
+        """Make ``params[k].grad`` the bucket view again, copying a gradient held elsewhere (a
+        grad replaced by hand, or created by AccumulateGrad when the view was not in place)."""
         p, view = self.params[k], self.views[k]
         grad = p.grad
-        if grad is None or (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape):
+        if self.phantom:
+            self.phantom.discard(k)
+        if grad is view or grad is None or _holds(grad, view):
             return
         if grad.layout != torch.strided:
             raise RuntimeError(
@@ -102,24 +206,33 @@ class Bucket:
 
     def launch(
         self,
-        group: dist.ProcessGroup | None,
+        group: dist.ProcessGroup,
         world: int,
         comm_dtype: torch.dtype | None,
         reduce_avg: bool = False,
     ) -> None:
-        """Start the averaging all-reduce of the whole buffer (asynchronous).
+        """Start the averaging reduction of the whole buffer (asynchronous): an all-reduce, or
+        a reduce to group rank ``owner`` (ZeRO-2). ``group``: a ProcessGroup (not ``None``).
 
         ``reduce_avg``: the backend averages (``ReduceOp.AVG``, NCCL); else divide, then sum.
         """
+        if self.buffer is None:  # ZeRO-2: no gradient of this bucket arrived on this rank
+            self.allocate(point=False)
         self._none_here = []
-        for k, p in enumerate(self.params):
-            self.adopt_grad(k)
-            if p.grad is None:  # contributes zeros; ``grad`` stays None unless another rank has one
-                self.views[k].zero_()
-                self._none_here.append(k)
-        self.flags.fill_(1)
-        if self._none_here:
-            self.flags[self._none_here] = 0
+        if self.pending or not self.flags_set:  # else: every gradient arrived, flags are 1
+            if not self.flags_set:
+                self.flags.fill_(1)
+            for k, p in enumerate(self.params):
+                if self.ready[k]:
+                    continue  # adopted in its hook
+                if p.grad is None or k in self.phantom:  # no gradient here: contribute zeros
+                    if p.grad is None and not self.flags_set:
+                        self.views[k].zero_()
+                    self._none_here.append(k)
+                else:  # accumulated earlier (no_sync) or set by hand
+                    self.adopt_grad(k)
+            if self._none_here:
+                self.flags[self._none_here] = 0
         if comm_dtype is None or self.buffer.element_size() <= 2:
             self._comm = self.buffer
         else:  # as torch's bf16/fp16 compress hooks: cast, divide, reduce, cast back
@@ -128,23 +241,34 @@ class Bucket:
         if reduce_avg:
             op = dist.ReduceOp.AVG
         else:
-            self._comm.div_(world)
+            if world > 1:
+                self._comm.div_(world)
             op = dist.ReduceOp.SUM
-        self.work = dist.all_reduce(self._comm, op=op, group=group, async_op=True)
+        if self.owner is None:
+            self.work = all_reduce(group, self._comm, op)
+        else:
+            self.work = reduce(group, self._comm, op, self.owner)
 
     def finish(self) -> None:
-        """Wait for the all-reduce and expose the averaged gradients through ``param.grad``."""
+        """Wait for the reduction and expose the averaged gradients through ``param.grad`` (or,
+        for a bucket this rank does not keep, drop its gradients and buffer)."""
         if self.work is None:
             return
         self.work.wait()
+        self.work = None
+        if not self.keeps:
+            self._comm = None
+            self.release()
+            return
         if self._comm is not self.buffer:
             self.buffer.copy_(self._comm)
+        self._comm = None
         if self._none_here:  # only then read flags (a host sync on GPU)
             used = self.flags[self._none_here].ne(0).tolist()
             for k, globally_used in zip(self._none_here, used, strict=True):
-                if globally_used:
-                    self.params[k].grad = self.views[k]
-        self.work = self._comm = None
+                self.params[k].grad = self.views[k] if globally_used else None
+        self.phantom.clear()
+        self.flags_set = False
 
 
 def broadcast_coalesced(

@@ -17,8 +17,10 @@ from torch_flashsys.distributed._sharding import (
     assign_owners,
     broadcast_buckets,
     build_buckets,
+    chunk_bytes_for,
 )
 from torch_flashsys.distributed._verify import describe_tensors, verify_same_across_ranks
+from torch_flashsys.distributed._zero2 import clip_grad_norm, find_wrapper
 
 _NOT_HYPER = ("params", "param_names")  # group keys that are not hyperparameters
 
@@ -28,15 +30,18 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Shard the state of any optimizer across the ranks of a process group (ZeRO stage 1).
+    """Shard the state of any optimizer across the ranks of a process group (ZeRO stage 1, and
+    stage 2 with :class:`~torch_flashsys.BucketedDDP`).
 
     Each parameter is owned by one rank (whole parameters, largest first to the least-loaded
     rank); rank ``r`` keeps optimizer state only for the parameters it owns, so each rank holds
     about ``1 / world_size`` of the state. ``step()`` updates the owned parameters with the local
     optimizer ``self.optim``, then every rank receives every other rank's updated parameters
-    through one broadcast per (dtype, owner) flat buffer. The result equals the plain optimizer
-    on every rank, provided the gradients are the same on every rank (e.g. averaged by
-    :class:`~torch_flashsys.BucketedDDP` or torch DDP).
+    through a few large broadcasts (one per owner, dtype and chunk of about a quarter of a
+    rank's shard, each started as soon as its chunk is stepped). The result equals the plain
+    optimizer on every rank, provided the gradients are the same on every rank (e.g. averaged by
+    :class:`~torch_flashsys.BucketedDDP` or torch DDP). At world size 1 ``step()`` is the local
+    optimizer's step and nothing else (no buffers, no collectives).
 
     Args:
         params: tensors or param-group dicts, as for any ``torch.optim.Optimizer``. Every rank must
@@ -44,6 +49,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer_cls: the optimizer to shard, a ``torch.optim.Optimizer`` subclass
             (``torch.optim.AdamW``, ...).
         process_group: the ranks to shard across (default: the default group).
+        shard_gradients: ZeRO-2. The parameters' :class:`~torch_flashsys.BucketedDDP` (built
+            first, over the same process group) then reduces each gradient only to the rank that
+            owns the parameter, instead of all-reducing it: after each backward a rank holds the
+            averaged gradients of its own parameters and ``grad is None`` for the others, so
+            gradient memory drops to about ``1 / world_size``. Clip gradients with
+            :meth:`clip_grad_norm_` (it sums over ranks), not ``torch.nn.utils.clip_grad_norm_``.
         **kwargs: passed to ``optimizer_cls`` (``lr=...``, ``betas=...``).
 
     Trainable parameters become views into per-(device, dtype, owner) flat buffers (their values,
@@ -57,8 +68,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     rank's shard without gathering.
 
     Example:
-        >>> model = torch.nn.parallel.DistributedDataParallel(net)   # or BucketedDDP(net)
+        >>> model = BucketedDDP(net)          # or torch.nn.parallel.DistributedDataParallel(net)
         >>> opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        >>> # ZeRO-2 (BucketedDDP only): ShardedOptimizer(..., shard_gradients=True, lr=1e-3)
         >>> loss_fn(model(x), y).backward()
         >>> opt.step()
         >>> opt.zero_grad()
@@ -70,8 +82,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer_cls: type[torch.optim.Optimizer],
         *,
         process_group: dist.ProcessGroup | None = None,
+        shard_gradients: bool = False,
         **kwargs: Any,
     ) -> None:
+        if not isinstance(shard_gradients, bool):
+            raise TypeError(
+                "ShardedOptimizer: shard_gradients must be a bool, got "
+                f"{type(shard_gradients).__name__} {shard_gradients!r}"
+            )
         if not (
             isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
         ):
@@ -124,11 +142,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             self.defaults = dict(self.optim.defaults)  # add_param_group fills in the same values
             self._pull_hyperparams()
+        self.shard_gradients = shard_gradients
+        ddp, ddp_problem = self._find_ddp() if shard_gradients else (None, None)
         # A rank whose optimizer_cls raised still takes part, so the others do not hang.
         status = "ok" if problem is None else f"{type(problem).__name__}: {problem}"
         verify_same_across_ranks(
             "ShardedOptimizer",
-            [*self._describe(0), ("constructing optimizer_cls", status)],
+            [
+                *self._describe(0),
+                ("constructing optimizer_cls", status),
+                # the rule broken, not its rank-specific details (those go in the error)
+                ("shard_gradients", f"{shard_gradients} {(ddp_problem or 'ok').split(';')[0]}"),
+            ],
             self.process_group,
             what="the parameters, param groups or optimizer options",
         )
@@ -137,9 +162,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"ShardedOptimizer: {optimizer_cls.__name__} rejected its arguments {kwargs}: "
                 f"{problem}"
             ) from problem
-        self._layout = self._current_layout()
-        self._buckets: list[ParamBucket] = build_buckets(self._params, self._owners)
+        if ddp_problem is not None:
+            raise ValueError(f"ShardedOptimizer: shard_gradients=True needs {ddp_problem}")
+        # Built-in optimizers update each parameter on its own, so the step can go chunk by
+        # chunk with each chunk's broadcast overlapping the next chunk's step.
+        self._pipelined = optimizer_cls.__module__.startswith("torch.optim.") and not issubclass(
+            optimizer_cls, torch.optim.LBFGS
+        )
+        self._buckets: list[ParamBucket] = []
+        self._rebuild_buckets()
         self._consolidated: tuple[int, State | None] | None = None
+        if ddp is not None:
+            ddp._shard_gradients([self._owners[self._index[p]] for p in ddp._params])
         self._ready = True
 
     # ----------------------------------------------------------------- partition and groups
@@ -228,14 +262,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group.update(_hyper(self.optim.param_groups[-1]))  # anything the local one filled in
         self._rebuild_buckets()
 
+    def _find_ddp(self) -> tuple[Any, str | None]:
+        return find_wrapper(self._params, self._index, self._global_ranks)
+
     def _rebuild_buckets(self) -> None:
-        self._buckets = build_buckets(self._params, self._owners, self._buckets)
         self._layout = self._current_layout()
         self._consolidated = None
+        if self.world_size == 1:  # every parameter is this rank's: nothing to exchange
+            return
+        chunk_bytes = chunk_bytes_for(self._loads[0]) if self._pipelined else None
+        self._buckets = build_buckets(self._params, self._owners, self._buckets, chunk_bytes)
+        # Per chunk: this rank's parameters of it, per local param group (what .optim steps).
+        mine = {p for b in self._buckets if b.owner == self.rank for p in b.params}
+        chunk_of = {p: b.chunk for b in self._buckets for p in b.params}
+        self._chunks: list[tuple[list[list[torch.Tensor]], list[ParamBucket]]] = []
+        for c in sorted({b.chunk for b in self._buckets}):
+            per_group = [
+                [p for p in local["params"] if p in mine and chunk_of[p] == c]
+                for local in self.optim.param_groups
+            ]
+            self._chunks.append((per_group, [b for b in self._buckets if b.chunk == c]))
 
     # ----------------------------------------------------------------- step
     def _check_buckets(self) -> None:
         """Rebuild the buckets if trainability or dtypes changed, or a view was replaced."""
+        if self.world_size == 1:
+            return
         layout = self._current_layout()
         if layout != self._layout:
             # The bucket layout changes: make sure every rank changes it the same way.
@@ -258,15 +310,59 @@ class ShardedOptimizer(torch.optim.Optimizer):
         closure: re-evaluates the model and returns the loss; the local optimizer calls it as the
         plain one would (once per step for SGD/Adam, on every rank). kwargs go to
         ``.optim.step``. Returns what the local optimizer returns (the closure's loss).
+
+        With a ``torch.optim`` optimizer, no closure and no kwargs, the shard is stepped chunk by
+        chunk (``.optim.step()`` once per chunk, on that chunk's parameters), each chunk's
+        broadcast starting as soon as it is stepped, so the exchange overlaps the step.
         """
-        self._check_buckets()
+        self._consolidated = None
         self._push_hyperparams()
         # Optimizers with a closure-less step(self) still work when no closure is given.
         step_kwargs = kwargs if closure is None else {"closure": closure, **kwargs}
-        loss = self.optim.step(**step_kwargs)
-        broadcast_buckets(self._buckets, self.process_group, self._global_ranks)
-        self._consolidated = None
+        if self.world_size == 1:
+            return self.optim.step(**step_kwargs)
+        self._check_buckets()
+        group, ranks = self.process_group, self._global_ranks
+        if step_kwargs or not self._pipelined or len(self._chunks) < 2:
+            loss = self.optim.step(**step_kwargs)
+            handles = broadcast_buckets(self._buckets, group, ranks)
+        else:
+            loss, handles = None, []
+            for per_group, buckets in self._chunks:
+                if any(per_group):
+                    self._step_subset(per_group)
+                handles += broadcast_buckets(buckets, group, ranks)
+        for handle in handles:
+            handle.wait()
         return loss
+
+    def _step_subset(self, per_group: list[list[torch.Tensor]]) -> None:
+        """``.optim.step()`` restricted to ``per_group[i]`` of each local param group."""
+        groups = self.optim.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g, params in zip(groups, per_group, strict=True):
+                g["params"] = params
+            self.optim.step()
+        finally:
+            for g, params in zip(groups, saved, strict=True):
+                g["params"] = params
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over all of this optimizer's parameters, for sharded
+        gradients: each rank takes the norm of its own parameters' gradients, one all-reduce
+        combines them, and every gradient present is scaled. Call it on every rank (a
+        collective), after the backward and before ``step()``. Returns the total norm.
+
+        Needed with ``shard_gradients=True``, where each rank holds only its own gradients; with
+        ZeRO-1 it gives the same result as ``torch.nn.utils.clip_grad_norm_``.
+        """
+        owned = [p for p, r in zip(self._params, self._owners, strict=True) if r == self.rank]
+        return clip_grad_norm(
+            owned, self._params, max_norm, norm_type, error_if_nonfinite, self.process_group
+        )
 
     # ----------------------------------------------------------------- checkpoints
     def _packed_groups(self) -> list[dict[str, Any]]:

@@ -8,6 +8,8 @@ ATTENTION_CHOICES = ("naive", "sdpa", "flash")
 
 # d_model / d_ff / num_layers / num_heads. "tiny" is for tests and the demo (fast on a CPU); the
 # others are Table 1 of the seed project (head dims: 64 everywhere except 2.7B, which has 80).
+# "2.0B" is "xl" under its parameter count (1,998M with the default vocabulary): the model of
+# the DDP benchmark (benchmarks/ddp.py --preset 2.0B).
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {"d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4},
     "small": {"d_model": 768, "d_ff": 3072, "num_layers": 12, "num_heads": 12},
@@ -15,6 +17,7 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "large": {"d_model": 1280, "d_ff": 5120, "num_layers": 36, "num_heads": 20},
     "xl": {"d_model": 1600, "d_ff": 6400, "num_layers": 48, "num_heads": 25},
     "2.7B": {"d_model": 2560, "d_ff": 10240, "num_layers": 32, "num_heads": 32},
+    "2.0B": {"d_model": 1600, "d_ff": 6400, "num_layers": 48, "num_heads": 25},
 }
 
 

@@ -1,0 +1,135 @@
+"""ZeRO-2: BucketedDDP + ShardedOptimizer(..., shard_gradients=True) on real gloo process groups
+(world sizes 2-4; NCCL on GPUs), against ZeRO-1 and one process training on the whole batch.
+
+Bodies in tests/distributed/zero2_cases.py. Each spawned run batches several drawn cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from tests.distributed import zero2_cases
+from tests.distributed.harness import run_distributed
+
+SPAWNING = settings(
+    max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+
+cases = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 2**20),
+        "optimizer": st.sampled_from(["sgd", "adam", "adamw"]),
+        "vocab": st.integers(2, 11),
+        "d": st.integers(1, 7),
+        "widths": st.lists(st.integers(1, 9), min_size=0, max_size=3),
+        "tied": st.booleans(),
+        "frozen": st.booleans(),
+        "scalar": st.booleans(),
+        "groups": st.integers(1, 3),
+        "steps": st.integers(2, 3),
+        "dtype": st.sampled_from(["float64", "mixed"]),
+        "bucket_mb": st.sampled_from([None, 0, 0.0002, 25.0]),
+        "micro": st.integers(1, 2),
+        "to_none": st.booleans(),
+        "clip": st.sampled_from([None, 2.0, float("inf")]),
+    }
+)
+
+_ALL_ON = {
+    "seed": 3, "optimizer": "adamw", "vocab": 9, "d": 6, "widths": [5, 3], "tied": True,
+    "frozen": True, "scalar": True, "groups": 2, "steps": 3, "dtype": "float64",
+    "bucket_mb": 0.0002, "micro": 2, "to_none": True, "clip": 2.0,
+}  # fmt: skip
+_EVERY_FEATURE = [
+    _ALL_ON,
+    dict(_ALL_ON, dtype="mixed", bucket_mb=None, micro=1, to_none=False, clip=None, seed=4),
+    dict(_ALL_ON, optimizer="sgd", bucket_mb=0, clip=float("inf"), groups=1, seed=5),
+]
+
+
+def _tolerance(case: dict) -> dict:
+    # float64 everywhere: only summation order differs; "mixed" has float32 layers
+    return (
+        {"rtol": 1e-10, "atol": 1e-12}
+        if case["dtype"] == "float64"
+        else {"rtol": 1e-5, "atol": 1e-6}
+    )
+
+
+def check_zero2(results: list[list[dict]], case_list: list[dict]) -> None:
+    world = len(results)
+    for c, case in enumerate(case_list):
+        for rank in range(world):
+            out, where = results[rank][c], f"case {c} {case} rank {rank}"
+            for z2, z1, plain in zip(out["zero2"], out["zero1"], out["plain"], strict=True):
+                torch.testing.assert_close(z2, plain, **_tolerance(case), msg=where)
+                torch.testing.assert_close(z2, z1, **_tolerance(case), msg=where)
+            for z2, first in zip(out["zero2"], results[0][c]["zero2"], strict=True):
+                assert torch.equal(z2, first), f"{where}: replicas differ"
+            assert all(out["others_none"]), f"{where}: another rank's gradient was kept"
+            assert all(out["owned_equal"]), f"{where}: owned gradients differ from ZeRO-1's"
+            assert all(out["released"]), f"{where}: a transient bucket buffer outlived backward"
+            # Gradient memory kept after the backward: at most an equal share plus the largest
+            # parameter (and one flag per parameter); ZeRO-1 keeps every gradient.
+            bound = out["bound"] + out["flags_bytes"]
+            assert max(out["grad_bytes"]) <= bound, f"{where}: {out['grad_bytes']} > {bound}"
+            assert max(out["kept"]) <= bound, f"{where}: kept buffers {out['kept']} > {bound}"
+            for z2_norm, z1_norm, ref in out["norms"]:
+                assert z2_norm == pytest.approx(ref, rel=1e-5), where
+                assert z1_norm == pytest.approx(ref, rel=1e-5), where
+        total_zero1 = results[0][c]["zero1_grad_bytes"][0]
+        assert sum(r[c]["grad_bytes"][0] for r in results) < total_zero1 + world * 8 * 64, (
+            "the ZeRO-2 shares do not add up to about one copy of the gradients"
+        )
+
+
+@SPAWNING
+@given(world_size=st.integers(2, 4), case_list=st.lists(cases, min_size=2, max_size=3))
+@example(world_size=3, case_list=_EVERY_FEATURE)
+def test_zero2_matches_single_process_and_zero1(world_size, case_list):
+    """Tied, frozen, unused and 0-dim parameters, float64 or mixed dtypes, 1-3 param groups,
+    any bucket size, no_sync micro-batches, both zero_grad modes, clip_grad_norm_: parameters
+    equal one process on the whole batch and ZeRO-1; each rank keeps only its gradients."""
+    results = run_distributed(zero2_cases.run_zero2_cases, world_size, args=(case_list,))
+    check_zero2(results, case_list)
+
+
+def test_world_size_one_costs_nothing():
+    """At world size 1 ShardedOptimizer copies no parameter, builds no buffer and issues no
+    collective in step(), with or without shard_gradients, and equals the plain optimizer."""
+    case = dict(_ALL_ON, micro=1, clip=None)
+    (out,) = run_distributed(zero2_cases.run_world_one, 1, args=(case,))
+    for zero2 in (False, True):
+        assert out[f"no_copies[{zero2}]"], "parameters were moved into buffers"
+        assert out[f"buckets[{zero2}]"] == 0
+        assert max(out[f"step_collectives[{zero2}]"]) == 0, "step() communicated"
+        for ours, plain in zip(out[f"params[{zero2}]"], out[f"plain[{zero2}]"], strict=True):
+            torch.testing.assert_close(ours, plain, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_nccl_world_size_one():
+    """NCCL at world size 1 (one GPU): BucketedDDP, ShardedOptimizer and ZeRO-2 end to end."""
+    (out,) = run_distributed(
+        zero2_cases.run_world_one, 1, args=(dict(_ALL_ON, micro=1, clip=None),), backend="nccl"
+    )
+    for zero2 in (False, True):
+        assert max(out[f"step_collectives[{zero2}]"]) == 0
+        for ours, plain in zip(out[f"params[{zero2}]"], out[f"plain[{zero2}]"], strict=True):
+            torch.testing.assert_close(ours, plain, rtol=1e-10, atol=1e-12)
+    results = run_distributed(
+        zero2_cases.run_zero2_cases, 1, args=(_EVERY_FEATURE,), backend="nccl", timeout=300
+    )
+    check_zero2(results, _EVERY_FEATURE)
+
+
+@pytest.mark.multigpu
+def test_nccl_zero2_two_gpus():
+    """The same checks on 2 GPUs with NCCL (ReduceOp.AVG, reduce to the owner)."""
+    results = run_distributed(
+        zero2_cases.run_zero2_cases, 2, args=(_EVERY_FEATURE,), backend="nccl", timeout=300
+    )
+    check_zero2(results, _EVERY_FEATURE)
