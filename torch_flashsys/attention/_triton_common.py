@@ -149,6 +149,16 @@ def seq_bounds(Cu, b, length, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def empty_if(cond, lo, mid_lo, mid_hi, hi):
+    """The tile ranges, or four zeros (empty loops) when ``cond``: a program with nothing to do
+    runs no loop (instead of an early return) and its masked stores write nothing."""
+    return (
+        tl.where(cond, 0, lo), tl.where(cond, 0, mid_lo), tl.where(cond, 0, mid_hi),
+        tl.where(cond, 0, hi),
+    )  # fmt: skip
+
+
+@triton.jit
 def load_rows(ptrs, idx, n_rows, mask_d, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
     """Load a (rows, BLOCK_D) tile; rows ``idx >= n_rows`` (when CHECK_ROWS) and padded head-dim
     columns (unless EVEN_D) read as zero."""
