@@ -54,7 +54,7 @@ def mod_scores(
     ``s = softcap * tanh(scale * qk / softcap)``, ``s -= slope * |i - j|``, ``s += mask``.
     Also returns the tanh (softcap's gradient factor is ``1 - tanh^2``); qk when unused."""
     t = qk
-    if SOFTCAP or ALIBI or FLOAT_MASK:
+    if (SOFTCAP or ALIBI) or FLOAT_MASK:  # (Triton refuses a chain A or B or C)
         s = qk * sm_scale
         if SOFTCAP:
             t = _tanh(s / softcap)
