@@ -7,11 +7,13 @@ total) and the CPU time the profiler saw. Markdown tables on stdout::
 
     python benchmarks/profile_attention.py                      # (1, 16, 16384, 64) and (1, 16, 4096, 64)
     python benchmarks/profile_attention.py --shapes 4x16x4096x128 --iters 10
+    python benchmarks/profile_attention.py --shapes 4x16x4096x128 --features float-mask,dropout
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -24,18 +26,34 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch_flashsys import flash_attention
 
 
-def _impls():
+def _feature_kwargs(feature: str, shape) -> dict:
+    """The call's arguments: ``causal`` (plain causal) or one of the issue-12 features (not causal)."""
+    b, h, n, _ = shape
+    if feature == "causal":
+        return {"is_causal": True}
+    if feature == "float-mask":
+        return {"attn_mask": torch.randn(b, h, n, n, device="cuda", dtype=torch.bfloat16)}
+    if feature == "key-padding":
+        keep = torch.rand(b, device="cuda") * 0.4 + 0.5
+        mask = torch.arange(n, device="cuda")[None, :] < (keep * n)[:, None]
+        return {"attn_mask": mask.view(b, 1, 1, n)}
+    if feature == "dropout":
+        return {"dropout_p": 0.1}
+    raise SystemExit(f"--features: unknown feature {feature!r}")
+
+
+def _impls(kwargs: dict):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa(backend):
         def run(q, k, v):
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
         return run
 
     return {
-        "flash_attention": lambda q, k, v: flash_attention(q, k, v, is_causal=True),
+        "flash_attention": lambda q, k, v: flash_attention(q, k, v, **kwargs),
         "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
     }
@@ -94,14 +112,19 @@ def main(argv=None):
         "--shapes", default="1x16x16384x64,1x16x4096x64", help="BxHxLxD, comma-separated"
     )
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument(
+        "--features",
+        default="causal",
+        help="comma-separated: causal, float-mask, key-padding, dropout",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_attention.py needs a CUDA device")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, causal, fwd+bwd\n")
-    for spec in args.shapes.split(","):
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, fwd+bwd\n")
+    for spec, feature in itertools.product(args.shapes.split(","), args.features.split(",")):
         shape = tuple(int(x) for x in spec.split("x"))
-        for name, fn in _impls().items():
-            print(f"### {name} {shape}\n")
+        for name, fn in _impls(_feature_kwargs(feature, shape)).items():
+            print(f"### {name} {shape} {feature}\n")
             try:
                 print(profile_one(fn, shape, args.iters) + "\n")
             except Exception as exc:  # a peer that cannot run: a line

@@ -17,7 +17,7 @@ from tests.attention.cases import ATOL, assert_close, max_err
 from tests.reference import modded_attention
 from torch_flashsys import flash_attention
 from torch_flashsys.attention._backend import triton_can_run_on
-from torch_flashsys.attention._dropout import dropout_keep_mask, new_seed
+from torch_flashsys.attention._dropout import dropout_keep_mask, effective_p, keep_scale, new_seed
 
 needs_interpreter = pytest.mark.skipif(
     not triton_can_run_on(torch.device("cpu")),
@@ -135,7 +135,7 @@ def check_features(case: FeatureCase, dtype, backend, device="cpu", atol=None):
         )
     ref_kw = {
         "attn_mask": mask, "is_causal": case.is_causal, "window": case.window,
-        "softcap": case.softcap, "alibi": alibi, "keep": keep, "dropout_p": case.dropout_p,
+        "softcap": case.softcap, "alibi": alibi, "keep": keep, "dropout_p": effective_p(case.dropout_p),
     }  # fmt: skip
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     out64, lse64 = modded_attention(q64, k64, v64, **ref_kw)
@@ -213,8 +213,8 @@ def test_fully_masked_rows_give_zeros_like_sdpa(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dropout_statistics_scaling_and_reproducibility(backend):
-    """Kept fraction 1 - p, kept weights scaled by 1 / (1 - p), the same seed -> the same output,
-    another seed -> another mask; both backends draw the same mask for the same seed."""
+    """Kept fraction 1 - p, kept weights scaled by 1 / (1 - p) (p rounded to 1/256), the same seed
+    -> the same output, another seed -> another mask."""
     p = 0.3
     q, k = torch.randn(2, 3, 64, 16), torch.randn(2, 3, 64, 16)
     v = torch.eye(64).expand(2, 3, 64, 64)[..., :16].contiguous()  # out = P[:, :16] (no mixing)
@@ -226,7 +226,8 @@ def test_dropout_statistics_scaling_and_reproducibility(backend):
     keep = dropout_keep_mask(seed, 2, 3, 64, 64, p)
     kept = keep.float().mean().item()
     assert abs(kept - (1 - p)) < 0.02, kept  # 24576 draws: 5 sigma ~ 0.015
-    expected = keep[..., :16].float() / 64 / (1 - p)
+    expected = keep[..., :16].float() / 64 * keep_scale(p)
+    assert keep_scale(p) == 1 / (1 - effective_p(p)) and abs(effective_p(p) - p) <= 1 / 512
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
     torch.manual_seed(0)
     again = flash_attention(q, k, v, dropout_p=p, backend=backend)
@@ -235,6 +236,29 @@ def test_dropout_statistics_scaling_and_reproducibility(backend):
     assert torch.equal(
         flash_attention(q, k, v, dropout_p=1.0, backend=backend), torch.zeros_like(out)
     )
+
+
+def test_dropout_probability_is_rounded_to_256ths():
+    assert [effective_p(p) for p in (0.0, 1e-6, 0.1, 0.5, 0.999, 1.0)] == [
+        0.0, 1 / 256, 26 / 256, 0.5, 1.0, 1.0
+    ]  # fmt: skip
+    assert keep_scale(1.0) == 0.0 and keep_scale(0.0) == 1.0
+
+
+@given(seed=st.integers(0, 2**62), bh=st.integers(0, 2**20), rows=st.integers(0, 2**20),
+       start=st.integers(0, 2**20), p=st.floats(0.01, 0.99))  # fmt: skip
+def test_dropout_mask_uses_each_philox_byte_once(seed, bh, rows, start, p):
+    """16 neighbouring keys share one Philox call, each taking its own byte: the keep mask of a
+    group is exactly the 16 bytes of the four words compared with the threshold."""
+    from torch_flashsys.attention._dropout import keep_threshold, keep_tile, philox_words
+
+    g = start // 16
+    cols = torch.arange(16 * g, 16 * g + 16)
+    words = philox_words(seed, torch.tensor([g]), torch.tensor([rows]), torch.tensor([bh]))
+    as_bytes = [(int(w.item()) >> (8 * k)) & 0xFF for w in words for k in range(4)]
+    t = keep_threshold(p)
+    expected = torch.tensor([b >= t for b in as_bytes])
+    assert torch.equal(keep_tile(seed, torch.tensor(bh), torch.tensor(rows), cols, t), expected)
 
 
 @needs_interpreter

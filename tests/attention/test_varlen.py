@@ -15,7 +15,7 @@ from tests.attention.cases import assert_close
 from tests.reference import modded_attention
 from torch_flashsys import flash_attention
 from torch_flashsys.attention._backend import triton_can_run_on
-from torch_flashsys.attention._dropout import dropout_keep_mask, new_seed
+from torch_flashsys.attention._dropout import dropout_keep_mask, effective_p, new_seed
 
 needs_interpreter = pytest.mark.skipif(
     not triton_can_run_on(torch.device("cpu")),
@@ -81,7 +81,7 @@ def check_packed(c, dtype, backend, device="cpu"):
             )
             o, lse_b = modded_attention(
                 qs, ks, vs, is_causal=c["causal"], window=c["window"], softcap=c["softcap"],
-                alibi=None if alibi is None else alibi[b], dropout_p=c["dropout_p"],
+                alibi=None if alibi is None else alibi[b], dropout_p=effective_p(c["dropout_p"]),
                 keep=None if keep is None else keep[b, :, :lq, :lk],
             )  # fmt: skip
             outs.append(o.transpose(0, 1))

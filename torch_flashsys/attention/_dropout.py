@@ -1,10 +1,14 @@
 """Attention dropout's random numbers: counter-based Philox4x32-10, the same in both backends.
 
 Element (b, h, i, j) of the attention probabilities (query ``i``, key ``j``, ``bh = b * heads +
-h``) is kept when the first output of ``Philox4x32-10(key=seed, counter=(j, i, bh, 0))`` is at
-least ``threshold = round(p * 2**32)``, so it is kept with probability ``1 - p``; kept values are
-scaled by ``1 / (1 - p)``. The Triton kernels call ``tl.philox`` with exactly these counters; this
-module computes the same stream in PyTorch integer arithmetic for the torch backend and for tests
+h``) takes byte ``j % 4`` of word ``(j % 16) // 4`` of ``Philox4x32-10(key=seed, counter=(j // 16,
+i, bh, 0))``: one Philox call serves 16 neighbouring keys (the random numbers were most of the cost
+of dropout when every element had its own call). The element is kept when its byte is at least
+``threshold = round(256 * p)`` (at least 1 when ``p > 0``), so the dropout probability is ``p``
+rounded to a multiple of 1/256 (as in flash-attn and SDPA's FlashAttention backend, which also
+compare 8-bit random numbers); kept values are scaled by ``1 / (1 - threshold / 256)``, which keeps
+the expectation exact. The Triton kernels call ``tl.philox`` with exactly these counters; this
+module computes the same bytes in PyTorch integer arithmetic for the torch backend and for tests
 (:func:`dropout_keep_mask` is the test-only way to read the mask a call used). Nothing is stored
 between forward and backward: the backward regenerates the mask from the seed.
 
@@ -28,8 +32,22 @@ def new_seed(device: torch.device) -> torch.Tensor:
 
 
 def keep_threshold(p: float) -> int:
-    """Unsigned 32-bit threshold: a random word ``r`` keeps its element when ``r >= threshold``."""
-    return min(round(p * 2**32), _M32)
+    """8-bit threshold: an element whose random byte is ``>= threshold`` is kept (256: none)."""
+    if p <= 0:
+        return 0
+    return min(max(round(p * 256), 1), 256)
+
+
+def effective_p(p: float) -> float:
+    """The dropout probability a call with ``dropout_p = p`` applies: ``p`` rounded to 1/256."""
+    return keep_threshold(p) / 256
+
+
+def keep_scale(p: float) -> float:
+    """The factor kept probabilities are multiplied by: ``1 / (1 - effective_p(p))`` (0 if none
+    is kept)."""
+    t = keep_threshold(p)
+    return 256 / (256 - t) if t < 256 else 0.0
 
 
 def as_int32(value: int) -> int:
@@ -49,11 +67,11 @@ def _mul_hi_lo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def philox_first_word(
+def philox_words(
     seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor
-) -> torch.Tensor:
-    """First output word of Philox4x32-10 for counters ``(c0, c1, c2, 0)`` (int64 tensors holding
-    32-bit values, broadcastable) and a 64-bit ``seed``; as ``tl.philox`` computes it."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four output words of Philox4x32-10 for counters ``(c0, c1, c2, 0)`` (int64 tensors
+    holding 32-bit values, broadcastable) and a 64-bit ``seed``; as ``tl.philox`` computes them."""
     shape = torch.broadcast_shapes(c0.shape, c1.shape, c2.shape)
     c0, c1, c2 = (c.expand(shape).to(torch.int64) & _M32 for c in (c0, c1, c2))
     c3 = torch.zeros_like(c0)
@@ -63,14 +81,18 @@ def philox_first_word(
         hi_a, lo_a = _mul_hi_lo(_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
-    return c0
+    return c0, c1, c2, c3
 
 
 def keep_tile(
     seed: int, bh: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, threshold: int
 ) -> torch.Tensor:
     """Keep mask for query indices ``rows`` and key indices ``cols`` of heads ``bh`` (broadcast)."""
-    return philox_first_word(seed, cols, rows, bh) >= threshold
+    cols = cols.to(torch.int64)
+    words = torch.stack(philox_words(seed, cols // 16, rows, bh))  # (4, *shape)
+    pos = (cols % 16).expand(words.shape[1:])
+    word = torch.gather(words, 0, (pos // 4).unsqueeze(0)).squeeze(0)
+    return ((word >> (8 * (pos % 4))) & 0xFF) >= threshold
 
 
 def dropout_keep_mask(

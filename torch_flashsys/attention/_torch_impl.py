@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from torch_flashsys.attention._dropout import keep_threshold, keep_tile
+from torch_flashsys.attention._dropout import keep_scale, keep_threshold, keep_tile
 from torch_flashsys.attention._extras import PLAIN, Extras
 from torch_flashsys.attention._tensors import empty_like_layout
 
@@ -69,7 +69,7 @@ class _Tiles:
             self.slopes = ex.alibi.unflatten(1, (self.n_kv, group))[..., None, None]
         self.seed = int(ex.seed.item()) if ex.seed is not None else 0
         self.threshold = keep_threshold(ex.dropout_p)
-        self.inv_keep = 1.0 / (1.0 - ex.dropout_p) if ex.dropout_p < 1.0 else 0.0
+        self.inv_keep = keep_scale(ex.dropout_p)
 
     def key_range(self, i0: int, rows: int) -> tuple[int, int]:
         """Keys [lo, hi) that some query row in [i0, i0 + rows) may attend."""

@@ -50,7 +50,7 @@ DQ_SHAPES = {
 }
 _SPECIALIZE_NOT = [
     "seq_q", "seq_k", "tune_len", "left", "right", "threshold",
-    "stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_ab", "stride_ah",
+    "stride_mn", "stride_ab", "stride_ah",
     "stride_lb", "stride_lh",
 ]  # fmt: skip
 
@@ -82,15 +82,15 @@ def _attn_bwd_dq_inner(
         cols = start_n + offs_n
         k = load_rows(k_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
         v = load_rows(v_ptrs, cols, seq_k, mask_dv, MASKED, EVEN_DV)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        mvals = qk
-        if MASK_KIND != 0:
+        mvals = 0.0
+        if MASK_KIND != 0:  # issued before the dot, so the load overlaps it
             col_ok = cols < seq_k
             if MASK_ROWS:
                 ptrs = mask_base + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn
                 mvals = load_mask(ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
             else:
                 mvals = load_mask(mask_base + cols * stride_mn, col_ok, MASK_KIND)[None, :]
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s, t = mod_scores(
             qk, offs_m[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
             SOFTCAP, ALIBI, MASK_KIND == 2,
@@ -105,7 +105,7 @@ def _attn_bwd_dq_inner(
             p = tl.where(mvals, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if DROPOUT:
-            keep_r = dropout_keep(seed, offs_m[:, None], cols[None, :], bh, threshold)
+            keep_r = dropout_keep(seed, offs_m, start_n, bh, threshold, BLOCK_N, False)
             dp = tl.where(keep_r, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -128,6 +128,7 @@ def _attn_bwd_dq(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
+    MASK_CONTIG: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     VARLEN: tl.constexpr, SEQUSED: tl.constexpr, HAS_DLSE: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -186,6 +187,8 @@ def _attn_bwd_dq(
     if DROPOUT:
         seed = tl.load(Seed)
     mask_base = Mask + b * stride_mb + h * stride_mh
+    if MASK_CONTIG:  # a constant: Triton sees contiguous keys and vectorizes the loads
+        stride_mn = 1
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = key_tile_range(
@@ -248,11 +251,12 @@ def _attn_bwd_dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
     offs_n, offs_m0, mask_d, mask_dv, key_ok, lo, hi, seq_q, seq_k, qk_scale, sm_scale,
     left, right, softcap, slope, mask_base, mask_keys, stride_mm, stride_mn,
-    seed, bh, threshold, inv_keep,
+    seed, bh, threshold, inv_keep, start_n,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -268,14 +272,14 @@ def _attn_bwd_dkdv_inner(
         lse2 = lse * _LOG2E
         if MAY_EMPTY:
             lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-        qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
-        mvals = qkT
-        if MASK_KIND != 0:
+        mvals = 0.0
+        if MASK_KIND != 0:  # issued before the dot, so the load overlaps it
             if MASK_ROWS:
                 ptrs = mask_base + offs_m[None, :] * stride_mm + offs_n[:, None] * stride_mn
                 mvals = load_mask(ptrs, key_ok[:, None] & (offs_m < seq_q)[None, :], MASK_KIND)
             else:
                 mvals = mask_keys  # a key-padding mask: loaded once per key tile
+        qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         sT, t = mod_scores(
             qkT, offs_m[None, :], offs_n[:, None], sm_scale, qk_scale, softcap, slope, mvals,
             SOFTCAP, ALIBI, MASK_KIND == 2,
@@ -290,7 +294,7 @@ def _attn_bwd_dkdv_inner(
             pT = tl.where(mvals, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT:
-            keep_r = dropout_keep(seed, offs_m[None, :], offs_n[:, None], bh, threshold)
+            keep_r = dropout_keep(seed, offs_m, start_n, bh, threshold, BLOCK_N, True)
             dv = tl.dot(tl.where(keep_r, pT * inv_keep, 0.0).to(do.dtype), do, dv,
                         input_precision=PRECISION)  # fmt: skip
             dpT = tl.where(keep_r, dpT * inv_keep, 0.0)
@@ -319,6 +323,7 @@ def _attn_bwd_dkdv(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
+    MASK_CONTIG: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -358,6 +363,8 @@ def _attn_bwd_dkdv(
     seed = 0
     if DROPOUT:
         seed = tl.load(Seed)
+    if MASK_CONTIG:  # a constant: Triton sees contiguous keys and vectorizes the loads
+        stride_mn = 1
 
     # Query tiles: [lo, mid_lo) and [mid_hi, hi) cross a window edge, the causal diagonal or the
     # ragged end (masked); [mid_lo, mid_hi) need no position mask. Keys past seq_k are not masked
@@ -399,9 +406,9 @@ def _attn_bwd_dkdv(
                 offs_n, offs_m0, mask_d, mask_dv, key_ok, seg_lo, seg_hi, seq_q, seq_k, qk_scale,
                 sm_scale,
                 left, right, softcap, slope, mask_base, mask_keys, stride_mm, stride_mn,
-                seed, bh32, threshold, inv_keep,
+                seed, bh32, threshold, inv_keep, start_n,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
-                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, BLOCK_M,
+                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, BLOCK_M, BLOCK_N,
             )  # fmt: skip
 
     dk *= sm_scale

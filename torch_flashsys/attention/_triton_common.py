@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from torch_flashsys.attention._backend import interpreter_active
-from torch_flashsys.attention._dropout import as_int32, keep_threshold
+from torch_flashsys.attention._dropout import as_int32, keep_scale, keep_threshold
 from torch_flashsys.attention._extras import Extras
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, so scores are pre-multiplied by it
@@ -70,13 +70,54 @@ def mod_scores(
 
 
 @triton.jit
-def dropout_keep(seed, q_idx, k_idx, bh, threshold):
-    """Keep mask of dropout for query ``q_idx`` / key ``k_idx`` (broadcast) of head ``bh``: the
-    first word of Philox4x32-10(seed, counter=(key, query, bh, 0)) >= threshold (unsigned);
-    ``torch_flashsys.attention._dropout`` computes the same words in PyTorch."""
-    zero = q_idx * 0 + k_idx * 0
-    r0, _r1, _r2, _r3 = tl.philox(seed, k_idx + zero, q_idx + zero, zero + bh, zero)
-    return r0 >= threshold.to(tl.uint32, bitcast=True)
+def _interleave(a, b):
+    """(R, C) and (R, C) -> (R, 2C) with a in the even columns and b in the odd ones."""
+    x = tl.join(a, b)
+    return tl.reshape(x, (x.shape[0], 2 * x.shape[1]))
+
+
+@triton.jit
+def _byte(word, SHIFT: tl.constexpr):
+    return ((word >> SHIFT) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _quad(r0, r1, r2, r3, SHIFT: tl.constexpr):
+    """Byte ``b = SHIFT // 8`` of words 0..3, i.e. group elements b, b + 4, b + 8, b + 12, at
+    columns 4 g + 0..3."""
+    return _interleave(
+        _interleave(_byte(r0, SHIFT), _byte(r2, SHIFT)),
+        _interleave(_byte(r1, SHIFT), _byte(r3, SHIFT)),
+    )
+
+
+@triton.jit
+def dropout_keep(
+    seed, q_idx, key_start, bh, threshold, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr
+):
+    """Dropout keep mask for queries ``q_idx`` (a vector) and the ``BLOCK_N`` keys from
+    ``key_start`` (a multiple of 16) of head ``bh``: ``(len(q_idx), BLOCK_N)``, or its transpose
+    when ``KEYS_FIRST``. Key ``j`` of query ``i`` uses byte ``j % 4`` of word ``(j % 16) // 4`` of
+    Philox4x32-10(seed, counter=(j // 16, i, bh, 0)) and is kept when that byte is at least
+    ``threshold`` (one Philox call serves 16 elements); ``torch_flashsys.attention._dropout``
+    computes the same bytes in PyTorch."""
+    tl.static_assert(BLOCK_N % 16 == 0)
+    groups = key_start // 16 + tl.arange(0, BLOCK_N // 16)
+    c0 = groups[None, :] + q_idx[:, None] * 0
+    c1 = q_idx[:, None] + c0 * 0
+    zero = c0 * 0
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, zero + bh, zero)
+    # Element p = 4 w + k of a group (byte k of word w) goes to column 16 g + p: interleaving
+    # halves the stride at each level (columns even/odd, then 0/2 mod 4, then 0/4 mod 8, 0/8 mod 16).
+    b0 = _quad(r0, r1, r2, r3, 0)
+    b1 = _quad(r0, r1, r2, r3, 8)
+    b2 = _quad(r0, r1, r2, r3, 16)
+    b3 = _quad(r0, r1, r2, r3, 24)
+    bytes_ = _interleave(_interleave(b0, b2), _interleave(b1, b3))
+    keep = bytes_.to(tl.int32) >= threshold
+    if KEYS_FIRST:
+        keep = tl.trans(keep)
+    return keep
 
 
 @triton.jit
@@ -182,6 +223,7 @@ class Flags(NamedTuple):
     HAS_RIGHT: bool
     MASK_KIND: int  # 0: none, 1: bool, 2: float
     MASK_ROWS: bool  # the mask varies along queries (False: a key-padding mask, one row)
+    MASK_CONTIG: bool  # the mask's key stride is 1: vectorized, coalesced mask loads
     SOFTCAP: bool
     ALIBI: bool
     DROPOUT: bool
@@ -200,8 +242,9 @@ def kernel_extras(ex: Extras, dummy: torch.Tensor) -> tuple[tuple, tuple, Flags]
     threshold, 1 / keep probability) and the constexpr :class:`Flags`."""
     mask, alibi = ex.mask, ex.alibi
     strides = list(_NO_STRIDES)
-    kind, mask_rows = 0, False
+    kind, mask_rows, mask_contig = 0, False, False
     if mask is not None:
+        mask_contig = mask.stride(3) == 1
         strides[0:4] = mask.stride()
         kind = 1 if mask.dtype == torch.bool else 2
         mask_rows = mask.stride(2) != 0 and mask.shape[2] > 1
@@ -209,11 +252,10 @@ def kernel_extras(ex: Extras, dummy: torch.Tensor) -> tuple[tuple, tuple, Flags]
         strides[4:6] = alibi.stride()
     p = ex.dropout_p
     runtime = (
-        *strides, ex.left, ex.right, ex.softcap, as_int32(keep_threshold(p)),
-        1.0 / (1.0 - p) if p < 1.0 else 0.0,
+        *strides, ex.left, ex.right, ex.softcap, as_int32(keep_threshold(p)), keep_scale(p),
     )  # fmt: skip
     flags = Flags(
-        ex.left >= 0, ex.right >= 0, kind, mask_rows, ex.softcap > 0, alibi is not None, p > 0,
+        ex.left >= 0, ex.right >= 0, kind, mask_rows, mask_contig, ex.softcap > 0, alibi is not None, p > 0,
         ex.may_empty_rows, ex.varlen, ex.seqused_k is not None,
     )  # fmt: skip
     tensors = (

@@ -22,11 +22,13 @@ import triton
 import triton.language as tl
 
 from torch_flashsys.attention._extras import Extras
-from torch_flashsys.attention._launch import dot_precision
+from torch_flashsys.attention._launch import LaunchCache, dot_precision
 from torch_flashsys.attention._triton_common import LOG2E, keep_scores, load_rows, mod_scores
 
 _LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
-_BLOCK_N = 64  # keys per step of a chunk
+# Keys per step of a chunk, the launch's warps/stages and the programs per SM the chunks aim for
+# (benchmarks/tune_decode.py sweeps these on the device).
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2}
 _MAX_ROWS = 128  # query rows (query heads per key/value head x query positions) per program
 
 
@@ -153,6 +155,10 @@ def _attn_decode_combine(
     tl.store(LSE + row, m_use + tl.log(total))  # -inf for a row no chunk had a key for
 
 
+_launch_split = LaunchCache(_attn_decode_split, n_tensors=7)
+_launch_combine = LaunchCache(_attn_decode_combine, n_tensors=4)
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     try:
@@ -176,11 +182,13 @@ def decode_forward(
     if out.numel() == 0:
         return out, lse
     # Enough chunks to give every SM about two programs, no chunk shorter than one key tile.
+    block_n = CONFIG["BLOCK_N"]
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 8
+    programs = CONFIG["programs_per_sm"] * sms
     n_chunks = max(
-        1, min(triton.cdiv(2 * sms, batch * n_kv_heads), triton.cdiv(capacity, _BLOCK_N))
+        1, min(triton.cdiv(programs, batch * n_kv_heads), triton.cdiv(capacity, block_n))
     )
-    chunk = triton.cdiv(triton.cdiv(capacity, n_chunks), _BLOCK_N) * _BLOCK_N
+    chunk = triton.cdiv(triton.cdiv(capacity, n_chunks), block_n) * block_n
     n_chunks = triton.cdiv(capacity, chunk)
     block_dv = triton.next_power_of_2(dim_v)
     part_o = torch.empty((batch, n_heads, seq_q, n_chunks, block_dv), device=q.device,
@@ -189,19 +197,32 @@ def decode_forward(
     alibi = ex.alibi if ex.alibi is not None else lse
     stride_ab, stride_ah = ex.alibi.stride() if ex.alibi is not None else (0, 0)
     block_m = max(16, triton.next_power_of_2(group * seq_q))
-    _attn_decode_split[(batch * n_kv_heads, n_chunks)](
+    split_args = (
         q, k, v, ex.seqused_k, alibi, part_o, part_l,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], stride_ab, stride_ah,
         n_heads, n_kv_heads, group, seq_q, chunk, n_chunks, scale * LOG2E, scale,
         ex.left, ex.right, ex.softcap,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM_V=dim_v,
-        BLOCK_DV=block_dv, HAS_LEFT=ex.left >= 0, HAS_RIGHT=ex.right >= 0,
-        SOFTCAP=ex.softcap > 0, ALIBI=ex.alibi is not None, PRECISION=dot_precision(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=_BLOCK_N, num_warps=4, num_stages=2,
     )  # fmt: skip
-    _attn_decode_combine[(batch * n_heads * seq_q,)](
-        part_o, part_l, out, lse, *out.stride()[:3], n_heads, seq_q, n_chunks,
-        HEAD_DIM_V=dim_v, BLOCK_DV=block_dv, BLOCK_C=triton.next_power_of_2(n_chunks),
-        num_warps=4,
+    split_meta = {
+        "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "HEAD_DIM_V": dim_v,
+        "BLOCK_DV": block_dv, "HAS_LEFT": ex.left >= 0, "HAS_RIGHT": ex.right >= 0,
+        "SOFTCAP": ex.softcap > 0, "ALIBI": ex.alibi is not None,
+        "PRECISION": dot_precision(q.dtype), "BLOCK_M": block_m, "BLOCK_N": block_n,
+        "num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"],
+    }  # fmt: skip
+    # The launch key: the grid's sizes, every integer argument (Triton specializes on them) and
+    # the tensor dtypes.
+    ints = (batch, *(a for a in split_args[7:-3] if isinstance(a, int)))
+    dtypes = (q.dtype, k.dtype, v.dtype, ex.seqused_k.dtype, alibi.dtype)
+    _launch_split(
+        (ints, dtypes, tuple(split_meta.items())), lambda meta: (batch * n_kv_heads, n_chunks),
+        split_args, split_meta,
+    )  # fmt: skip
+    combine_args = (part_o, part_l, out, lse, *out.stride()[:3], n_heads, seq_q, n_chunks)
+    combine_meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv,
+                    "BLOCK_C": triton.next_power_of_2(n_chunks), "num_warps": 4}  # fmt: skip
+    _launch_combine(
+        (batch, combine_args[4:], out.dtype, tuple(combine_meta.items())),
+        lambda meta: (batch * n_heads * seq_q,), combine_args, combine_meta,
     )  # fmt: skip
     return out, lse

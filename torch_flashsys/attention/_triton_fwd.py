@@ -63,15 +63,15 @@ def _attn_fwd_inner(
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = load_rows(k_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        mvals = qk
-        if MASK_KIND != 0:
+        mvals = 0.0
+        if MASK_KIND != 0:  # issued before the dot, so the load overlaps it
             col_ok = cols < seq_k
             if MASK_ROWS:
                 ptrs = mask_base + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn
                 mvals = load_mask(ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
             else:  # a key-padding mask: one vector per key tile
                 mvals = load_mask(mask_base + cols * stride_mn, col_ok, MASK_KIND)[None, :]
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s, _t = mod_scores(
             qk, offs_p[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
             SOFTCAP, ALIBI, MASK_KIND == 2,
@@ -92,7 +92,8 @@ def _attn_fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # dropped after the normalizer: softmax first, then dropout (as SDPA)
-            p = tl.where(dropout_keep(seed, offs_m[:, None], cols[None, :], bh, threshold), p, 0.0)
+            keep_r = dropout_keep(seed, offs_m, start_n, bh, threshold, BLOCK_N, False)
+            p = tl.where(keep_r, p, 0.0)
         v = load_rows(v_ptrs, cols, seq_k, mask_dv, MASKED, EVEN_DV)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)  # P in V's dtype
@@ -107,7 +108,7 @@ def _attn_fwd_inner(
 @triton.jit(
     do_not_specialize=[
         "seq_q", "seq_k", "tune_len", "left", "right", "threshold",
-        "stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_ab", "stride_ah",
+        "stride_mn", "stride_ab", "stride_ah",
         "stride_lb", "stride_lh",
     ]
 )  # fmt: skip
@@ -121,6 +122,7 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
+    MASK_CONTIG: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -168,6 +170,8 @@ def _attn_fwd(
     if DROPOUT:
         seed = tl.load(Seed)
     mask_base = Mask + b * stride_mb + h * stride_mh
+    if MASK_CONTIG:  # a constant: Triton sees contiguous keys and vectorizes the loads
+        stride_mn = 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
