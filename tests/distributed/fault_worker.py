@@ -7,8 +7,9 @@ Run as a script, as torchrun would run one (its exit status is what the test che
 POINT: where rank 1 fails, in its second step: "forward", "backward" (mid-way: after some
 buckets started), "allreduce" (right after starting its second bucket's all-reduce) or "step"
 (inside ShardedOptimizer.step(), after the local update, before the parameter exchange).
-MODE: "raise" (an exception, as a bug would), "kill" (SIGKILL, as the OOM killer would) or "hang"
-(alive but silent: the others must time out after TIMEOUT_S, the process group's timeout).
+MODE: "raise" (an exception, as a bug would), "kill" (SIGKILL, as the OOM killer would), "hang"
+(alive but silent: the others must time out after TIMEOUT_S, the process group's timeout) or
+"raise_caught" (an exception the training loop catches before going on to the next step).
 The other ranks run the same loop and do nothing special: an uncaught exception exits with 1.
 """
 
@@ -96,7 +97,13 @@ def _train(point: str, mode: str, rank: int, world: int, port: int, timeout_s: f
     opt.optim.register_step_post_hook(lambda *_: at("step"))
     for step in range(4):  # noqa: B007 (at() reads it)
         loss = model(torch.randn(16, 8)).pow(2).mean()
-        loss.backward()
+        try:
+            loss.backward()
+        except RuntimeError as exc:  # "raise_caught": the user's loop goes on after the error
+            if mode != "raise_caught" or "injected failure" not in str(exc):
+                raise
+            print("caught the injected failure; going on", file=sys.stderr, flush=True)
+            continue
         opt.step()
         opt.zero_grad()
     dist.destroy_process_group()

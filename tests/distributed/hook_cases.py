@@ -9,6 +9,7 @@ parameter in one bucket, in reverse registration order).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -197,10 +198,23 @@ def errors(rank: int, world: int) -> dict[str, str]:
     if rank == 0:
         mixed.register_comm_hook(None, functools.partial(hook))
     out["mismatch"] = _attempt(lambda: _backward(mixed))
+    # A backward that raises half-way (on every rank alike): under no_sync nothing was
+    # communicated and training goes on; a synchronizing one leaves the next forward refusing.
+    for name, sync in (("unfinished_no_sync", False), ("unfinished_sync", True)):
+        ddp = BucketedDDP(model(), 0)
+        handle = ddp.module.a.weight.register_hook(_raise_in_backward)
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            caught = _attempt(lambda ddp=ddp: _backward(ddp))
+        handle.remove()
+        out[name] = f"{caught} / then: {_attempt(lambda ddp=ddp: _backward(ddp))}"
     probe = torch.tensor([1.0])
     dist.all_reduce(probe)
     out["probe"] = str(probe.item())
     return out
+
+
+def _raise_in_backward(grad: torch.Tensor) -> None:
+    raise ValueError("injected in backward")
 
 
 def nccl_run(rank: int, world: int, seed: int) -> dict[str, Any]:

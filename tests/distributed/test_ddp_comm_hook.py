@@ -68,6 +68,11 @@ def test_torch_hooks_match_torch_ddp(world, seed):
         for case, (error, text) in ERRORS.items():
             assert errors[case].startswith(f"{error}: "), (rank, case, errors[case])
             assert text in errors[case], (rank, case, errors[case])
+        assert errors["unfinished_no_sync"] == "ValueError: injected in backward / then: no error"
+        assert errors["unfinished_sync"].startswith(
+            "ValueError: injected in backward / then: "
+            "RuntimeError: BucketedDDP: the previous backward did not finish"
+        )
         assert errors["probe"] == str(float(world))
 
 

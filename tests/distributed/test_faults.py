@@ -45,7 +45,7 @@ def _context() -> multiprocessing.context.BaseContext:
 
 
 def _times(text: str, word: str) -> list[float]:
-    return [float(t) for t in re.findall(rf"{word}(?: [a-z]+)? at ([0-9.]+)", text)]
+    return [float(t) for t in re.findall(rf"{word}(?: [a-z_]+)? at ([0-9.]+)", text)]
 
 
 def _check(point: str, mode: str, world: int, codes: dict, logs: dict, killed: list) -> None:
@@ -56,6 +56,9 @@ def _check(point: str, mode: str, world: int, codes: dict, logs: dict, killed: l
     (injected,) = _times(logs[FAILING], "injected")
     if mode == "raise":
         assert f"injected failure on rank {FAILING} in {point}" in logs[FAILING], logs[FAILING]
+    if mode == "raise_caught":  # the next forward refuses to go on with unmatched collectives
+        assert "caught the injected failure" in logs[FAILING], logs[FAILING]
+        assert "the previous backward did not finish" in logs[FAILING], logs[FAILING]
     for rank in (r for r in range(world) if r != FAILING):
         log = logs[rank]
         assert "finished" not in log, f"rank {rank} finished as if nothing happened:\n{log}"
@@ -79,6 +82,7 @@ SCENARIOS = [  # (where rank 1 fails, how, world size)
     ("step", "raise", 2),
     ("step", "kill", 3),
     ("forward", "hang", 2),
+    ("backward", "raise_caught", 2),
 ]
 
 
