@@ -231,6 +231,7 @@ def uneven(rank: int, world: int, seed: int) -> dict[str, Any]:
         dist.all_reduce = real
     out["disabled_calls"] = len(calls)
     out["wrong_order"] = wrong_order(rank)
+    out["model_left_out"] = model_left_out(rank)
     return out
 
 
@@ -263,3 +264,18 @@ def nccl_uneven(rank: int, world: int, seed: int) -> dict[str, Any]:
     )
     out["hook/ours"] = run_uneven(seed, rank, world, _with_hook(ours), _adamw, ctx, device=device)
     return out
+
+
+def model_left_out(rank: int) -> str:
+    """Join([optimizer]) over a BucketedDDP's parameters: its joined ranks would not shadow the
+    gradient reductions, so the first step() raises (on every rank alike)."""
+    model = BucketedDDP(JoinNet(), 0)
+    opt = _sharded(False)(model)
+    try:
+        with Join([opt]):
+            x, target = batch(0, 0, rank)
+            (model(x) - target).pow(2).mean().backward()
+            opt.step()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

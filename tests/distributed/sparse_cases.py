@@ -5,7 +5,9 @@ Models (``kind``):
     plain:  Embedding(sparse) and EmbeddingBag(sparse) into a dense head (torch DDP handles it)
     unused: plus a sparse embedding used only by rank 0 on even steps (grad None elsewhere)
     tied:   the Embedding's weight also an output projection (sparse + dense -> dense grad)
-Torch DDP raises for the last two (undefined sparse gradient; dense gradient of a sparse
+    functional: plus F.embedding(..., sparse=True) on a plain parameter (not known as sparse:
+            its gradient is summed into its dense bucket, so it ends dense)
+Torch DDP raises for the last three (undefined sparse gradient; dense gradient of a sparse
 parameter), so they are compared with single-process training only.
 """
 
@@ -37,11 +39,15 @@ class SparseNet(nn.Module):
         if kind == "tied":
             self.out = nn.Linear(DIM, VOCAB, bias=False, dtype=F64)
             self.out.weight = self.emb.weight
+        if kind == "functional":
+            self.table = nn.Parameter(torch.randn(VOCAB, DIM, dtype=F64))
 
     def forward(self, tokens: torch.Tensor, bag: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
         h = self.emb(tokens).mean(1) + self.bag(bag)
         if self.kind == "unused" and flags.any():
             h = h + self.rare(tokens % RARE_VOCAB).mean(1) * flags[:, None].to(h.dtype)
+        if self.kind == "functional":
+            h = h + nn.functional.embedding(tokens, self.table, sparse=True).sum(1)
         out = self.head(torch.tanh(h))
         if self.kind == "tied":
             out = out + self.out(h)[:, :4]
@@ -136,7 +142,23 @@ def equivalence(rank: int, world: int, seed: int) -> dict[str, dict]:
             for sharded in ("zero1", "zero2"):
                 res[sharded] = train(kind, seed, seed + rank, BucketedDDP, mine, sharded)
             out[f"{kind}/micro={micro}"] = res
+    mine = [[shard(seed, s, rank)] for s in range(steps)]
+    res = {}
+    if rank == 0:
+        full = [[full_batch(seed, s, world)] for s in range(steps)]
+        res["single"] = train("functional", seed, seed, lambda m: m, full)
+    res["ours"] = train("functional", seed, seed + rank, BucketedDDP, mine)
+    res["ours_copying"] = train("functional", seed, seed + rank, _copying, mine)
+    out["functional"] = res
     return out
+
+
+def _copying(model: nn.Module) -> BucketedDDP:
+    """BucketedDDP without pointing grads at their views first: every gradient, the sparse one of
+    ``table`` included, reaches the bucket through its hook (the copy path)."""
+    ddp = BucketedDDP(model)
+    ddp._prepoint = False
+    return ddp
 
 
 def nccl_run(rank: int, world: int, seed: int) -> dict[str, dict]:

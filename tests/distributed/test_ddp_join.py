@@ -40,6 +40,7 @@ def test_uneven_inputs_match_torch_ddp_join(world, seed):
         assert run["probe"] == world, "ranks out of step after throw_on_early_termination"
         assert run["disabled_calls"] == 0, "join(enable=False) communicated"
         assert "the model must be the first joinable" in run["wrong_order"], run["wrong_order"]
+        assert "must join too, first" in run["model_left_out"], run["model_left_out"]
     # The divisor matters: dividing by the ranks still training differs from the world size.
     for key in ("params",):
         a, b = runs[0]["divide=True/torch"][key], runs[0]["divide=False/torch"][key]

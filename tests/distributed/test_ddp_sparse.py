@@ -34,7 +34,16 @@ def test_sparse_gradients_match_torch_ddp_and_single_process(world, seed):
     no_sync accumulation; ZeRO-1 and ZeRO-2 (SGD with momentum) give single-process results."""
     runs = run_distributed(sparse_cases.equivalence, world, args=(seed,), timeout=240)
     single = runs[0]
+    # F.embedding(sparse=True) on a plain parameter: not known as sparse, summed densely
+    dense_sum = {k: v for k, v in single["functional"]["single"].items() if k != "layouts"}
+    assert single["functional"]["single"]["layouts"]["table"] == SPARSE
     for rank, run in enumerate(runs):
+        functional = run.pop("functional")
+        for variant in ("ours", "ours_copying"):
+            got = {k: v for k, v in functional[variant].items() if k != "layouts"}
+            assert functional[variant]["layouts"]["table"] == "torch.strided", variant
+            what = f"rank {rank} functional {variant}"
+            assert_close_tree(got, dict(dense_sum, coalesced=True), what)
         for key, res in run.items():
             kind = key.split("/")[0]
             want = dict(single[key]["single"], coalesced=True)  # one process: not coalesced

@@ -85,7 +85,7 @@ def reduce(
 
 def _holds(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
     """Whether ``grad`` is ``view`` (the same tensor object, or the same memory and shape)."""
-    if grad is None:
+    if grad is None or grad.layout != torch.strided:  # a sparse one has no data pointer
         return False
     return grad is view or (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape)
 
