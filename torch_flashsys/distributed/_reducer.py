@@ -11,8 +11,8 @@ starts the rest (unused parameters), reduces the sparse gradients and waits for 
 
 :class:`GradientReducer` is a mixin of BucketedDDP, whose constructor sets the attributes it
 uses (``_params``, ``_names``, ``_is_sparse``, ``_owners``, ``_limit``, ``_group``, ``_world``,
-``_divisor``, ``_comm_dtype``, ``_reduce_avg``, ``_comm_hook``, ``_sparse``, ``_prepoint``,
-``_grad_sync``, ``_lock``, ``_bw``) and then calls ``_build_buckets()``.
+``_divisor``, ``_comm_dtype``, ``_reduce_avg``, ``_comm_hook``, ``_comm_checked``, ``_sparse``,
+``_prepoint``, ``_grad_sync``, ``_lock``, ``_bw``) and then calls ``_build_buckets()``.
 """
 
 from __future__ import annotations
