@@ -66,12 +66,15 @@ def run_uneven(
     build: Callable[[], nn.Module] = JoinNet,
     data: Callable[..., tuple] = batch,
     device: str = "cpu",
+    schedule: bool = False,
 ) -> dict[str, Any]:
     """Train inside ``context(model, opt)`` on this rank's uneven share of batches; each step has
-    ``micro`` micro-batches, all but the last under ``no_sync()``."""
+    ``micro`` micro-batches, all but the last under ``no_sync()``; ``schedule``: the learning
+    rate halves after every step (an LR scheduler, stepped by the ranks still training)."""
     torch.manual_seed(seed + rank)  # the wrappers broadcast rank 0's initial state
     model = wrap(build().to(device))
     opt = make_opt(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5) if schedule else None
     with context(model, opt):
         for step in range(batches_of(seed, rank, world)):
             for m in range(micro):
@@ -81,6 +84,8 @@ def run_uneven(
                     (out - target).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
     return snapshot(model.module)
 
 
@@ -190,6 +195,14 @@ def uneven(rank: int, world: int, seed: int) -> dict[str, Any]:
         out[f"sharded/ours_{name}"] = run_uneven(
             seed, rank, world, ours(0.0003), _sharded(shard), _join_both
         )
+    # An LR scheduler stepped only by the ranks still training: joined ranks step their shard
+    # with the current learning rate, not the one they had when they joined.
+    out["schedule/torch"] = run_uneven(
+        seed, rank, world, _torch_ddp, _adamw, _model_join(True), schedule=True
+    )
+    out["schedule/ours_zero1"] = run_uneven(
+        seed, rank, world, ours(0), _sharded(False), _join_both, schedule=True
+    )
     # As torch's ZeroRedundancyOptimizer behind torch DDP (a joined rank steps with the
     # gradients it has; here None after zero_grad(), so its shard stays as it was).
     out["zero/torch"] = run_uneven(seed, rank, world, _torch_ddp, _zero, _join_both)
@@ -230,9 +243,23 @@ def uneven(rank: int, world: int, seed: int) -> dict[str, Any]:
     finally:
         dist.all_reduce = real
     out["disabled_calls"] = len(calls)
+    ddp = BucketedDDP(JoinNet(), 0)
+    out["bad_arguments"] = [
+        _attempt(lambda: ddp.join(divide_by_initial_world_size=1)),
+        _attempt(lambda: ddp.join(enable="yes")),
+        _attempt(lambda: Join([ddp], divide_by_initial_world_size=None)),
+    ]
     out["wrong_order"] = wrong_order(rank)
     out["model_left_out"] = model_left_out(rank)
     return out
+
+
+def _attempt(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def wrong_order(rank: int) -> str:

@@ -25,6 +25,7 @@ def test_uneven_inputs_match_torch_ddp_join(world, seed):
         *[(f"divide={d}/ours[{bs}]", f"divide={d}/torch") for d in (True, False) for bs in (0, None)],
         ("sharded/ours_zero1", "divide=True/torch"),
         ("sharded/ours_zero2", "divide=True/torch"),
+        ("schedule/ours_zero1", "schedule/torch"),
         ("zero/ours_behind_torch_ddp", "zero/torch"),
         ("no_sync/ours", "no_sync/torch"),
         ("no_sync/ours_zero2", "no_sync/torch"),
@@ -41,6 +42,12 @@ def test_uneven_inputs_match_torch_ddp_join(world, seed):
         assert run["disabled_calls"] == 0, "join(enable=False) communicated"
         assert "the model must be the first joinable" in run["wrong_order"], run["wrong_order"]
         assert "must join too, first" in run["model_left_out"], run["model_left_out"]
+        assert run["bad_arguments"] == [
+            "TypeError: BucketedDDP.join: divide_by_initial_world_size must be a bool, got int",
+            "TypeError: BucketedDDP.join: enable must be a bool, got str",
+            "TypeError: BucketedDDP.join_hook: divide_by_initial_world_size must be a bool, got "
+            "NoneType",
+        ], run["bad_arguments"]
     # The divisor matters: dividing by the ranks still training differs from the world size.
     for key in ("params",):
         a, b = runs[0]["divide=True/torch"][key], runs[0]["divide=False/torch"][key]

@@ -106,7 +106,7 @@ def test_nccl_sparse_world_size_one():
     (run,) = run_distributed(sparse_cases.nccl_run, 1, args=(0,), backend="nccl", timeout=300)
     for key, res in run.items():
         assert res["ours"]["layouts"]["emb.weight"] == SPARSE, key
-        assert_close_tree(res["ours"], res["single"], key)
+        assert_close_tree(res["ours"], dict(res["single"], coalesced=True), key)
 
 
 @pytest.mark.multigpu
@@ -114,4 +114,5 @@ def test_nccl_sparse_two_gpus():
     runs = run_distributed(sparse_cases.nccl_run, 2, args=(1,), backend="nccl", timeout=300)
     for rank, run in enumerate(runs):
         for key, res in run.items():
-            assert_close_tree(res["ours"], runs[0][key]["single"], f"rank {rank} {key}")
+            want = dict(runs[0][key]["single"], coalesced=True)  # one process: not coalesced
+            assert_close_tree(res["ours"], want, f"rank {rank} {key}")
