@@ -248,6 +248,7 @@ def uneven(rank: int, world: int, seed: int) -> dict[str, Any]:
         _attempt(lambda: ddp.join(divide_by_initial_world_size=1)),
         _attempt(lambda: ddp.join(enable="yes")),
         _attempt(lambda: Join([ddp], divide_by_initial_world_size=None)),
+        _attempt(lambda: run_uneven(seed, rank, world, ours(0), _adamw, _model_join(rank == 0))),
     ]
     out["wrong_order"] = wrong_order(rank)
     out["model_left_out"] = model_left_out(rank)

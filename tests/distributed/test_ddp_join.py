@@ -47,6 +47,8 @@ def test_uneven_inputs_match_torch_ddp_join(world, seed):
             "TypeError: BucketedDDP.join: enable must be a bool, got str",
             "TypeError: BucketedDDP.join_hook: divide_by_initial_world_size must be a bool, got "
             "NoneType",
+            "ValueError: BucketedDDP.join: divide_by_initial_world_size differs across ranks (1 "
+            f"of {world} ranks passed True); pass the same value on every rank",
         ], run["bad_arguments"]
     # The divisor matters: dividing by the ranks still training differs from the world size.
     for key in ("params",):

@@ -15,6 +15,7 @@ last-joining rank is broadcast to all (torch DDP's ``_sync_final_model``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -38,17 +39,30 @@ class JoinState(NamedTuple):
 
 
 def exchange_join_state(
-    group: dist.ProcessGroup, sync: bool, broadcast_buffers: bool, joined: bool
+    group: dist.ProcessGroup,
+    sync: bool,
+    broadcast_buffers: bool,
+    joined: bool,
+    divide: bool,
+    guard: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
 ) -> JoinState:
-    """One all-reduce: ranks still training contribute their plans, joined ranks zeros."""
+    """One all-reduce (run through ``guard``): ranks still training contribute their plans,
+    joined ranks zeros; every rank also its ``divide_by_initial_world_size``, which must be the
+    same everywhere (else every rank raises the same ``ValueError``)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    info = [0.0] * (2 + world)
+    info = [0.0] * (3 + world)
     if not joined:
-        info[0], info[1], info[2 + rank] = float(sync), float(broadcast_buffers), 1.0
+        info[0], info[1], info[3 + rank] = float(sync), float(broadcast_buffers), 1.0
+    info[2] = float(divide)
     tensor = torch.tensor(info, device=collective_device(group))
-    dist.all_reduce(tensor, group=group)
+    guard(lambda: dist.all_reduce(tensor, group=group))
     values = tensor.tolist()
-    active = [r for r in range(world) if values[2 + r] > 0]
+    if values[2] not in (0.0, float(world)):
+        raise ValueError(
+            f"BucketedDDP.join: divide_by_initial_world_size differs across ranks ({values[2]:.0f}"
+            f" of {world} ranks passed True); pass the same value on every rank"
+        )
+    active = [r for r in range(world) if values[3 + r] > 0]
     return JoinState(values[0] > 0, values[1] > 0, len(active), max(active, default=0))
 
 

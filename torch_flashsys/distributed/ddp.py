@@ -428,9 +428,14 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
             self._broadcast_buffers(self._global_rank(state.source))
 
     def _join_exchange(self, sync: bool, bcast: bool, joined: bool) -> _join.JoinState:
-        return self._guard(
-            "the all-reduce of the join state (Join / BucketedDDP.join)",
-            lambda: _join.exchange_join_state(self._group, sync, bcast, joined),
+        what = "the all-reduce of the join state (Join / BucketedDDP.join)"
+        return _join.exchange_join_state(
+            self._group,
+            sync,
+            bcast,
+            joined,
+            self._divide_by_initial,
+            guard=lambda fn: self._guard(what, fn),
         )
 
     def _global_rank(self, group_rank: int) -> int:
