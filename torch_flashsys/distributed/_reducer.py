@@ -255,7 +255,11 @@ class GradientReducer:
     def _finish_bucket(self, b: int, expose: bool = True) -> None:
         bucket = self._buckets[b]
         if bucket.busy:
-            self._guard_bucket(b, lambda: bucket.finish(expose))
+            try:
+                bucket.finish(expose)
+            except Exception as exc:
+                what = self._describe_bucket(b)
+                raise collective_error("BucketedDDP", what, self._group, exc) from exc
 
     def _end_backward(self) -> None:
         with self._lock:
