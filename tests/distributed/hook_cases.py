@@ -198,6 +198,9 @@ def errors(rank: int, world: int) -> dict[str, str]:
     if rank == 0:
         mixed.register_comm_hook(None, functools.partial(hook))
     out["mismatch"] = _attempt(lambda: _backward(mixed))
+    if rank != 0:  # fixed on the other ranks: the wrapper is still usable
+        mixed.register_comm_hook(None, functools.partial(hook))
+    out["after_mismatch"] = _attempt(lambda: _backward(mixed))
     # A backward that raises half-way (on every rank alike): under no_sync nothing was
     # communicated and training goes on; a synchronizing one leaves the next forward refusing.
     for name, sync in (("unfinished_no_sync", False), ("unfinished_sync", True)):

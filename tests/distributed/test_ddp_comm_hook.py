@@ -74,6 +74,7 @@ def test_torch_hooks_match_torch_ddp(world, seed):
             "ValueError: injected in backward / then: "
             "RuntimeError: BucketedDDP: the previous backward did not finish"
         )
+        assert errors["after_mismatch"] == "no error", errors["after_mismatch"]
         assert errors["probe"] == str(float(world))
 
 

@@ -152,12 +152,12 @@ class GradientReducer:
     def _start_backward(self) -> None:
         """First hook of a backward: end-of-backward callback, per-backward state, and every
         ``None`` grad pointed at its zeroed bucket view so that the backward adds in place."""
+        if self._grad_sync and not self._comm_checked:
+            self._check_comm_hooks()  # before any state changes: a mismatch leaves it as it was
         bw = self._bw
         bw.in_backward, bw.syncing = True, self._grad_sync
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if bw.syncing:
-            if not self._comm_checked:
-                self._check_comm_hooks()
             for bucket in self._buckets:
                 bucket.reset()
             bw.next_bucket, bw.remote_next = 0, 0
@@ -169,7 +169,6 @@ class GradientReducer:
     def _check_comm_hooks(self) -> None:
         """Once, at the first synchronizing backward (or its shadow under ``join()``): every rank
         must reduce the same way, else the buckets' collectives would not match."""
-        self._comm_checked = True
         hook = "none" if self._comm_hook is None else hook_name(self._comm_hook[1])
         if self._comm_hook is not None:
             hook += f" with a state of type {type(self._comm_hook[0]).__qualname__}"
@@ -179,6 +178,7 @@ class GradientReducer:
             self.process_group,
             what="the communication hook",
         )
+        self._comm_checked = True
 
     def _prepare(self) -> None:
         for storage, buckets, flag_index in self._storages:
