@@ -30,7 +30,7 @@ def _run(case: Case):
     return run
 
 
-@settings(max_examples=40)
+@settings(max_examples=30)
 @given(
     case=cases(max_seq=300, head_dims=(16, 32, 64, 80, 128, 256), max_batch=3),
     dtype=st.sampled_from(DTYPES),
@@ -137,7 +137,7 @@ def test_cuda_graph_capture():
     assert max_err(out, ref) < 5e-3
 
 
-@settings(max_examples=25)
+@settings(max_examples=15)
 @given(
     case=feature_cases(max_seq=300, head_dims=(32, 64, 128)),
     dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
@@ -153,7 +153,7 @@ def test_key_padding_and_window_long_sequence_on_cuda():
     check_features(case, torch.bfloat16, "triton", device="cuda")
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(case=packed_cases(max_len=300, head_dims=(64, 128)),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]))  # fmt: skip
 def test_packed_batches_match_per_sequence_float64_on_cuda(case, dtype):
@@ -171,7 +171,7 @@ def test_packed_batch_with_max_seqlen_checks_on_the_device():
     assert torch.equal(out, ref)
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(case=decode_cases(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_split_kv_decode_matches_float64_on_cuda(case, dtype):
     check_decode(case, dtype, "triton", device="cuda")

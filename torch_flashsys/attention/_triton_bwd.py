@@ -20,6 +20,7 @@ from torch_flashsys.attention._triton_common import (
     LOG2E,
     batch_strides,
     dropout_keep,
+    empty_if,
     keep_scores,
     kernel_extras,
     key_tile_range,
@@ -148,9 +149,6 @@ def _attn_bwd_dq(
     start_m = tile_m * BLOCK_M
     q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
     k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
-    if VARLEN:
-        if start_m >= seq_q:
-            return
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -193,6 +191,8 @@ def _attn_bwd_dq(
     lo, mid_lo, mid_hi, hi = key_tile_range(
         start_m, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
+    if VARLEN:  # a query tile past this sequence's end: no key tiles, every store masked
+        lo, mid_lo, mid_hi, hi = empty_if(start_m >= seq_q, lo, mid_lo, mid_hi, hi)
     cols = offs_n.to(tl.int64)
     k_base = (
         K + b * stride_kb + hk * stride_kh + (k_start + cols)[:, None] * stride_kn + offs_d[None, :]
@@ -336,9 +336,6 @@ def _attn_bwd_dkdv(
     hk = (bhk % n_kv_heads).to(tl.int64)
     q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
     k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
-    if VARLEN:
-        if start_n >= seq_k:
-            return  # a key tile past this sequence's end
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -368,6 +365,8 @@ def _attn_bwd_dkdv(
     lo, mid_lo, mid_hi, hi = query_tile_range(
         start_n, seq_q, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
+    if VARLEN:  # a key tile past this sequence's end: no query tiles, every store masked
+        lo, mid_lo, mid_hi, hi = empty_if(start_n >= seq_k, lo, mid_lo, mid_hi, hi)
     for g in range(0, group):
         h = hk * group + g  # the query heads that share this key/value head
         q_base = Q + b * stride_qb + h * stride_qh + q_start * stride_qm

@@ -54,7 +54,7 @@ def mod_scores(
     ``s = softcap * tanh(scale * qk / softcap)``, ``s -= slope * |i - j|``, ``s += mask``.
     Also returns the tanh (softcap's gradient factor is ``1 - tanh^2``); qk when unused."""
     t = qk
-    if SOFTCAP or ALIBI or FLOAT_MASK:
+    if (SOFTCAP or ALIBI) or FLOAT_MASK:  # (Triton refuses a chain A or B or C)
         s = qk * sm_scale
         if SOFTCAP:
             t = _tanh(s / softcap)
@@ -146,6 +146,16 @@ def seq_bounds(Cu, b, length, VARLEN: tl.constexpr):
     else:
         start = b * 0
     return start.to(tl.int64), length
+
+
+@triton.jit
+def empty_if(cond, lo, mid_lo, mid_hi, hi):
+    """The tile ranges, or four zeros (empty loops) when ``cond``: a program with nothing to do
+    runs no loop (instead of an early return) and its masked stores write nothing."""
+    return (
+        tl.where(cond, 0, lo), tl.where(cond, 0, mid_lo), tl.where(cond, 0, mid_hi),
+        tl.where(cond, 0, hi),
+    )  # fmt: skip
 
 
 @triton.jit

@@ -20,6 +20,7 @@ from torch_flashsys.attention._triton_common import (
     LOG2E,
     batch_strides,
     dropout_keep,
+    empty_if,
     keep_scores,
     kernel_extras,
     key_tile_range,
@@ -142,9 +143,6 @@ def _attn_fwd(
     start_m = tile_m * BLOCK_M
     q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
     k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
-    if VARLEN:
-        if start_m >= seq_q:
-            return  # a query tile past this sequence's end
     shift = seq_k * 0  # query row i sits at position i + shift
     if SEQUSED:  # a KV cache: seq_k valid keys of this sequence; queries are its last positions
         seq_k = tl.load(SeqUsed + b)
@@ -178,6 +176,8 @@ def _attn_fwd(
     lo, mid_lo, mid_hi, hi = key_tile_range(
         start_m + shift, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
+    if VARLEN:  # a query tile past this sequence's end: no key tiles, every store masked
+        lo, mid_lo, mid_hi, hi = empty_if(start_m >= seq_q, lo, mid_lo, mid_hi, hi)
     cols = offs_n.to(tl.int64)
     k_base = (
         K + b * stride_kb + hk * stride_kh + (k_start + cols)[:, None] * stride_kn + offs_d[None, :]
