@@ -10,11 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 
 from tests.distributed import hook_cases
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_ddp import ONE_RUN, SEEDS, assert_close_tree, assert_equal_tree
+from tests.distributed.test_ddp import (
+    ONE_RUN,
+    SEEDS,
+    WORLD_SIZES,
+    assert_close_tree,
+    assert_equal_tree,
+)
 from torch_flashsys.distributed._comm_hook import GradBucket
 
 # (error type, text) expected for each misuse in hook_cases.errors
@@ -51,7 +56,8 @@ def assert_hook_result(got: dict, want: dict, hook: str, what: str) -> None:
                 assert diff <= bound, f"{what} {part}/{name}: differs by {diff} > {bound}"
 
 
-@given(world=st.integers(2, 4), seed=SEEDS)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@given(seed=SEEDS)
 @ONE_RUN
 def test_torch_hooks_match_torch_ddp(world, seed):
     runs = run_distributed(hook_cases.equivalence, world, args=(seed,), timeout=300)

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 from tests.distributed import join_cases
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_ddp import ONE_RUN, SEEDS, assert_close_tree, assert_equal_tree
+from tests.distributed.test_ddp import (
+    ONE_RUN,
+    SEEDS,
+    WORLD_SIZES,
+    assert_close_tree,
+    assert_equal_tree,
+)
 
 
-@given(world=st.integers(2, 4), seed=SEEDS)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@given(seed=SEEDS)
 @ONE_RUN
 def test_uneven_inputs_match_torch_ddp_join(world, seed):
     runs = run_distributed(join_cases.uneven, world, args=(seed,), timeout=300)

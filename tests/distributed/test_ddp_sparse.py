@@ -9,11 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 
 from tests.distributed import sparse_cases
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_ddp import ONE_RUN, SEEDS, assert_close_tree, assert_equal_tree
+from tests.distributed.test_ddp import (
+    ONE_RUN,
+    SEEDS,
+    WORLD_SIZES,
+    assert_close_tree,
+    assert_equal_tree,
+)
 from torch_flashsys.distributed._sparse import SparseReduction, sparse_gradient_params
 
 SPARSE = "torch.sparse_coo"
@@ -26,7 +31,8 @@ def test_sparse_parameters_are_found_as_torch_ddp_finds_them():
     assert sparse_gradient_params(model) == {id(model.emb.weight), id(model.bag.weight)}
 
 
-@given(world=st.integers(2, 4), seed=SEEDS)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@given(seed=SEEDS)
 @ONE_RUN
 def test_sparse_gradients_match_torch_ddp_and_single_process(world, seed):
     """Sparse (and, tied to a dense use, dense) gradients: averaged like torch DDP's, sparse and
