@@ -221,13 +221,14 @@ def sdpa_override(*, backend: str = "auto") -> Iterator[None]:
     """Context manager: calls of ``torch.nn.functional.scaled_dot_product_attention`` inside it
     run :func:`flash_attention` where it supports the arguments, the original SDPA otherwise.
 
-    Routed to flash_attention: float16/bfloat16/float32 query/key/value of 3-D
-    ``(batch, seq, head_dim)`` or 4-D ``(batch, heads, seq, head_dim)`` shape with equal batch
-    sizes, bool or float ``attn_mask`` (one that needs no gradient), any ``dropout_p``,
-    ``is_causal``, ``scale``, ``enable_gqa`` with a divisible head count, and (for the Triton
-    backend) head dims 16..256 in multiples of 8; a mask together with ``is_causal`` applies both
-    (as SDPA's CPU kernel does; its math path raises). Everything else (float64, broadcast batch
-    dims, nested tensors, unknown keyword arguments) goes to the original SDPA unchanged. Results
+    Routed to flash_attention: float16/bfloat16/float32 query/key/value (float64 on the PyTorch
+    backend) of shape ``(..., seq, head_dim)`` with equal leading dims (any number of them), a
+    value head dim that may differ from the query's, empty lengths, bool or float ``attn_mask``
+    (one that needs no gradient), any ``dropout_p``, ``is_causal``, ``scale``, ``enable_gqa``
+    with a divisible head count, and (for the Triton backend) head dims 16..256 in multiples of
+    8; a mask together with ``is_causal`` applies both (as SDPA's CPU kernel does; its math path
+    raises). Everything else (broadcast batch dims, nested tensors, float64 with
+    ``backend="triton"``, unknown keyword arguments) goes to the original SDPA unchanged. Results
     of routed calls match SDPA to floating-point rounding (with dropout: in distribution, the
     random numbers differ); gradients flow through both.
 

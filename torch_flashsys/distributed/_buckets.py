@@ -18,10 +18,12 @@ the backward reaches it and released once its reduction to the owner is done.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from torch_flashsys.distributed._comm_hook import GradBucket, hook_result
 
 _BROADCAST_CHUNK_BYTES = 250 * 2**20  # as torch DDP: large enough for few calls, bounded memory
 
@@ -83,7 +85,7 @@ def reduce(
 
 def _holds(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
     """Whether ``grad`` is ``view`` (the same tensor object, or the same memory and shape)."""
-    if grad is None:
+    if grad is None or grad.layout != torch.strided:  # a sparse one has no data pointer
         return False
     return grad is view or (grad.data_ptr() == view.data_ptr() and grad.shape == view.shape)
 
@@ -122,6 +124,8 @@ class Bucket:
         self.flags_set = False
         self.reset()
         self.work: dist.Work | None = None
+        self.future: torch.futures.Future | None = None  # a communication hook's
+        self.hook_bucket: GradBucket | None = None
         self._comm: torch.Tensor | None = None  # what is being reduced (buffer or a copy)
         self._none_here: list[int] = []  # params with no gradient on this rank at launch
 
@@ -196,26 +200,14 @@ class Bucket:
             self.phantom.discard(k)
         if grad is view or grad is None or _holds(grad, view):
             return
-        if grad.layout != torch.strided:
-            raise RuntimeError(
-                f"BucketedDDP: parameter {self.names[k]!r} got a {grad.layout} gradient; only "
-                "dense (strided) gradients are supported (e.g. use nn.Embedding(sparse=False))"
-            )
+        if grad.layout != torch.strided:  # a sparse gradient of a parameter not known as sparse
+            grad = grad.to_dense()  # (nn.Embedding(sparse=True) weights are reduced sparse)
         view.copy_(grad)
         p.grad = view
 
-    def launch(
-        self,
-        group: dist.ProcessGroup,
-        world: int,
-        comm_dtype: torch.dtype | None,
-        reduce_avg: bool = False,
-    ) -> None:
-        """Start the averaging reduction of the whole buffer (asynchronous): an all-reduce, or
-        a reduce to group rank ``owner`` (ZeRO-2). ``group``: a ProcessGroup (not ``None``).
-
-        ``reduce_avg``: the backend averages (``ReduceOp.AVG``, NCCL); else divide, then sum.
-        """
+    def prepare(self) -> None:
+        """Before the reduction: adopt gradients not yet in the buffer, zero the slices of
+        parameters without a gradient on this rank and set their flags to 0."""
         if self.buffer is None:  # ZeRO-2: no gradient of this bucket arrived on this rank
             self.allocate(point=False)
         self._none_here = []
@@ -233,6 +225,23 @@ class Bucket:
                     self.adopt_grad(k)
             if self._none_here:
                 self.flags[self._none_here] = 0
+
+    def launch(
+        self,
+        group: dist.ProcessGroup,
+        divisor: int,
+        comm_dtype: torch.dtype | None,
+        reduce_avg: bool = False,
+    ) -> None:
+        """Start the averaging reduction of the whole buffer, flags included (asynchronous): an
+        all-reduce, or a reduce to group rank ``owner`` (ZeRO-2). ``group``: a ProcessGroup (not
+        ``None``); ``divisor``: what the sum is divided by (the world size, or under ``join()``
+        the number of ranks still training).
+
+        ``reduce_avg``: the backend averages (``ReduceOp.AVG``, NCCL; only when ``divisor`` is
+        the group's size); else divide, then sum.
+        """
+        self.prepare()
         if comm_dtype is None or self.buffer.element_size() <= 2:
             self._comm = self.buffer
         else:  # as torch's bf16/fp16 compress hooks: cast, divide, reduce, cast back
@@ -241,34 +250,70 @@ class Bucket:
         if reduce_avg:
             op = dist.ReduceOp.AVG
         else:
-            if world > 1:
-                self._comm.div_(world)
+            if divisor > 1:
+                self._comm.div_(divisor)
             op = dist.ReduceOp.SUM
         if self.owner is None:
             self.work = all_reduce(group, self._comm, op)
         else:
             self.work = reduce(group, self._comm, op, self.owner)
 
-    def finish(self) -> None:
-        """Wait for the reduction and expose the averaged gradients through ``param.grad`` (or,
-        for a bucket this rank does not keep, drop its gradients and buffer)."""
-        if self.work is None:
-            return
-        self.work.wait()
-        self.work = None
-        if not self.keeps:
+    def launch_hook(
+        self, run: Callable[[GradBucket], torch.futures.Future], index: int, count: int
+    ) -> None:
+        """Start the reduction by a communication hook (``register_comm_hook``): ``run`` gets
+        the gradients (the buffer without its flags) as a GradBucket (``index`` of ``count``)
+        and returns the Future of the reduced flat tensor. The flags are reduced separately."""
+        self.prepare()
+        grads = self.buffer[: self.total]
+        self.hook_bucket = GradBucket(grads, self.params, self.numels, index, count)
+        self.future = run(self.hook_bucket)
+
+    def finish(self, expose: bool = True) -> None:
+        """Wait for the reduction and write its result into the buffer (or, for a bucket this
+        rank does not keep, drop its gradients and buffer); ``expose``: then point the grads
+        at it (:meth:`expose`; ``False`` when the flags are reduced separately, after)."""
+        if self.future is not None:
+            value = self.future.wait()
+            self.future = None
+            grads = self.buffer[: self.total]
+            result = hook_result(value, self.total, self.hook_bucket)
+            self.hook_bucket = None
+            if not _same_memory(result, grads):
+                grads.copy_(result.reshape(-1))
+        elif self.work is not None:
+            self.work.wait()
+            self.work = None
+            if not self.keeps:
+                self._comm = None
+                self.release()
+                return
+            if self._comm is not self.buffer:
+                self.buffer.copy_(self._comm)
             self._comm = None
-            self.release()
+        else:
             return
-        if self._comm is not self.buffer:
-            self.buffer.copy_(self._comm)
-        self._comm = None
+        if expose:
+            self.expose()
+
+    def expose(self) -> None:
+        """After the reduction: ``grad`` of a parameter no rank had a gradient for -> ``None``."""
         if self._none_here:  # only then read flags (a host sync on GPU)
             used = self.flags[self._none_here].ne(0).tolist()
             for k, globally_used in zip(self._none_here, used, strict=True):
                 self.params[k].grad = self.views[k] if globally_used else None
+            self._none_here = []
         self.phantom.clear()
         self.flags_set = False
+
+    @property
+    def busy(self) -> bool:
+        """A reduction was started and not finished."""
+        return self.work is not None or self.future is not None
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.numel() == b.numel()
 
 
 def broadcast_coalesced(

@@ -42,6 +42,11 @@ def find_wrapper(
                 f"every parameter of the BucketedDDP in the optimizer; {name!r} is not (its "
                 "gradient would have no owner)"
             )
+    if ddp._comm_hook is not None:
+        return None, (
+            "a BucketedDDP without a communication hook (register_comm_hook); ZeRO-2 reduces "
+            "each bucket to its owner rank instead of all-reducing it"
+        )
     group = ddp.process_group if ddp.process_group is not None else dist.group.WORLD
     ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
     if ranks != global_ranks:

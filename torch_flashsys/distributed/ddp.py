@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
-import bisect
-import collections
 import contextlib
 import functools
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torch_flashsys.distributed._buckets import Bucket, assign_buckets, broadcast_coalesced
-from torch_flashsys.distributed._verify import describe_tensors, verify_same_across_ranks
+from torch_flashsys.distributed import _join
+from torch_flashsys.distributed._buckets import broadcast_coalesced
+from torch_flashsys.distributed._comm_hook import hook_name, hook_problem
+from torch_flashsys.distributed._reducer import BackwardState, GradientReducer
+from torch_flashsys.distributed._sparse import SparseReduction, sparse_gradient_params
+from torch_flashsys.distributed._verify import (
+    collective_device,
+    describe_tensors,
+    verify_same_across_ranks,
+)
 
 _COMPRESSION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -53,21 +60,6 @@ def _option_problem(
 # ShardedOptimizer(..., shard_gradients=True) can find the wrapper of its parameters.
 _WRAPPERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-_AHEAD = 2  # ZeRO-2: other ranks' buckets given a buffer before their first gradient arrives
-_IN_FLIGHT = 2  # ZeRO-2: reductions of other ranks' buckets left running before we wait
-
-
-class _BackwardState:
-    """Per-backward state of a BucketedDDP, updated from its hooks."""
-
-    __slots__ = ("in_backward", "next_bucket", "remote_next", "syncing")
-
-    def __init__(self) -> None:
-        self.in_backward = False  # a backward started (first hook) and has not ended
-        self.syncing = False  # ... and it synchronizes (its forward ran outside no_sync)
-        self.next_bucket = 0  # buckets launch in index order: the same order on every rank
-        self.remote_next = 0  # ZeRO-2: next of _remote to give a buffer ahead of its gradients
-
 
 def wrapper_of(param: torch.Tensor) -> BucketedDDP | None:
     """The live BucketedDDP that synchronizes ``param``'s gradient, if any."""
@@ -86,7 +78,7 @@ def _remove_hooks(handles: list) -> None:
         handle.remove()
 
 
-class BucketedDDP(torch.nn.Module):
+class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
     """Data-parallel wrapper: gradients are averaged over ranks by bucketed, overlapped all-reduce.
 
     Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (one device per process)::
@@ -113,6 +105,12 @@ class BucketedDDP(torch.nn.Module):
     Each ``param.grad`` is a view into its bucket's flat buffer (no extra gradient memory). The
     wrapped module is ``.module``; its ``state_dict()`` keys are unchanged, and this wrapper's
     ``state_dict()`` prefixes them with ``module.`` exactly as torch DDP does.
+
+    Weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True`` get sparse gradients
+    reduced as sparse tensors (as torch DDP). ``join()`` trains on uneven inputs (a
+    ``torch.distributed.algorithms.Join`` joinable); ``register_comm_hook`` takes torch DDP's
+    communication hooks. A collective that fails (another rank raised, died or hangs) raises on
+    this rank naming the rank and the collective.
     """
 
     def __init__(
@@ -159,10 +157,15 @@ class BucketedDDP(torch.nn.Module):
         items += describe_tensors(named)
         if broadcast_buffers is True:  # buffers are broadcast, so they must match too
             items += describe_tensors(module.named_buffers(), kind="buffer")
+        sparse_ids = sparse_gradient_params(module)
         items += [
             ("option bucket_size_mb", repr(bucket_size_mb)),
             ("option broadcast_buffers", repr(broadcast_buffers)),
             ("option grad_compression", repr(grad_compression)),
+            (
+                "parameters with sparse gradients (nn.Embedding(sparse=True))",
+                repr([i for i, (_, p) in enumerate(named) if id(p) in sparse_ids]),
+            ),
         ]
         verify_same_across_ranks("BucketedDDP", items, process_group, what="the wrapped module")
         if problem:
@@ -181,6 +184,15 @@ class BucketedDDP(torch.nn.Module):
 
         self._params = [p for _, p in trainable]
         self._names = [name for name, _ in trainable]
+        self._is_sparse = [id(p) in sparse_ids for p in self._params]
+        sparse = [i for i, flag in enumerate(self._is_sparse) if flag]
+        self._sparse = (
+            SparseReduction(
+                [self._params[i] for i in sparse], [self._names[i] for i in sparse], self._guard
+            )
+            if sparse
+            else None
+        )
         self._limit = None if bucket_size_mb is None else int(bucket_size_mb * 2**20)
         # Pointing grads at their views before AccumulateGrad runs is safe when one autograd
         # thread does all the accumulation: one device (the supported setup, as in torch DDP).
@@ -205,18 +217,54 @@ class BucketedDDP(torch.nn.Module):
         self._no_sync = False  # inside no_sync()
         self._grad_sync = True  # decided by the last forward, as in torch DDP
         self._sync_buffers_next = True  # torch DDP's require_forward_param_sync
-        self._bw = _BackwardState()  # plain object: nn.Module.__setattr__ costs ~7 us a call
+        self._bw = BackwardState()  # plain object: nn.Module.__setattr__ costs ~7 us a call
+        self._comm_hook: tuple[Any, Callable[..., torch.futures.Future]] | None = None
+        self._comm_checked = False  # hooks compared across ranks (first synchronizing backward)
+        Joinable.__init__(self)  # _join_config: outside a Join context
+        self._divisor = self._world  # the sum is divided by this (join(): maybe fewer ranks)
+        self._divide_by_initial = True
+        self._join_synced = True  # joined rank: the last shadowed forward synchronized
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Call ``self.module(*inputs, **kwargs)`` (after broadcasting buffers, see the class)."""
-        if self._sync_buffers_next and self.broadcast_buffers and self._world > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-                    broadcast_coalesced(buffers, self._src, self.process_group)
+        if self._bw.in_backward:
+            self._unfinished_backward()
+        if self._join_config.enable:
+            self._join_forward()
+        elif self._sync_buffers_next and self.broadcast_buffers and self._world > 1:
+            self._broadcast_buffers(self._src)
         self._grad_sync = not self._no_sync
         self._sync_buffers_next = torch.is_grad_enabled() and self._grad_sync
         return self.module(*inputs, **kwargs)
+
+    def _broadcast_buffers(self, src: int) -> None:
+        """Overwrite the buffers with global rank ``src``'s."""
+        buffers = list(self.module.buffers())
+        if buffers:
+            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                self._guard(
+                    f"the broadcast of the buffers from global rank {src}",
+                    lambda: broadcast_coalesced(buffers, src, self.process_group),
+                )
+
+    def _unfinished_backward(self) -> None:
+        """A forward after a backward that raised before its end (the callback that finishes it
+        never ran). Under no_sync nothing was communicated: forget it (the gradients hold what
+        was accumulated, as without a wrapper). Otherwise this rank's collectives no longer
+        match the other ranks': raise, as torch DDP does."""
+        with self._lock:
+            if self._bw.syncing:
+                raise RuntimeError(
+                    "BucketedDDP: the previous backward did not finish (an exception was raised "
+                    f"during it?) after {self._bw.next_bucket} of {len(self._buckets)} gradient "
+                    "buckets had started their reductions, so this rank's collectives no longer "
+                    "match the other ranks'; training cannot go on after an exception inside a "
+                    "synchronizing backward: restart it (e.g. from a checkpoint)"
+                )
+            for bucket in self._buckets:
+                if bucket.keeps:
+                    bucket.clear_phantoms()
+            self._bw.in_backward = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -236,6 +284,111 @@ class BucketedDDP(torch.nn.Module):
         finally:
             self._no_sync = previous
 
+    def register_comm_hook(self, state: Any, hook: Callable[..., torch.futures.Future]) -> None:
+        """Reduce each gradient bucket with ``hook(state, bucket)``, torch DDP's contract.
+
+        ``hook`` gets a GradBucket (``index()``, ``is_last()``, ``buffer()``, ``set_buffer()``,
+        ``gradients()``, ``parameters()``; the buffer holds this rank's gradients of the bucket,
+        not divided) and returns a ``torch.futures.Future`` whose value is the reduced flat
+        tensor, e.g. torch's hooks unchanged::
+
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            state = powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=10)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+        Call it once, on every rank, before the first synchronizing backward (the hooks are
+        compared across ranks then). Not with ``grad_compression`` (use the hook instead) nor
+        with ZeRO-2 (``ShardedOptimizer(..., shard_gradients=True)`` reduces to owners).
+        Sparse gradients (``nn.Embedding(sparse=True)``) do not go through the hook.
+        """
+        caller = "BucketedDDP.register_comm_hook"
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"{caller}: a communication hook is already registered "
+                f"({hook_name(self._comm_hook[1])}); it can be registered only once"
+            )
+        if self._comm_checked:
+            raise RuntimeError(
+                f"{caller}: must be called before the first synchronizing backward (every rank "
+                "must reduce the same way from the first one)"
+            )
+        if self.grad_compression is not None:
+            raise ValueError(
+                f"{caller}: this BucketedDDP was built with grad_compression="
+                f"{self.grad_compression!r}; the two are exclusive (pass grad_compression=None "
+                f"and register default_hooks.{self.grad_compression}_compress_hook instead)"
+            )
+        if self._owners is not None:
+            raise ValueError(
+                f"{caller}: not supported with ZeRO-2 (ShardedOptimizer(..., "
+                "shard_gradients=True)), whose buckets are reduced to their owner ranks"
+            )
+        problem = hook_problem(hook, state, self._group)
+        if problem is not None:
+            raise problem[0](problem[1])
+        self._comm_hook = (state, hook)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """Context manager for uneven inputs (torch DDP's ``join``): ranks that run out of
+        batches shadow the collectives of the others until every rank is done::
+
+            with model.join():                    # or Join([model, sharded_optimizer])
+                for batch in my_batches:          # a different number on each rank
+                    loss_fn(model(batch)).backward()
+                    opt.step(); opt.zero_grad()
+
+        A joined rank contributes zero gradients. ``divide_by_initial_world_size``: divide the
+        sums by the world size (every sample weighs the same) or, ``False``, by the number of
+        ranks still training. ``enable=False``: no uneven-input handling (no extra collective).
+        ``throw_on_early_termination``: every rank raises once one runs out of inputs. At the
+        end the parameters (and buffers) of the highest last-joining rank are broadcast.
+
+        Each forward inside must be followed by its backward (as with torch DDP); with other
+        joinables, pass the model first: ``Join([model, optimizer])``.
+        """
+        for name, value in (
+            ("divide_by_initial_world_size", divide_by_initial_world_size),
+            ("enable", enable),
+            ("throw_on_early_termination", throw_on_early_termination),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"BucketedDDP.join: {name} must be a bool, got {type(value).__name__}"
+                )
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The ``Join`` hook: shadows the forward and backward collectives of the ranks still
+        training (kwarg ``divide_by_initial_world_size``, default ``True``)."""
+        divide = kwargs.get("divide_by_initial_world_size", True)
+        if not isinstance(divide, bool):
+            raise TypeError(
+                "BucketedDDP.join_hook: divide_by_initial_world_size must be a bool, got "
+                f"{type(divide).__name__}"
+            )
+        return _join.DDPJoinHook(self, divide)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the ``Join`` context's own collectives (CUDA under NCCL)."""
+        return collective_device(self.process_group)
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self._group
+
     def finish_gradient_synchronization(self) -> None:
         """Wait until every bucket's reduction has finished and ``param.grad`` holds the average.
 
@@ -251,167 +404,67 @@ class BucketedDDP(torch.nn.Module):
         return (
             f"bucket_size_mb={self.bucket_size_mb}, buckets={len(self._buckets)}, "
             f"world_size={self._world}, grad_compression={self.grad_compression}, "
-            f"shard_gradients={self._owners is not None}"
+            f"shard_gradients={self._owners is not None}, sparse_params={sum(self._is_sparse)}, "
+            f"comm_hook={None if self._comm_hook is None else hook_name(self._comm_hook[1])}"
         )
 
-    # Buckets: built at construction, rebuilt per owner when a ShardedOptimizer shards gradients.
+    # Uneven inputs (join()): see _join.py for the protocol.
 
-    def _build_buckets(self) -> None:
-        owners, rank = self._owners, dist.get_rank(self.process_group)
-        assignment = assign_buckets(self._params, self._limit, owners)
-        self._buckets = []
-        self._slots = [(0, 0)] * len(self._params)  # parameter index -> (bucket, position)
-        for b, idx in enumerate(assignment):
-            owner = None if owners is None else owners[idx[0]]
-            self._buckets.append(
-                Bucket(
-                    [self._params[i] for i in idx],
-                    [self._names[i] for i in idx],
-                    owner=owner,
-                    keeps=owner is None or owner == rank,
-                )
+    def _join_forward(self) -> None:
+        """A forward inside Join on a rank still training: tell the joined ranks what follows."""
+        if not self._join_config.is_first_joinable:
+            raise ValueError(
+                "BucketedDDP: inside Join, the model must be the first joinable, e.g. "
+                "Join([model, optimizer]): its forward is the first collective of an iteration, "
+                "the one the joined ranks' Join loop answers"
             )
-            for k, i in enumerate(idx):
-                self._slots[i] = (b, k)
-        # Buckets this rank keeps share one storage per (device, dtype): one memset clears them.
-        self._storages: list[tuple[torch.Tensor, list[Bucket], torch.Tensor]] = []
-        kinds: dict[tuple[torch.device, torch.dtype], list[Bucket]] = {}
-        for bucket in self._buckets:
-            if bucket.keeps:
-                kinds.setdefault((bucket.device, bucket.dtype), []).append(bucket)
-        for (device, dtype), buckets in kinds.items():
-            storage = torch.zeros(sum(b.size for b in buckets), dtype=dtype, device=device)
-            flag_index, offset = [], 0
-            for bucket in buckets:
-                bucket.bind(storage[offset : offset + bucket.size])
-                flag_index += range(offset + bucket.total, offset + bucket.size)
-                offset += bucket.size
-            index = torch.tensor(flag_index, dtype=torch.long, device=device)
-            self._storages.append((storage, buckets, index))
-        self._remote = [b for b, bucket in enumerate(self._buckets) if not bucket.keeps]
-        self._in_flight: collections.deque[Bucket] = collections.deque()
+        Join.notify_join_context(self)
+        sync = torch.is_grad_enabled() and not self._no_sync
+        bcast = self._sync_buffers_next and self.broadcast_buffers and self._world > 1
+        bcast = bcast and next(self.module.buffers(), None) is not None
+        state = self._join_exchange(sync, bcast, joined=False)
+        self._divisor = self._world if self._divide_by_initial else state.active
+        if state.broadcast_buffers:
+            self._broadcast_buffers(self._global_rank(state.source))
 
-    def _shard_gradients(self, owners: Sequence[int]) -> None:
-        """ZeRO-2 (called by ``ShardedOptimizer(..., shard_gradients=True)``): reduce each
-        parameter's gradient to its owner only; ``owners[i]`` is the group rank owning
-        ``self._params[i]``. Buckets are rebuilt per owner; gradients of parameters owned by
-        other ranks are ``None`` after each synchronizing backward."""
-        with self._lock:
-            if self._bw.in_backward:
-                raise RuntimeError(
-                    "BucketedDDP: cannot shard gradients during a backward; build the "
-                    "ShardedOptimizer between training steps"
-                )
-            self._owners = list(owners)
-            self._build_buckets()
+    def _join_exchange(self, sync: bool, bcast: bool, joined: bool) -> _join.JoinState:
+        what = "the all-reduce of the join state (Join / BucketedDDP.join)"
+        return _join.exchange_join_state(
+            self._group,
+            sync,
+            bcast,
+            joined,
+            self._divide_by_initial,
+            guard=lambda fn: self._guard(what, fn),
+        )
 
-    # Backward machinery: hook per parameter -> launch ready buckets in order -> wait at the end.
+    def _global_rank(self, group_rank: int) -> int:
+        if self.process_group is None:
+            return group_rank
+        return dist.get_global_rank(self.process_group, group_rank)
 
-    def _on_grad_ready(self, i: int) -> None:
-        b, k = self._slots[i]
-        bucket, bw = self._buckets[b], self._bw
-        with self._lock:
-            if not bw.in_backward:
-                self._start_backward()
-            if not bw.syncing:
-                if bucket.buffer is not None:
-                    bucket.adopt_grad(k)
-                return
-            if b < bw.next_bucket:
-                raise RuntimeError(
-                    f"BucketedDDP: parameter {bucket.names[k]!r} received a gradient after its "
-                    "bucket's reduction started; a parameter must get its gradient once per "
-                    "backward (reentrant activation checkpointing, use_reentrant=True, is not "
-                    "supported: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
-                )
-            if self._remote:
-                self._allocate_ahead(b)
-            bucket.adopt_grad(k)
-            if not bucket.ready[k]:
-                bucket.ready[k] = True
-                bucket.pending -= 1
-                if not bucket.pending and b == bw.next_bucket:
-                    buckets, n = self._buckets, len(self._buckets)
-                    while bw.next_bucket < n and not buckets[bw.next_bucket].pending:
-                        self._launch(bw.next_bucket)
+    def _join_shadow(self) -> None:
+        """Join's main hook on a joined rank: mirror one forward and backward of the others."""
+        state = self._join_exchange(False, False, joined=True)
+        if state.broadcast_buffers:
+            self._broadcast_buffers(self._global_rank(state.source))
+        self._sync_buffers_next = self._join_synced = state.sync
+        if not state.sync:
+            return
+        self._shadow_backward()
 
-    def _start_backward(self) -> None:
-        """First hook of a backward: end-of-backward callback, per-backward state, and every
-        ``None`` grad pointed at its zeroed bucket view so that the backward adds in place."""
-        bw = self._bw
-        bw.in_backward, bw.syncing = True, self._grad_sync
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        if bw.syncing:
-            for bucket in self._buckets:
-                bucket.reset()
-            bw.next_bucket, bw.remote_next = 0, 0
-        if self._prepoint:
-            self._prepare()
-            if bw.syncing and self._remote:
-                self._allocate_ahead(-1)
-
-    def _prepare(self) -> None:
-        for storage, buckets, flag_index in self._storages:
-            holding = [bucket.holds_views() for bucket in buckets]
-            if not any(holding):  # the default loop, after zero_grad(): one memset
-                storage.zero_()
-                storage.index_fill_(0, flag_index, 1)
-                for bucket in buckets:
-                    bucket.flags_set = True
-                    bucket.point_grads(zeroed=True)
-                continue
-            for bucket, holds in zip(buckets, holding, strict=True):
-                if holds:  # accumulated gradients (no_sync, set_to_none=False): keep them
-                    bucket.flags_set = False
-                    bucket.point_grads(zeroed=False)
-                else:
-                    bucket.buffer.zero_()
-                    bucket.flags.fill_(1)
-                    bucket.flags_set = True
-                    bucket.point_grads(zeroed=True)
-
-    def _allocate_ahead(self, b: int) -> None:
-        """ZeRO-2: give other ranks' buckets up to ``_AHEAD`` past bucket ``b`` a buffer (and
-        bucket ``b`` itself if it is one of them and has none)."""
-        bucket = self._buckets[b] if b >= 0 else None
-        if bucket is not None and not bucket.keeps and bucket.buffer is None:
-            bucket.allocate(point=self._prepoint)
-        target = min(len(self._remote), bisect.bisect_right(self._remote, b) + _AHEAD)
-        while self._bw.remote_next < target:
-            ahead = self._buckets[self._remote[self._bw.remote_next]]
-            if ahead.buffer is None and ahead.work is None and self._prepoint:
-                ahead.allocate()
-            self._bw.remote_next += 1
-
-    def _launch(self, b: int) -> None:
-        bucket = self._buckets[b]
-        bucket.launch(self._group, self._world, self._comm_dtype, self._reduce_avg)
-        self._bw.next_bucket = b + 1
-        if not bucket.keeps:  # bound the transient buffers: wait for older reductions
-            self._in_flight.append(bucket)
-            while len(self._in_flight) > _IN_FLIGHT:
-                self._in_flight.popleft().finish()
-
-    def _end_backward(self) -> None:
-        with self._lock:
-            if not self._bw.in_backward:
-                return
-            if self._bw.syncing:
-                self._finish_locked()
-            else:
-                for bucket in self._buckets:
-                    if bucket.keeps:
-                        bucket.clear_phantoms()
-                self._bw.in_backward = False
-
-    def _finish_locked(self) -> None:
-        try:
-            # Buckets with parameters that got no gradient (unused) launch now, still in order.
-            for b in range(self._bw.next_bucket, len(self._buckets)):
-                self._launch(b)
-            while self._in_flight:
-                self._in_flight.popleft().finish()
-            for bucket in self._buckets:
-                bucket.finish()
-        finally:
-            self._bw.in_backward = False
+    def _join_final_sync(self, is_last_joiner: bool) -> None:
+        """Join's post hook: every rank takes the model of the highest last-joining rank."""
+        src = self._guard(
+            "the agreement on the last joined rank (Join)",
+            lambda: _join.last_joiner(self._group, is_last_joiner),
+        )
+        states = [p.detach() for p in self.module.parameters()]
+        if self.broadcast_buffers:
+            states += list(self.module.buffers())
+        self._guard(
+            f"the broadcast of the final model from rank {src} (Join)",
+            lambda: broadcast_coalesced(states, self._global_rank(src), self.process_group),
+        )
+        self._join_config = _join.disabled()  # back to the plain forward
+        self._divisor = self._world

@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.optimizer import ParamsT
 
+from torch_flashsys.distributed import _join
+from torch_flashsys.distributed._errors import collective_error
 from torch_flashsys.distributed._shard_state import State, check_plain_format, gather_states
 from torch_flashsys.distributed._sharding import (
     ParamBucket,
@@ -19,7 +22,11 @@ from torch_flashsys.distributed._sharding import (
     build_buckets,
     chunk_bytes_for,
 )
-from torch_flashsys.distributed._verify import describe_tensors, verify_same_across_ranks
+from torch_flashsys.distributed._verify import (
+    collective_device,
+    describe_tensors,
+    verify_same_across_ranks,
+)
 from torch_flashsys.distributed._zero2 import clip_grad_norm, find_wrapper
 
 _NOT_HYPER = ("params", "param_names")  # group keys that are not hyperparameters
@@ -29,7 +36,7 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """Shard the state of any optimizer across the ranks of a process group (ZeRO stage 1, and
     stage 2 with :class:`~torch_flashsys.BucketedDDP`).
 
@@ -66,6 +73,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     gives the plain ``optimizer_cls`` format (CPU tensors); ``load_state_dict`` takes that format
     on every rank. ``sharded_state_dict()`` / ``load_sharded_state_dict()`` save and load each
     rank's shard without gathering.
+
+    Uneven inputs: ``with Join([model, optimizer]):`` (``torch.distributed.algorithms.Join``, the
+    model first), as with torch's ZeroRedundancyOptimizer: a rank that ran out of batches still
+    steps its shard and sends it, each time the others step.
 
     Example:
         >>> model = BucketedDDP(net)          # or torch.nn.parallel.DistributedDataParallel(net)
@@ -174,6 +185,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated: tuple[int, State | None] | None = None
         if ddp is not None:
             ddp._shard_gradients([self._owners[self._index[p]] for p in ddp._params])
+        Joinable.__init__(self)  # _join_config: outside a Join context
         self._ready = True
 
     # ----------------------------------------------------------------- partition and groups
@@ -315,6 +327,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         chunk (``.optim.step()`` once per chunk, on that chunk's parameters), each chunk's
         broadcast starting as soon as it is stepped, so the exchange overlaps the step.
         """
+        if self._join_config.enable:
+            Join.notify_join_context(self)
+            self._join_check_ddp()
+            self._guard(
+                "the all-reduce of the hyperparameters (Join)",
+                lambda: _join.sync_hyperparameters(self.param_groups, self.process_group, False),
+            )
+        return self._step(closure, **kwargs)
+
+    def _step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:
         self._consolidated = None
         self._push_hyperparams()
         # Optimizers with a closure-less step(self) still work when no closure is given.
@@ -332,9 +354,61 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if any(per_group):
                     self._step_subset(per_group)
                 handles += broadcast_buckets(buckets, group, ranks)
-        for handle in handles:
-            handle.wait()
+        for handle, bucket in zip(handles, self._buckets, strict=True):
+            self._guard(
+                f"the broadcast from rank {bucket.owner} of its updated parameters ("
+                f"{len(bucket.params)} of dtype {bucket.buffer.dtype}, chunk {bucket.chunk})",
+                handle.wait,
+            )
         return loss
+
+    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``; a failure is re-raised naming this rank and ``what`` (see ``_errors``)."""
+        try:
+            return fn()
+        except Exception as exc:
+            raise collective_error("ShardedOptimizer", what, self.process_group, exc) from exc
+
+    # ----------------------------------------------------------------- uneven inputs (Join)
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The ``Join`` hook: a joined rank steps its shard (with the gradients it has: the
+        average of the others' when BucketedDDP shadows the backward) and sends it."""
+        return _join.OptimizerJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the ``Join`` context's own collectives (CUDA under NCCL)."""
+        return collective_device(self.process_group)
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def _join_check_ddp(self) -> None:
+        ddp = self._wrapper()
+        if ddp is not None and not ddp._join_config.enable:
+            raise ValueError(
+                "ShardedOptimizer: inside Join, the BucketedDDP of its parameters must join "
+                "too, first: Join([model, optimizer]) (else the ranks that ran out of inputs "
+                "would not shadow its gradient reductions)"
+            )
+
+    def _wrapper(self) -> Any:
+        from torch_flashsys.distributed.ddp import wrapper_of
+
+        return next((w for p in self._params if (w := wrapper_of(p)) is not None), None)
+
+    def _join_shadow_step(self) -> None:
+        """Join's main hook on a joined rank: mirror one ``step()`` of the others, unless the
+        BucketedDDP's shadowed forward did not synchronize (a ``no_sync()`` micro-batch)."""
+        ddp = self._wrapper()
+        if ddp is not None and ddp._join_config.enable and not ddp._join_synced:
+            return
+        self._guard(
+            "the all-reduce of the hyperparameters (Join)",
+            lambda: _join.sync_hyperparameters(self.param_groups, self.process_group, True),
+        )
+        self._step()
 
     def _step_subset(self, per_group: list[list[torch.Tensor]]) -> None:
         """``.optim.step()`` restricted to ``per_group[i]`` of each local param group."""
