@@ -7,19 +7,23 @@ SDPA's cuDNN backend and half a copy of the cache (reading K and V once). Markdo
 first; the current ``_triton_decode.CONFIG`` is marked::
 
     python benchmarks/tune_decode.py
+    python benchmarks/tune_decode.py --smoke --out rows.json     # CPU, seconds
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks._harness import time_fn, write_results
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _triton_decode
 
@@ -32,58 +36,81 @@ GRID = {
 }
 
 
-def main():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny cases and grid on CPU (the torch backend)"
+    )
+    p.add_argument("--out", help="write one row per (config, case) to .json or .csv")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if device != "cuda" and not args.smoke:
+        sys.exit("tune_decode.py needs a CUDA device (or --smoke)")
+    cases, grid = CASES, GRID
+    heads, kv_heads, dim, dtype = 32, 8, 128, torch.bfloat16
+    if args.smoke:
+        cases, grid = [(2, 256)], {"BLOCK_N": [64], "num_warps": [4], "num_stages": [2],
+                                   "programs_per_sm": [1, 2]}  # fmt: skip
+        heads, kv_heads, dim, dtype = 4, 2, 16, torch.float32
 
-    if not torch.cuda.is_available():
-        sys.exit("tune_decode.py needs a CUDA device")
+    def timed(fn) -> float:
+        if device == "cuda":
+            from triton.testing import do_bench
+
+            return do_bench(fn)
+        return time_fn(fn, warmup=1, reps=3)["median_ms"]
+
     default = dict(_triton_decode.CONFIG)
     inputs = {}
-    for batch, cache in CASES:
-        q = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    for batch, cache in cases:
+        q = torch.randn(batch, heads, 1, dim, device=device, dtype=dtype)
         kc, vc = (
-            torch.randn(batch, 8, cache, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)
+            torch.randn(batch, kv_heads, cache, dim, device=device, dtype=dtype) for _ in range(2)
         )
-        lens = torch.full((batch,), cache, device="cuda", dtype=torch.int32)
+        lens = torch.full((batch,), cache, device=device, dtype=torch.int32)
         inputs[(batch, cache)] = (q, kc, vc, lens)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, 32/8 heads, d 128\n")
     refs = []
     for (batch, cache), (q, kc, vc, _) in inputs.items():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            cudnn = do_bench(
+        backend = SDPBackend.CUDNN_ATTENTION if device == "cuda" else SDPBackend.MATH
+        with sdpa_kernel([backend]):
+            sdpa = timed(
                 lambda q=q, kc=kc, vc=vc: F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
             )
         dst = torch.empty_like(kc)
-        copy = do_bench(lambda dst=dst, kc=kc, vc=vc: (dst.copy_(kc), dst.copy_(vc))) / 2
-        refs.append(f"b{batch} c{cache}: SDPA cuDNN {cudnn:.4f} ms, copy bandwidth {copy:.4f} ms")
-    results = []
-    for values in itertools.product(*GRID.values()):
-        config = dict(zip(GRID, values, strict=True))
+        copy = timed(lambda dst=dst, kc=kc, vc=vc: (dst.copy_(kc), dst.copy_(vc))) / 2
+        refs.append(
+            f"b{batch} c{cache}: SDPA {backend.name} {sdpa:.4f} ms, copy bandwidth {copy:.4f} ms"
+        )
+    results, rows = [], []
+    for values in itertools.product(*grid.values()):
+        config = dict(zip(grid, values, strict=True))
         _triton_decode.CONFIG.update(config)
         times = []
-        for q, kc, vc, lens in inputs.values():
+        for (batch, cache), (q, kc, vc, lens) in inputs.items():
             try:
                 with torch.no_grad():
-                    times.append(
-                        do_bench(
-                            lambda q=q, kc=kc, vc=vc, lens=lens: flash_attention(
-                                q, kc, vc, cache_seqlens=lens, enable_gqa=True
-                            )
+                    ms = timed(
+                        lambda q=q, kc=kc, vc=vc, lens=lens: flash_attention(
+                            q, kc, vc, cache_seqlens=lens, enable_gqa=True
                         )
                     )
             except Exception:  # a config that does not compile or fit: no time
-                times.append(float("inf"))
+                ms = float("inf")
+            times.append(ms)
+            rows.append({**config, "case": f"b{batch} c{cache}", "ms": ms})
         results.append((times, config))
     _triton_decode.CONFIG.update(default)
     results.sort(key=lambda r: sum(r[0]))
+    write_results(args.out, rows)
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (torch backend)"
+    print(f"{name}, torch {torch.__version__}, {heads}/{kv_heads} heads, d {dim}\n")
     print("\n".join(refs) + "\n")
     print(
         "| BLOCK_N | warps | stages | programs/SM | "
-        + " | ".join(f"b{b} c{c} ms" for b, c in CASES)
+        + " | ".join(f"b{b} c{c} ms" for b, c in cases)
         + " |"
     )
-    print("|---|---|---|---|" + "---|" * len(CASES))
+    print("|---|---|---|---|" + "---|" * len(cases))
     for times, config in results[:12] + [r for r in results[12:] if r[1] == default]:
         mark = " (current)" if config == default else ""
         print(
