@@ -11,13 +11,8 @@
 # 2. flash.py: the issue-10 single shapes (ours beside SDPA cuDNN and flash) and the host overhead
 set -u
 start=$SECONDS
-OUT=${OUT:-/tmp/flashsys}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: $(git status --porcelain 2>/dev/null | wc -l))"
-} | tee "$OUT/env.txt"
+. benchmarks/_gpu_env.sh
+env_stamp "$OUT/env.txt"
 TORCH_FLASHSYS_AUTOTUNE=0 HYPOTHESIS_PROFILE=gpu timeout ${TEST_TIMEOUT:-480} \
   python3 -m pytest -v -p no:cacheprovider -m gpu -n ${WORKERS:-8} ${TESTS:-tests} -rf \
   > "$OUT/gpu_tests.log" 2>&1

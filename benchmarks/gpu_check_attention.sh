@@ -5,10 +5,8 @@
 # 3. the single-shape targets and the longest sequence. The GPU tests are separate
 #    (benchmarks/gpu_check_all.sh runs `pytest -m gpu` over the whole suite).
 set -u
-OUT=${OUT:-/tmp/flashsys}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+. benchmarks/_gpu_env.sh
+env_stamp "$OUT/env_attention.txt"
 timeout 120 python3 benchmarks/flash.py --batch 1 --heads 4 --seq 128 --dim 64 --modes fwd \
   --impls flash_attention --no-check --host-overhead --profile-host > "$OUT/overhead.md" 2> "$OUT/overhead.err"
 timeout ${PEERS_TIMEOUT:-420} python3 benchmarks/flash.py --preset peers --workers 8 \

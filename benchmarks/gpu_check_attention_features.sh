@@ -4,13 +4,8 @@
 #   bash benchmarks/gpu_check_attention_features.sh      (CSVs/logs under ${OUT:-/tmp/flashsys})
 set -u
 start=$SECONDS
-OUT=${OUT:-/tmp/flashsys}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-{
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: $(git status --porcelain 2>/dev/null | wc -l))"
-} | tee "$OUT/env_features.txt"
+. benchmarks/_gpu_env.sh
+env_stamp "$OUT/env_features.txt"
 timeout ${FEATURES_TIMEOUT:-240} python3 benchmarks/flash.py --preset features \
   --out "$OUT/attention_features_h100.csv" > "$OUT/features.md" 2> "$OUT/features.err"
 echo "features exit $?, $((SECONDS - start)) s" >> "$OUT/features.err"

@@ -14,18 +14,12 @@
 # Expected on one H200: tests ~1.5 min, benchmark ~3 min (2 rounds), profile ~1.5 min.
 set -u
 start=$SECONDS
-OUT=${OUT:-/tmp/flashsys}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+. benchmarks/_gpu_env.sh
 BUDGET=${BUDGET:-530}
 N=${NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 BENCH_ARGS=${BENCH_ARGS:---preset 2.0B}
 left() { echo $((BUDGET - (SECONDS - start))); }
-{
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: $(git status --porcelain 2>/dev/null | wc -l))"
-} | tee "$OUT/env.txt"
+env_stamp "$OUT/env.txt"
 
 marker=gpu
 [ "$N" -ge 2 ] && marker="gpu or multigpu"

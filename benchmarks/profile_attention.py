@@ -20,12 +20,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._harness import print_report, write_results
+from benchmarks._peers import _sdpa_call
 from torch_flashsys import flash_attention
 
 
@@ -55,25 +55,9 @@ def _feature_kwargs(feature: str, shape, device: str = "cuda") -> dict:
 
 
 def _impls(kwargs: dict, device: str = "cuda"):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def sdpa(backend):
-        def run(q, k, v):
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-        return run
-
-    if device != "cuda":
-        return {
-            "flash_attention": lambda q, k, v: flash_attention(q, k, v, **kwargs),
-            "sdpa math": sdpa(SDPBackend.MATH),
-        }
-    return {
-        "flash_attention": lambda q, k, v: flash_attention(q, k, v, **kwargs),
-        "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-        "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
-    }
+    ours = {"flash_attention": lambda q, k, v: flash_attention(q, k, v, **kwargs)}
+    backends = ("CUDNN_ATTENTION", "FLASH_ATTENTION") if device == "cuda" else ("MATH",)
+    return ours | {f"sdpa {b.split('_')[0].lower()}": _sdpa_call(b, kwargs) for b in backends}
 
 
 def profile_one(fn, shape, iters: int, device: str) -> tuple[str, list[dict]]:

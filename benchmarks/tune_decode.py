@@ -18,12 +18,11 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._harness import time_fn, write_results
+from benchmarks._peers import _sdpa_call
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _triton_decode
 
@@ -71,15 +70,13 @@ def main(argv=None):
         inputs[(batch, cache)] = (q, kc, vc, lens)
     refs = []
     for (batch, cache), (q, kc, vc, _) in inputs.items():
-        backend = SDPBackend.CUDNN_ATTENTION if device == "cuda" else SDPBackend.MATH
-        with sdpa_kernel([backend]):
-            sdpa = timed(
-                lambda q=q, kc=kc, vc=vc: F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
-            )
+        backend = "CUDNN_ATTENTION" if device == "cuda" else "MATH"
+        sdpa_fn = _sdpa_call(backend, {"enable_gqa": True})
+        sdpa = timed(lambda q=q, kc=kc, vc=vc, f=sdpa_fn: f(q, kc, vc))
         dst = torch.empty_like(kc)
         copy = timed(lambda dst=dst, kc=kc, vc=vc: (dst.copy_(kc), dst.copy_(vc))) / 2
         refs.append(
-            f"b{batch} c{cache}: SDPA {backend.name} {sdpa:.4f} ms, copy bandwidth {copy:.4f} ms"
+            f"b{batch} c{cache}: SDPA {backend} {sdpa:.4f} ms, copy bandwidth {copy:.4f} ms"
         )
     results, rows = [], []
     for values in itertools.product(*grid.values()):

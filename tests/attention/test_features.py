@@ -17,7 +17,15 @@ from tests.attention.cases import ATOL, assert_close, max_err
 from tests.reference import modded_attention
 from torch_flashsys import flash_attention
 from torch_flashsys.attention._backend import triton_can_run_on
-from torch_flashsys.attention._dropout import dropout_keep_mask, effective_p, keep_scale, new_seed
+from torch_flashsys.attention._dropout import (
+    dropout_keep_mask,
+    effective_p,
+    keep_scale,
+    keep_threshold,
+    keep_tile,
+    new_seed,
+    philox_words,
+)
 
 needs_interpreter = pytest.mark.skipif(
     not triton_can_run_on(torch.device("cpu")),
@@ -250,8 +258,6 @@ def test_dropout_probability_is_rounded_to_256ths():
 def test_dropout_mask_uses_each_philox_byte_once(seed, bh, rows, start, p):
     """16 neighbouring keys share one Philox call, each taking its own byte: the keep mask of a
     group is exactly the 16 bytes of the four words compared with the threshold."""
-    from torch_flashsys.attention._dropout import keep_threshold, keep_tile, philox_words
-
     g = start // 16
     cols = torch.arange(16 * g, 16 * g + 16)
     words = philox_words(seed, torch.tensor([g]), torch.tensor([rows]), torch.tensor([bh]))
