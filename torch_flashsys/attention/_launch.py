@@ -94,7 +94,12 @@ class LaunchCache:
             if index == torch.cuda.current_device():
                 # The device (function handles are per device) and each pointer's 16-byte
                 # alignment (Triton specializes on it) complete the caller's key.
-                key = (key, index, *(a.data_ptr() % 16 == 0 for a in args[: self.n_tensors]))
+                tensors = args[: self.n_tensors]
+                bits = 0
+                for a in tensors:  # the common case, all aligned, in one cheap pass
+                    bits |= a.data_ptr()
+                aligned = not bits & 15 or tuple(a.data_ptr() % 16 == 0 for a in tensors)
+                key = (key, index, aligned)
                 entry = self._entries.get(key)
                 if entry is not None and not _launch_hooks_set():
                     run, function, packed, (g0, g1, g2), tail = entry
@@ -127,9 +132,14 @@ class LaunchCache:
             return
         g = tuple(grid(meta))
         g = (g + (1, 1))[:3]
-        if len(self._entries) >= _MAX_ENTRIES:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = (run, function, packed, g, tuple(meta[n] for n in tail_names))
+        remember(self._entries, key, (run, function, packed, g, tuple(meta[n] for n in tail_names)))
+
+
+def remember(cache: dict, key: tuple, value: Any) -> None:
+    """``cache[key] = value``, dropping the oldest entry past ``_MAX_ENTRIES`` (bounded memory)."""
+    if len(cache) >= _MAX_ENTRIES:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def dot_precision(dtype: torch.dtype) -> str:
