@@ -17,7 +17,7 @@ kernel lacks the launcher fields) takes Triton's normal path, which is always co
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -83,7 +83,7 @@ class LaunchCache:
 
     def __call__(
         self,
-        key: tuple,
+        key: Hashable,
         grid: Callable[[dict], tuple[int, ...]],
         args: Sequence[Any],
         constexprs: dict[str, Any],
@@ -133,6 +133,17 @@ class LaunchCache:
         g = tuple(grid(meta))
         g = (g + (1, 1))[:3]
         remember(self._entries, key, (run, function, packed, g, tuple(meta[n] for n in tail_names)))
+
+
+class Plan:
+    """What a launch wrapper computes once per launch key: the grid callback, the integer
+    arguments the key determines and the constexprs. Hashes by identity, so a plan is a cheap
+    :class:`LaunchCache` key (the wrapper's own key, shapes and strides, is hashed once per call)."""
+
+    __slots__ = ("constexprs", "grid", "ints")
+
+    def __init__(self, grid: Callable[[dict], tuple[int, ...]], ints: tuple, constexprs: dict):
+        self.grid, self.ints, self.constexprs = grid, ints, constexprs
 
 
 def remember(cache: dict, key: tuple, value: Any) -> None:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from torch_flashsys.attention._extras import Extras
-from torch_flashsys.attention._launch import LaunchCache, dot_precision, remember
+from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
 from torch_flashsys.attention._triton_common import (
     LOG2E,
     batch_strides,
@@ -443,7 +443,7 @@ _launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=15)
 _launch_dkdv = LaunchCache(_attn_bwd_dkdv_tuned, n_tensors=14)
 
 
-_PLANS: dict[tuple, tuple] = {}  # launch key -> per-kernel (grid, integer arguments, constexprs)
+_PLANS: dict[tuple, tuple[Plan, Plan]] = {}  # shapes, strides, flags, scalars -> (dQ, dK/dV)
 
 
 def attention_backward(
@@ -481,22 +481,25 @@ def attention_backward(
             dout, q, k, v, out, dq, dk, dv, dlse is not None, ex, runtime, flags, precision
         )
         remember(_PLANS, key, plan)
-    (grid_dq, ints_dq, cx_dq), (grid_dkdv, ints_dkdv, cx_dkdv) = plan
+    plan_dq, plan_dkdv = plan
     tail = (scale * LOG2E, scale, *runtime[6:])
     _launch_dq(
-        key,
-        grid_dq,
-        (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, *tensors, *ints_dq,
-         *tail),
-        cx_dq,
+        plan_dq,
+        plan_dq.grid,
+        (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, *tensors,
+         *plan_dq.ints, *tail),
+        plan_dq.constexprs,
     )  # fmt: skip
     _launch_dkdv(
-        key, grid_dkdv, (q, k, v, dout, lse, delta, dk, dv, *tensors, *ints_dkdv, *tail), cx_dkdv
+        plan_dkdv,
+        plan_dkdv.grid,
+        (q, k, v, dout, lse, delta, dk, dv, *tensors, *plan_dkdv.ints, *tail),
+        plan_dkdv.constexprs,
     )
     return dq, dk, dv
 
 
-def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precision) -> tuple:
+def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precision):
     n_heads, head_dim, n_kv_heads, dim_v = q.shape[1], q.shape[3], k.shape[1], v.shape[3]
     batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     qs, ks, vs, os_, dos, dqs, dks, dvs = (
@@ -512,12 +515,12 @@ def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precisio
     dkdv_ints = (*qs, *ks, *vs, *dos, *dks, *dvs, *lse_strides, *runtime[:6],
                  n_heads, n_kv_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
     return (
-        (
+        Plan(
             lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
             dq_ints,
             {**constexprs, "HAS_DLSE": has_dlse},
         ),
-        (
+        Plan(
             lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads,),
             dkdv_ints,
             constexprs,

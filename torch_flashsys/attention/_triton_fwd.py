@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from torch_flashsys.attention._extras import Extras
-from torch_flashsys.attention._launch import LaunchCache, dot_precision, remember
+from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
 from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._triton_common import (
     LOG2E,
@@ -235,7 +235,7 @@ def _attn_fwd(
 
 _attn_fwd_tuned = make_autotune(_attn_fwd, FWD_SHAPES, _fwd_footprint)
 _launch_fwd = LaunchCache(_attn_fwd_tuned, n_tensors=11)
-_PLANS: dict[tuple, tuple] = {}  # launch key -> (grid, integer arguments, constexprs)
+_PLANS: dict[tuple, Plan] = {}  # shapes, strides, flags, scalars -> what they determine
 
 
 def attention_forward(
@@ -260,17 +260,16 @@ def attention_forward(
     if plan is None:
         plan = _plan(q, k, v, out, ex, runtime, flags, precision)
         remember(_PLANS, key, plan)
-    grid, ints, constexprs = plan
     _launch_fwd(
-        key,
-        grid,
-        (q, k, v, out, lse, *tensors, *ints, scale * LOG2E, scale, *runtime[6:]),
-        constexprs,
+        plan,
+        plan.grid,
+        (q, k, v, out, lse, *tensors, *plan.ints, scale * LOG2E, scale, *runtime[6:]),
+        plan.constexprs,
     )
     return out, lse
 
 
-def _plan(q, k, v, out, ex: Extras, runtime: tuple, flags, precision: str) -> tuple:
+def _plan(q, k, v, out, ex: Extras, runtime: tuple, flags, precision: str) -> Plan:
     n_heads, head_dim, dim_v = q.shape[1], q.shape[3], v.shape[3]
     batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     ints = (*batch_strides(q, ex), *batch_strides(k, ex), *batch_strides(v, ex),
@@ -278,4 +277,5 @@ def _plan(q, k, v, out, ex: Extras, runtime: tuple, flags, precision: str) -> tu
             n_heads, n_heads // k.shape[1], seq_q, seq_k, tune_len(seq_q, seq_k))  # fmt: skip
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim), "HEAD_DIM_V": dim_v,
                   "BLOCK_DV": next_pow2(dim_v), **flags._asdict(), "PRECISION": precision}  # fmt: skip
-    return lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,), ints, constexprs
+    grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,)
+    return Plan(grid, ints, constexprs)
