@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -181,19 +180,12 @@ def _attend(query, key, value, attn_mask, mods, sm_scale: float, backend: str):
 
 def _run(query, key, value, ex, sm_scale: float, backend: str):
     if backend == "triton":
-        return _triton_attention()(query, key, value, sm_scale, ex)
+        from torch_flashsys.attention._ops import triton_attention
+
+        return triton_attention(query, key, value, sm_scale, ex)
     from torch_flashsys.attention._torch_impl import TiledAttention
 
     return TiledAttention.apply(query, key, value, sm_scale, ex)
-
-
-@functools.cache
-def _triton_attention():
-    """``_ops.triton_attention``, imported on first use (it imports triton); cached, because an
-    import statement in the call path costs about a microsecond per call."""
-    from torch_flashsys.attention._ops import triton_attention
-
-    return triton_attention
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
