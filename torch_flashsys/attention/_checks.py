@@ -42,7 +42,69 @@ def check_inputs(
     softcap: object = None,
     alibi_slopes: object = None,
 ) -> str:
-    """Validate flash_attention's arguments; return the concrete backend ("triton" or "torch")."""
+    """Validate flash_attention's arguments; return the concrete backend ("triton" or "torch").
+
+    The common call (no mask, ALiBi, window or softcap; plain float/bool scalars) is checked once
+    per (shapes, dtypes, devices, enable_gqa, backend, environment): repeats are a dict lookup.
+    Only successes are remembered, so every invalid call still raises.
+    """
+    if (
+        attn_mask is None
+        and alibi_slopes is None
+        and window_size is None
+        and softcap is None
+        and is_causal.__class__ is bool
+        and enable_gqa.__class__ is bool
+        and dropout_p.__class__ is float
+        and 0.0 <= dropout_p <= 1.0
+        and (scale is None or (scale.__class__ is float and math.isfinite(scale)))
+        and isinstance(query, torch.Tensor)
+        and isinstance(key, torch.Tensor)
+        and isinstance(value, torch.Tensor)
+        and backend.__class__ is str
+        and not torch.compiler.is_compiling()  # traced: symbolic shapes make no dict keys
+    ):
+        device = query.device
+        # What the backend choice reads besides the tensors (tests patch these functions).
+        env = (
+            triton_installed()
+            if device.type == "cuda"
+            else (triton_installed(), interpreter_active())
+        )
+        memo = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, device,
+                key.device, value.device, enable_gqa, backend, env)  # fmt: skip
+        resolved = _VALID.get(memo)
+        if resolved is None:
+            resolved = _check_inputs(query, key, value, None, dropout_p, is_causal, scale,
+                                     enable_gqa, backend)  # fmt: skip
+            if len(_VALID) >= _MAX_VALID:
+                _VALID.clear()
+            _VALID[memo] = resolved
+        return resolved
+    return _check_inputs(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
+        window_size, softcap, alibi_slopes,
+    )  # fmt: skip
+
+
+_VALID: dict[tuple, str] = {}  # the common call's validated signatures -> resolved backend
+_MAX_VALID = 1024
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: object,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    backend: str,
+    window_size: object = None,
+    softcap: object = None,
+    alibi_slopes: object = None,
+) -> str:
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             _fail(TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")

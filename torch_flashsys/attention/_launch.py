@@ -17,7 +17,7 @@ kernel lacks the launcher fields) takes Triton's normal path, which is always co
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -83,7 +83,7 @@ class LaunchCache:
 
     def __call__(
         self,
-        key: tuple,
+        key: Hashable,
         grid: Callable[[dict], tuple[int, ...]],
         args: Sequence[Any],
         constexprs: dict[str, Any],
@@ -94,7 +94,12 @@ class LaunchCache:
             if index == torch.cuda.current_device():
                 # The device (function handles are per device) and each pointer's 16-byte
                 # alignment (Triton specializes on it) complete the caller's key.
-                key = (key, index, *(a.data_ptr() % 16 == 0 for a in args[: self.n_tensors]))
+                tensors = args[: self.n_tensors]
+                bits = 0
+                for a in tensors:  # the common case, all aligned, in one cheap pass
+                    bits |= a.data_ptr()
+                aligned = not bits & 15 or tuple(a.data_ptr() % 16 == 0 for a in tensors)
+                key = (key, index, aligned)
                 entry = self._entries.get(key)
                 if entry is not None and not _launch_hooks_set():
                     run, function, packed, (g0, g1, g2), tail = entry
@@ -127,9 +132,25 @@ class LaunchCache:
             return
         g = tuple(grid(meta))
         g = (g + (1, 1))[:3]
-        if len(self._entries) >= _MAX_ENTRIES:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = (run, function, packed, g, tuple(meta[n] for n in tail_names))
+        remember(self._entries, key, (run, function, packed, g, tuple(meta[n] for n in tail_names)))
+
+
+class Plan:
+    """What a launch wrapper computes once per launch key: the grid callback, the integer
+    arguments the key determines and the constexprs. Hashes by identity, so a plan is a cheap
+    :class:`LaunchCache` key (the wrapper's own key, shapes and strides, is hashed once per call)."""
+
+    __slots__ = ("constexprs", "grid", "ints")
+
+    def __init__(self, grid: Callable[[dict], tuple[int, ...]], ints: tuple, constexprs: dict):
+        self.grid, self.ints, self.constexprs = grid, ints, constexprs
+
+
+def remember(cache: dict, key: tuple, value: Any) -> None:
+    """``cache[key] = value``, dropping the oldest entry past ``_MAX_ENTRIES`` (bounded memory)."""
+    if len(cache) >= _MAX_ENTRIES:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from torch_flashsys.attention._extras import Extras
-from torch_flashsys.attention._launch import LaunchCache, dot_precision
+from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
 from torch_flashsys.attention._triton_common import (
     LOG2E,
     batch_strides,
@@ -28,6 +28,7 @@ from torch_flashsys.attention._triton_common import (
     load_rows,
     make_autotune,
     mod_scores,
+    next_pow2,
     problem_dims,
     query_tile_range,
     seq_bounds,
@@ -442,6 +443,9 @@ _launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=15)
 _launch_dkdv = LaunchCache(_attn_bwd_dkdv_tuned, n_tensors=14)
 
 
+_PLANS: dict[tuple, tuple[Plan, Plan]] = {}  # shapes, strides, flags, scalars -> (dQ, dK/dV)
+
+
 def attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -456,10 +460,9 @@ def attention_backward(
     """Launch the two backward kernels on 4-D views; ``lse``/``dlse`` are contiguous (B, H, L)
     ((1, H, total) for a packed batch).
 
-    The last dimension of every 4-D tensor must be contiguous (stride 1).
+    The last dimension of every 4-D tensor must be contiguous (stride 1). Everything the launch
+    key determines (strides, lengths, grids, constexprs) is computed on the key's first call only.
     """
-    n_heads, head_dim, n_kv_heads = q.shape[1], q.shape[3], k.shape[1]
-    batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
@@ -468,33 +471,58 @@ def attention_backward(
         dv.zero_()
     delta = torch.empty_like(lse)
     precision = dot_precision(q.dtype)
+    tensors, runtime, flags = kernel_extras(ex, q)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
+           dout.stride(), q.dtype, precision, flags, tensors[0].dtype, problem_dims(q, k, ex),
+           runtime, dlse is None)  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(
+            dout, q, k, v, out, dq, dk, dv, dlse is not None, ex, runtime, flags, precision
+        )
+        remember(_PLANS, key, plan)
+    plan_dq, plan_dkdv = plan
+    tail = (scale * LOG2E, scale, *runtime[6:])
+    _launch_dq(
+        plan_dq,
+        plan_dq.grid,
+        (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, *tensors,
+         *plan_dq.ints, *tail),
+        plan_dq.constexprs,
+    )  # fmt: skip
+    _launch_dkdv(
+        plan_dkdv,
+        plan_dkdv.grid,
+        (q, k, v, dout, lse, delta, dk, dv, *tensors, *plan_dkdv.ints, *tail),
+        plan_dkdv.constexprs,
+    )
+    return dq, dk, dv
+
+
+def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precision):
+    n_heads, head_dim, n_kv_heads, dim_v = q.shape[1], q.shape[3], k.shape[1], v.shape[3]
+    batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     qs, ks, vs, os_, dos, dqs, dks, dvs = (
         batch_strides(t, ex) for t in (q, k, v, out, dout, dq, dk, dv)
     )
     group = n_heads // n_kv_heads
-    qk_scale = scale * LOG2E
     tl_len = tune_len(seq_q, seq_k)
-    tensors, runtime, flags = kernel_extras(ex, q)
-    dim_v = v.shape[-1]
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-                  "HEAD_DIM_V": dim_v, "BLOCK_DV": triton.next_power_of_2(dim_v),
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim),
+                  "HEAD_DIM_V": dim_v, "BLOCK_DV": next_pow2(dim_v),
                   **flags._asdict(), "PRECISION": precision}  # fmt: skip
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
-           dout.stride(), q.dtype, precision, flags, tensors[0].dtype, batch, seq_q, seq_k)  # fmt: skip
-    _launch_dq(
-        (key, dlse is None),
-        lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
-        (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, *tensors,
-         *qs, *ks, *vs, *os_, *dos, *dqs, *lse_strides, *runtime[:6],
-         n_heads, group, seq_q, seq_k, tl_len, qk_scale, scale, *runtime[6:]),
-        {**constexprs, "HAS_DLSE": dlse is not None},
-    )  # fmt: skip
-    _launch_dkdv(
-        key,
-        lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads,),
-        (q, k, v, dout, lse, delta, dk, dv, *tensors,
-         *qs, *ks, *vs, *dos, *dks, *dvs, *lse_strides, *runtime[:6],
-         n_heads, n_kv_heads, group, seq_q, seq_k, tl_len, qk_scale, scale, *runtime[6:]),
-        constexprs,
-    )  # fmt: skip
-    return dq, dk, dv
+    dq_ints = (*qs, *ks, *vs, *os_, *dos, *dqs, *lse_strides, *runtime[:6],
+               n_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
+    dkdv_ints = (*qs, *ks, *vs, *dos, *dks, *dvs, *lse_strides, *runtime[:6],
+                 n_heads, n_kv_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
+    return (
+        Plan(
+            lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
+            dq_ints,
+            {**constexprs, "HAS_DLSE": has_dlse},
+        ),
+        Plan(
+            lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads,),
+            dkdv_ints,
+            constexprs,
+        ),
+    )

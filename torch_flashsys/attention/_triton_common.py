@@ -14,7 +14,7 @@ import triton.language as tl
 
 from torch_flashsys.attention._backend import interpreter_active
 from torch_flashsys.attention._dropout import as_int32, keep_scale, keep_threshold
-from torch_flashsys.attention._extras import Extras
+from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, so scores are pre-multiplied by it
 
@@ -236,10 +236,16 @@ _NO_STRIDES = (0, 0, 0, 0, 0, 0)
 
 
 def kernel_extras(ex: Extras, dummy: torch.Tensor) -> tuple[tuple, tuple, Flags]:
-    """Kernel arguments for ``ex``: pointer tensors (Mask, Alibi, Seed, CuQ, CuK; ``dummy`` where
-    absent),
-    runtime scalars (mask strides b/h/m/n, alibi strides b/h, left, right, softcap, dropout
-    threshold, 1 / keep probability) and the constexpr :class:`Flags`."""
+    """Kernel arguments for ``ex``: pointer tensors (Mask, Alibi, Seed, CuQ, CuK, SeqUsed;
+    ``dummy`` where absent), runtime scalars (mask strides b/h/m/n, alibi strides b/h, left, right,
+    softcap, dropout threshold, 1 / keep probability) and the constexpr :class:`Flags`."""
+    preset = _PRESETS.get(id(ex))  # PLAIN / CAUSAL (every call without mask, window or dropout)
+    if preset is not None and preset[0] is ex:
+        return (dummy,) * 6, preset[1], preset[2]
+    return _kernel_extras(ex, dummy)
+
+
+def _kernel_extras(ex: Extras, dummy: torch.Tensor | None) -> tuple[tuple, tuple, Flags]:
     mask, alibi = ex.mask, ex.alibi
     strides = list(_NO_STRIDES)
     kind, mask_rows, mask_contig = 0, False, False
@@ -269,6 +275,10 @@ def kernel_extras(ex: Extras, dummy: torch.Tensor) -> tuple[tuple, tuple, Flags]
     return tensors, runtime, flags
 
 
+# The arguments of the shared tensor-free Extras, computed once: (the Extras, runtime, flags).
+_PRESETS = {id(ex): (ex, *_kernel_extras(ex, None)[1:]) for ex in (PLAIN, CAUSAL)}
+
+
 def problem_dims(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> tuple[int, int, int, tuple]:
     """(batch, seq_q, seq_k, lse strides (b, h)) of the launch: for a packed batch the number of
     sequences and the longest lengths (the lse is then (1, heads, total))."""
@@ -284,9 +294,15 @@ def batch_strides(t: torch.Tensor, ex: Extras) -> tuple[int, int, int]:
     return (0 if ex.varlen else s[0]), s[1], s[2]
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1), for host code: ``triton.next_power_of_2`` is a
+    ``constexpr_function`` and costs microseconds per call outside a kernel."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def tune_len(seq_q: int, seq_k: int) -> int:
     """The sequence-length part of the autotune key: a power of two in [128, 16384]."""
-    return min(max(triton.next_power_of_2(max(seq_q, seq_k)), 128), 16384)
+    return min(max(next_pow2(max(seq_q, seq_k)), 128), 16384)
 
 
 def autotune_enabled() -> bool:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from torch_flashsys.attention._extras import Extras
-from torch_flashsys.attention._launch import LaunchCache, dot_precision
+from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
 from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._triton_common import (
     LOG2E,
@@ -28,6 +28,7 @@ from torch_flashsys.attention._triton_common import (
     load_rows,
     make_autotune,
     mod_scores,
+    next_pow2,
     problem_dims,
     seq_bounds,
     tune_len,
@@ -234,6 +235,7 @@ def _attn_fwd(
 
 _attn_fwd_tuned = make_autotune(_attn_fwd, FWD_SHAPES, _fwd_footprint)
 _launch_fwd = LaunchCache(_attn_fwd_tuned, n_tensors=11)
+_PLANS: dict[tuple, Plan] = {}  # shapes, strides, flags, scalars -> what they determine
 
 
 def attention_forward(
@@ -242,27 +244,38 @@ def attention_forward(
     """Launch the forward kernel on 4-D views; returns ``out`` (q's shape and layout, v's head dim)
     and fp32 ``lse`` (B, H, L) ((1, H, total) for a packed batch).
 
-    The last dimension of q, k and v must be contiguous (stride 1).
+    The last dimension of q, k and v must be contiguous (stride 1). Everything the launch key
+    determines (strides, lengths, grid, constexprs) is computed on the key's first call only.
     """
-    n_heads, head_dim = q.shape[1], q.shape[3]
-    batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     out = empty_like_layout(q, v.shape[-1])  # q's layout, e.g. a (B, L, H, E)-transposed view
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    shape = q.shape
+    lse = q.new_empty((shape[0], shape[1], shape[2]), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
     precision = dot_precision(q.dtype)
-    qs, ks, vs, os_ = (batch_strides(t, ex) for t in (q, k, v, out))
     tensors, runtime, flags = kernel_extras(ex, q)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), q.dtype,
-           precision, flags, tensors[0].dtype, batch, seq_q, seq_k)  # fmt: skip
+    key = (shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), q.dtype,
+           precision, flags, tensors[0].dtype, problem_dims(q, k, ex), runtime)  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, out, ex, runtime, flags, precision)
+        remember(_PLANS, key, plan)
     _launch_fwd(
-        key,
-        lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
-        (q, k, v, out, lse, *tensors, *qs, *ks, *vs, *os_, *lse_strides, *runtime[:6],
-         n_heads, n_heads // k.shape[1], seq_q, seq_k, tune_len(seq_q, seq_k),
-         scale * LOG2E, scale, *runtime[6:]),
-        {"HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-         "HEAD_DIM_V": v.shape[-1], "BLOCK_DV": triton.next_power_of_2(v.shape[-1]),
-         **flags._asdict(), "PRECISION": precision},
-    )  # fmt: skip
+        plan,
+        plan.grid,
+        (q, k, v, out, lse, *tensors, *plan.ints, scale * LOG2E, scale, *runtime[6:]),
+        plan.constexprs,
+    )
     return out, lse
+
+
+def _plan(q, k, v, out, ex: Extras, runtime: tuple, flags, precision: str) -> Plan:
+    n_heads, head_dim, dim_v = q.shape[1], q.shape[3], v.shape[3]
+    batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
+    ints = (*batch_strides(q, ex), *batch_strides(k, ex), *batch_strides(v, ex),
+            *batch_strides(out, ex), *lse_strides, *runtime[:6],
+            n_heads, n_heads // k.shape[1], seq_q, seq_k, tune_len(seq_q, seq_k))  # fmt: skip
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim), "HEAD_DIM_V": dim_v,
+                  "BLOCK_DV": next_pow2(dim_v), **flags._asdict(), "PRECISION": precision}  # fmt: skip
+    grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,)
+    return Plan(grid, ints, constexprs)
