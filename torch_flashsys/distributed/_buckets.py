@@ -67,11 +67,17 @@ def assign_buckets(
     return sorted(closed, key=lambda bucket: -bucket[-1])
 
 
+_ALLREDUCE_OPTIONS: dict[dist.ReduceOp.RedOpType, dist.AllreduceOptions] = {}
+
+
 def all_reduce(group: dist.ProcessGroup, tensor: torch.Tensor, op: dist.ReduceOp) -> dist.Work:
     """Asynchronous all-reduce, straight to the ProcessGroup: the ``torch.distributed`` wrappers
-    cost ~30 us per call in Python (measured with gloo), paid on the backward's thread."""
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = op
+    cost ~30 us per call in Python (measured with gloo), paid on the backward's thread. The
+    options object (read-only to the backend) is built once per op."""
+    opts = _ALLREDUCE_OPTIONS.get(op)
+    if opts is None:
+        opts = _ALLREDUCE_OPTIONS[op] = dist.AllreduceOptions()
+        opts.reduceOp = op
     return group.allreduce([tensor], opts)
 
 
@@ -82,6 +88,17 @@ def reduce(
     opts = dist.ReduceOptions()
     opts.reduceOp, opts.rootRank, opts.rootTensor = op, dst, 0
     return group.reduce([tensor], opts)
+
+
+class _Local:
+    """The finished "reduction" of a one-rank group: the sum over one rank is the buffer itself."""
+
+    @staticmethod
+    def wait() -> bool:
+        return True
+
+
+_LOCAL = _Local()
 
 
 def _holds(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
@@ -254,7 +271,9 @@ class Bucket:
             if divisor > 1:
                 self._comm.div_(divisor)
             op = dist.ReduceOp.SUM
-        if self.owner is None:
+        if group.size() == 1:  # nothing to exchange: skip the collective and its host cost
+            self.work = _LOCAL  # (a compressed copy still round-trips, as with more ranks)
+        elif self.owner is None:
             self.work = all_reduce(group, self._comm, op)
         else:
             self.work = reduce(group, self._comm, op, self.owner)
