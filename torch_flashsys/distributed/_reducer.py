@@ -32,6 +32,7 @@ from torch_flashsys.distributed._verify import collective_device, verify_same_ac
 
 _AHEAD = 2  # ZeRO-2: other ranks' buckets given a buffer before their first gradient arrives
 _IN_FLIGHT = 2  # ZeRO-2: reductions of other ranks' buckets left running before we wait
+_ALIGN_BYTES = 64  # each bucket's buffer starts at a multiple of 64 bytes of its storage
 
 
 class BackwardState:
@@ -89,12 +90,18 @@ class GradientReducer:
             if bucket.keeps:
                 kinds.setdefault((bucket.device, bucket.dtype), []).append(bucket)
         for (device, dtype), buckets in kinds.items():
-            storage = torch.zeros(sum(b.size for b in buckets), dtype=dtype, device=device)
-            flag_index, offset = [], 0
-            for bucket in buckets:
+            # Each bucket starts _ALIGN_BYTES-aligned: its flags would otherwise shift the next
+            # bucket (and the grads in it) off the 16-byte alignment that vectorized kernels
+            # (the foreach optimizers, NCCL) need for their fast path.
+            step = max(1, _ALIGN_BYTES // dtype.itemsize)
+            starts = [0]
+            for bucket in buckets[:-1]:
+                starts.append(-(-(starts[-1] + bucket.size) // step) * step)
+            storage = torch.zeros(starts[-1] + buckets[-1].size, dtype=dtype, device=device)
+            flag_index = []
+            for bucket, offset in zip(buckets, starts, strict=True):
                 bucket.bind(storage[offset : offset + bucket.size])
                 flag_index += range(offset + bucket.total, offset + bucket.size)
-                offset += bucket.size
             index = torch.tensor(flag_index, dtype=torch.long, device=device)
             self._storages.append((storage, buckets, index))
         self._remote = [b for b, bucket in enumerate(self._buckets) if not bucket.keeps]

@@ -93,8 +93,9 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         module: the model, already on this rank's device; every rank must wrap the same
             architecture (checked across ranks at construction, before any other collective).
             Parameters and buffers are then broadcast from the group's rank 0.
-        bucket_size_mb: most gradient MiB per all-reduce bucket; ``None``: one bucket per dtype;
-            ``0``: one parameter per bucket.
+        bucket_size_mb: gradient MiB at which a bucket closes (torch DDP's ``bucket_cap_mb``
+            rule: a bucket takes parameters until it holds at least this much); ``None``: one
+            bucket per dtype; ``0``: one parameter per bucket.
         process_group: group to average over (default: the whole world).
         broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 at
             construction and at the start of each forward that follows a synchronizing forward,
