@@ -126,6 +126,8 @@ class Problem:
              "BLOCK_DV": triton.next_power_of_2(d), **flags._asdict(), "PRECISION": "tf32"}  # fmt: skip
         if kernel == "dq":
             c["HAS_DLSE"] = False
+        if kernel == "fwd":
+            c["FOLD_SCALE"] = True  # no score modification, positive scale
         return c
 
     def grid(self, kernel: str, cfg):

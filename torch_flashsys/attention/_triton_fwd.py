@@ -57,7 +57,8 @@ def _attn_fwd_inner(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Key tiles [lo, hi). MASKED tiles may cross the window / causal diagonal or the end of keys.
     for start_n in range(lo, hi, BLOCK_N):
@@ -73,10 +74,13 @@ def _attn_fwd_inner(
             else:  # a key-padding mask: one vector per key tile
                 mvals = load_mask(mask_base + cols * stride_mn, col_ok, MASK_KIND)[None, :]
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s, _t = mod_scores(
-            qk, offs_p[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
-            SOFTCAP, ALIBI, MASK_KIND == 2,
-        )  # fmt: skip
+        if FOLD_SCALE:  # raw scores: the scale is applied in the exponent's FMA below
+            s = qk
+        else:
+            s, _t = mod_scores(
+                qk, offs_p[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
+                SOFTCAP, ALIBI, MASK_KIND == 2,
+            )  # fmt: skip
         if MASKED:  # positions: offs_p (= offs_m, or shifted to the end of a KV cache)
             keep = keep_scores(
                 offs_p[:, None], cols[None, :], seq_k, left, right, HAS_LEFT, HAS_RIGHT
@@ -85,11 +89,17 @@ def _attn_fwd_inner(
         if MASK_KIND == 1:
             s = tl.where(mvals, s, float("-inf"))
         # Online softmax (base 2). m_use is 0 for a row that has seen no allowed key yet.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if FOLD_SCALE:  # qk_scale > 0: max(qk) * qk_scale is the max of the scaled scores
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = m_new
         if MAY_EMPTY:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
+        if FOLD_SCALE:
+            p = tl.math.exp2(s * qk_scale - m_use[:, None])  # one FMA per score
+        else:
+            p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # dropped after the normalizer: softmax first, then dropout (as SDPA)
@@ -125,8 +135,8 @@ def _attn_fwd(
     HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
     MASK_CONTIG: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)  # tl.dot's minimum tile
@@ -213,7 +223,7 @@ def _attn_fwd(
                 qk_scale, sm_scale, left, right, softcap, slope, mask_base, stride_mm, stride_mn,
                 seed, bh32, threshold,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
-                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, BLOCK_N,
+                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, FOLD_SCALE, BLOCK_N,
             )  # fmt: skip
 
     l_safe = l_i
@@ -255,10 +265,10 @@ def attention_forward(
     precision = dot_precision(q.dtype)
     tensors, runtime, flags = kernel_extras(ex, q)
     key = (shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), q.dtype,
-           precision, flags, tensors[0].dtype, problem_dims(q, k, ex), runtime)  # fmt: skip
+           precision, flags, tensors[0].dtype, problem_dims(q, k, ex), runtime, scale > 0)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(q, k, v, out, ex, runtime, flags, precision)
+        plan = _plan(q, k, v, out, ex, runtime, flags, precision, scale > 0)
         remember(_PLANS, key, plan)
     _launch_fwd(
         plan,
@@ -269,13 +279,21 @@ def attention_forward(
     return out, lse
 
 
-def _plan(q, k, v, out, ex: Extras, runtime: tuple, flags, precision: str) -> Plan:
+def fold_scale(flags, pos_scale: bool) -> bool:
+    """Whether the forward applies the softmax scale inside the exponent (one FMA per score):
+    no score modification (softcap, ALiBi, float mask) and a positive scale, so that
+    ``max(qk) * scale`` is the maximum of the scaled scores."""
+    return pos_scale and not (flags.SOFTCAP or flags.ALIBI or flags.MASK_KIND == 2)
+
+
+def _plan(q, k, v, out, ex: Extras, runtime: tuple, flags, precision: str, pos_scale: bool) -> Plan:
     n_heads, head_dim, dim_v = q.shape[1], q.shape[3], v.shape[3]
     batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     ints = (*batch_strides(q, ex), *batch_strides(k, ex), *batch_strides(v, ex),
             *batch_strides(out, ex), *lse_strides, *runtime[:6],
             n_heads, n_heads // k.shape[1], seq_q, seq_k, tune_len(seq_q, seq_k))  # fmt: skip
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim), "HEAD_DIM_V": dim_v,
-                  "BLOCK_DV": next_pow2(dim_v), **flags._asdict(), "PRECISION": precision}  # fmt: skip
+                  "BLOCK_DV": next_pow2(dim_v), **flags._asdict(), "PRECISION": precision,
+                  "FOLD_SCALE": fold_scale(flags, pos_scale)}  # fmt: skip
     grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,)
     return Plan(grid, ints, constexprs)
