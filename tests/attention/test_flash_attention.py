@@ -7,6 +7,8 @@ interpreter's bf16 tl.dot is broken (tests/attention/test_gpu.py covers it on CU
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -44,6 +46,21 @@ def test_torch_backend_matches_float64(case, dtype):
 @settings(max_examples=12)
 @given(case=cases(max_seq=40), dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_triton_backend_matches_float64(case, dtype):
+    run = _run("triton")
+    check_against_reference(case, dtype, lambda q, k, v: run(q, k, v, case))
+
+
+@needs_interpreter
+@settings(max_examples=8)
+@given(
+    case=cases(max_seq=40),
+    scale=st.one_of(st.just(0.0), st.floats(-1.0, -0.01)),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+)
+def test_triton_backend_zero_and_negative_scales(case, scale, dtype):
+    """SDPA takes any finite scale. The forward folds a positive scale into its exponent (the row
+    maximum over raw scores); zero and negative scales must take the unfolded path."""
+    case = dataclasses.replace(case, scale=scale)
     run = _run("triton")
     check_against_reference(case, dtype, lambda q, k, v: run(q, k, v, case))
 
