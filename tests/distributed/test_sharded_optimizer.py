@@ -94,9 +94,9 @@ def check_training(results: list[list[dict]], case_list: list[dict]) -> None:
             assert [a for a, _ in out["losses"]] == pytest.approx([b for _, b in out["losses"]])
             # param_groups show the scheduler's learning rates.
             assert out["lr"] == pytest.approx(out["plain_lr"]), where
-            # ~1/world of the state: at most an equal share plus the largest parameter's.
-            bound = out["total_state_bytes"] / world + out["largest_state_bytes"]
-            assert out["state_bytes"] <= bound, where
+            # ~1/world of the state: at most an equal share of the parameter bytes plus the largest
+            # parameter's, times the state per parameter byte.
+            assert out["state_bytes"] <= out["state_bound"] * (1 + 1e-9), where
             # A few coalesced broadcasts per step (per dtype, owner and chunk), not one per param.
             assert max(out["broadcasts"]) <= out["max_broadcasts"], where
             several = any(results[r][c]["owned_trainable"] > 1 for r in range(world))
@@ -112,9 +112,19 @@ def check_training(results: list[list[dict]], case_list: list[dict]) -> None:
         )
 
 
+# Found by hypothesis: the never-used layer is the largest parameter, so the rank that owns it
+# holds no state and the others more than an equal share of the state (not of the parameters).
+_UNUSED_HEAVY = [
+    {"seed": 0, "optimizer": "sgd", "vocab": 2, "d": 1, "widths": [], "tied": False,
+     "frozen": False, "float64": True, "scalar": False, "groups": 1, "steps": 2, "closure": False,
+     "scheduler": False, "add_group": False, "checkpoint": None, "tiny_chunks": False}
+]  # fmt: skip
+
+
 @SPAWNING
 @given(world_size=st.integers(2, 4), case_list=st.lists(cases, min_size=2, max_size=4))
 @example(world_size=3, case_list=_EVERY_FEATURE)
+@example(world_size=3, case_list=_UNUSED_HEAVY)
 def test_matches_plain_optimizer(tmp_path_factory, world_size, case_list):
     """Params after N steps == plain optimizer: tied, frozen, unused and 0-dim params, float32 +
     float64, several groups, closure, StepLR, add_param_group mid-training, both checkpoint forms

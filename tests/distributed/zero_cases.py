@@ -232,13 +232,22 @@ def train_case(case: dict, tmpdir: str, tag: str) -> dict:
     out["plain"] = [p.detach().cpu().clone() for p in plain.model.parameters()]
     out["state_bytes"] = state_bytes(sharded.opt.optim)
     out["total_state_bytes"] = state_bytes(plain.opt)
-    out["largest_state_bytes"] = max(
+    # Owners are balanced by parameter bytes (greedy, so each rank owns at most an equal share
+    # plus the largest parameter), but only parameters that received a gradient have state (the
+    # model's `unused` layer has none): bound a rank's state by its worst-case owned bytes times
+    # the most state per parameter byte.
+    params = {id(p): p for g in plain.opt.param_groups for p in g["params"] if p.requires_grad}
+    sizes = [p.numel() * p.element_size() for p in params.values()]
+    per_byte = max(
         (
             sum(v.numel() * v.element_size() for v in s.values() if v.shape == p.shape)
+            / (p.numel() * p.element_size())
             for p, s in plain.opt.state.items()
+            if p.numel()
         ),
-        default=0,
+        default=0.0,
     )
+    out["state_bound"] = per_byte * (sum(sizes) / dist.get_world_size() + max(sizes, default=0))
     out["lr"] = [g["lr"] for g in sharded.opt.param_groups]
     out["plain_lr"] = [g["lr"] for g in plain.opt.param_groups]
     return out
