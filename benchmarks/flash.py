@@ -12,6 +12,8 @@ sweep. Examples::
     python benchmarks/flash.py --preset peers --out docs/data/attention_peers_h100.csv
                                    # ours vs SDPA flash/cuDNN/efficient and FlexAttention
     python benchmarks/flash.py --preset varlen --out docs/data/attention_varlen_h100.csv
+    python benchmarks/flash.py --first-call --out docs/data/attention_startup_h100.csv
+                                   # first calls in a fresh process, empty Triton cache
     python benchmarks/flash.py --smoke                        # tiny, CPU, seconds
 """
 
@@ -314,6 +316,11 @@ def main(argv=None):
         help="--preset peers: processes that compile FlexAttention in parallel and take turns "
         "timing on the GPU (default 8)",
     )  # fmt: skip
+    p.add_argument(
+        "--first-call", action="store_true",
+        help="cold start: per dtype (bf16, fp16, fp32), the first fwd+bwd in a fresh process with "
+        "an empty Triton cache, the first call at 8 new lengths, a warm call; SDPA beside it",
+    )  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, a few seconds")
     p.add_argument("--out", help="write rows to a .json or .csv file")
     p.add_argument("--plot", help="save a forward+backward time plot (PNG) to this path")
@@ -330,6 +337,15 @@ def main(argv=None):
         write_results(args.out, rows)
         columns = ["impl", "case", "ms", "TFLOP/s", "GB/s", "note"]
         return print_report("Packed batches and KV-cache decoding (do_bench median)", rows, columns)
+    if args.first_call:
+        from benchmarks._startup import first_call_rows
+
+        cuda = torch.cuda.is_available() and not args.smoke
+        dtypes = ["bfloat16", "float16", "float32"] if cuda else ["float32"]
+        rows = first_call_rows(dtypes, "cuda" if cuda else "cpu", smoke=args.smoke)
+        write_results(args.out, rows)
+        title = "Cold start: fwd+bwd seconds in a fresh process, empty Triton cache"
+        return print_report(title, rows, ["impl", "dtype", "case", "seconds"])
     if args.preset:
         for key, value in PRESETS[args.preset].items():
             setattr(args, key, value)

@@ -9,13 +9,24 @@ writes one row per (kernel, config, shape). Example::
     python benchmarks/tune_attention.py --out tune.csv            # the default grid, bf16
     python benchmarks/tune_attention.py --kernels fwd --dims 128 --seqs 16384 --batch-heads 1x16
     python benchmarks/tune_attention.py --smoke     # CPU: the Triton interpreter, one tiny shape
+
+``--table sm90.json`` writes the fastest config per (kernel, head-dim class, causal, length) as the
+tile table the package reads (``torch_flashsys/attention/tiles/<arch>.json``), with the sweep's
+device, versions, date and command; ``--from-csv tune.csv`` makes it from an earlier sweep's rows
+without a GPU::
+
+    python benchmarks/tune_attention.py --from-csv docs/data/attention_tune_h100.csv \
+        --table torch_flashsys/attention/tiles/sm90.json
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import functools
 import itertools
+import json
+import math
 import os
 import sys
 import time
@@ -174,6 +185,47 @@ def flops(kernel, b, h, n, d, causal):
     return 2 * matmuls * b * h * n * n * d * (0.5 if causal else 1.0)
 
 
+def tile_table(rows: list[dict], tolerance: float = 1.03) -> dict[str, list[int]]:
+    """The package's tile table from a sweep's rows: per ``kernel/dim/causal|full/seq``.
+
+    Each (kernel, dim, causal) group gets one config, the one with the best geometric mean over
+    the measured lengths, and a length keeps its own fastest config only where that one is more
+    than ``tolerance`` faster: every new tile is a compile the first time a length reaches it.
+    Warp-specialized variants and failed points are left out.
+    """
+    times: dict[tuple, dict[str, dict[str, float]]] = {}
+    for r in rows:
+        ms = float(r["ms"])
+        if ms != ms or str(r.get("ws", "False")) == "True" or r.get("error"):
+            continue
+        causal = "causal" if str(r["causal"]) in ("True", "1") else "full"
+        group = times.setdefault((r["kernel"], str(r["dim"]), causal), {})
+        group.setdefault(str(r["config"]), {})[str(r["seq"])] = ms
+    table = {}
+    for (kernel, dim, causal), configs in times.items():
+        seqs = sorted({s for c in configs.values() for s in c}, key=int)
+        best = {s: min(configs, key=lambda c, s=s: configs[c].get(s, float("inf"))) for s in seqs}
+        complete = [c for c in configs if len(configs[c]) == len(seqs)]
+        compromise = min(complete, key=lambda c: sum(math.log(configs[c][s]) for s in seqs))
+        for s in seqs:
+            fastest = best[s]
+            slower = configs[compromise][s] / configs[fastest][s]
+            chosen = compromise if slower <= tolerance else fastest
+            table[f"{kernel}/{dim}/{causal}/{s}"] = [int(x) for x in chosen.split("x")]
+    return dict(sorted(table.items()))
+
+
+def write_table(path: str, rows: list[dict], command: str) -> None:
+    """Write the tile table of ``rows`` with the provenance of the sweep that measured them."""
+    first = rows[0]
+    meta = {k: first.get(k, "") for k in ("device", "torch", "triton", "date", "command")}
+    table = {**meta, "made_by": command, "tiles": tile_table(rows)}
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    print(f"wrote {len(table['tiles'])} tiles to {path}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--kernels", default="fwd,dq,dkdv", help="subset of fwd,dq,dkdv")
@@ -192,7 +244,16 @@ def main(argv=None):
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per point")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, one tiny shape")
     p.add_argument("--out", help="write every row to this .csv/.json")
+    p.add_argument("--table", help="write the fastest configs as a tile table (.json)")
+    p.add_argument("--from-csv", help="make --table from this sweep's rows, without running")
     args = p.parse_args(argv)
+    command = "python benchmarks/tune_attention.py " + " ".join(argv or sys.argv[1:])
+    if args.from_csv:
+        if not args.table:
+            p.error("--from-csv needs --table")
+        with open(args.from_csv, newline="") as f:
+            write_table(args.table, list(csv.DictReader(f)), command)
+        return
     os.environ["TORCH_FLASHSYS_AUTOTUNE"] = "0"
     device, candidates = "cuda", CANDIDATES
     if args.smoke:
@@ -252,6 +313,10 @@ def main(argv=None):
         if device == "cuda":
             torch.cuda.empty_cache()
     write_results(args.out, rows)
+    if args.table:
+        from benchmarks._harness import env_stamp
+
+        write_table(args.table, [{**env_stamp(), "command": command, **r} for r in rows], command)
     best = []
     for key, group in itertools.groupby(
         rows, key=lambda r: (r["kernel"], r["dim"], r["causal"], r["seq"])

@@ -164,3 +164,17 @@ def test_allreduce_under_torchrun(tmp_path):
         algbw, busbw = float(row["algbw_GBps"]), float(row["busbw_GBps"])
         assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2, rel=1e-2), row
     assert out.read_text().count("\n") == 3  # CSV header + 2 rows
+
+
+def test_first_call_rows_cover_both_impls(tmp_path):
+    """flash.py --first-call: fresh processes for ours and SDPA, first/new-length/warm rows."""
+    out = tmp_path / "startup.json"
+    cmd = [sys.executable, str(BENCH / "flash.py"), "--first-call", "--smoke", "--out", str(out)]
+    proc = _run(cmd, tmp_path)
+    assert _last_table(proc.stdout), proc.stdout[-1500:]
+    rows = json.loads(out.read_text())
+    for impl in ("flash_attention", "sdpa"):
+        cases = [r["case"] for r in rows if r["impl"] == impl]
+        assert cases[0] == "first call" and cases[-1] == "warm call", cases
+        assert any(c.startswith("first call at length") for c in cases), cases
+        assert all(r["seconds"] > 0 for r in rows if r["impl"] == impl), rows

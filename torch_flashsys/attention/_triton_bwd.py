@@ -29,6 +29,7 @@ from torch_flashsys.attention._triton_common import (
     make_autotune,
     mod_scores,
     next_pow2,
+    plan_tile,
     problem_dims,
     query_tile_range,
     seq_bounds,
@@ -507,9 +508,10 @@ def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precisio
     )
     group = n_heads // n_kv_heads
     tl_len = tune_len(seq_q, seq_k)
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim),
-                  "HEAD_DIM_V": dim_v, "BLOCK_DV": next_pow2(dim_v),
-                  **flags._asdict(), "PRECISION": precision}  # fmt: skip
+    block_d, block_dv = next_pow2(head_dim), next_pow2(dim_v)
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HEAD_DIM_V": dim_v,
+                  "BLOCK_DV": block_dv, **flags._asdict(), "PRECISION": precision}  # fmt: skip
+    tile = (q, max(head_dim, dim_v), max(block_d, block_dv), precision, flags, max(seq_q, seq_k))
     dq_ints = (*qs, *ks, *vs, *os_, *dos, *dqs, *lse_strides, *runtime[:6],
                n_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
     dkdv_ints = (*qs, *ks, *vs, *dos, *dks, *dvs, *lse_strides, *runtime[:6],
@@ -518,11 +520,15 @@ def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precisio
         Plan(
             lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
             dq_ints,
-            {**constexprs, "HAS_DLSE": has_dlse},
+            {
+                **constexprs,
+                "HAS_DLSE": has_dlse,
+                **plan_tile("dq", *tile, DQ_SHAPES, _dq_footprint),
+            },
         ),
         Plan(
             lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads,),
             dkdv_ints,
-            constexprs,
+            {**constexprs, **plan_tile("dkdv", *tile, DKDV_SHAPES, _dkdv_footprint)},
         ),
     )

@@ -1,10 +1,9 @@
 """Pieces shared by the Triton kernels: score masking and tile loads (``@triton.jit`` helpers),
-and the autotune set-up (config lists per head dim, shared-memory pruning, tuning key)."""
+and the tile set-up (table lookup per launch plan; the opt-in autotuner with its pruning and key)."""
 
 from __future__ import annotations
 
-import functools
-import os
+import inspect
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -15,12 +14,16 @@ import triton.language as tl
 from torch_flashsys.attention._backend import interpreter_active
 from torch_flashsys.attention._dropout import as_int32, keep_scale, keep_threshold
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
+from torch_flashsys.attention._kernel_config import (
+    Tile,
+    autotune_requested,
+    dim_class,
+    pick_tile,
+    shared_memory_bytes,
+    tile_meta,
+)
 
 LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, so scores are pre-multiplied by it
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages)
-Shape = tuple[int, int, int, int]
-
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -305,42 +308,20 @@ def tune_len(seq_q: int, seq_k: int) -> int:
     return min(max(next_pow2(max(seq_q, seq_k)), 128), 16384)
 
 
-def autotune_enabled() -> bool:
-    """``TORCH_FLASHSYS_AUTOTUNE=0`` keeps only each kernel's default config (fast first call)."""
-    return os.environ.get("TORCH_FLASHSYS_AUTOTUNE", "1") != "0"
+AUTOTUNE = autotune_requested() and not interpreter_active()
+"""Whether the kernels are wrapped in Triton's autotuner (opt-in); else tiles come from the tables."""
 
 
-def dim_class(head_dim: int) -> int:
-    """Head dims share config lists in classes: <= 64, <= 128, larger."""
-    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+def make_autotune(kernel, shapes: dict[int, Sequence[Tile]], footprint: Callable[..., int]):
+    """``kernel`` itself, launched with the tile ``plan_tile`` picks (the default), or with
+    ``TORCH_FLASHSYS_AUTOTUNE=1`` on a GPU, ``triton.autotune`` over ``shapes[dim_class(HEAD_DIM)]``
+    keyed by (head dim, flags, dot precision, length bucket, dtypes), results cached on disk.
 
-
-@functools.cache
-def _shared_memory_bytes(device_index: int) -> int:
-    try:
-        props = triton.runtime.driver.active.utils.get_device_properties(device_index)
-        return int(props["max_shared_mem"])
-    except Exception:  # unknown driver or API: assume a small GPU
-        return 100 * 1024
-
-
-def make_autotune(
-    kernel,
-    shapes: dict[int, Sequence[Shape]],
-    footprint: Callable[[int, int, int, int], int],
-):
-    """Wrap ``kernel`` in ``triton.autotune`` over ``shapes[dim_class(HEAD_DIM)]``.
-
-    The key is (head dim, the score-modification flags, dot precision, length bucket, dtypes).
-    Configs whose estimated
-    shared memory (``footprint(block_m, block_n, block_d, stages)`` elements) does not fit are
-    pruned, keeping a quarter of the device's capacity spare for layout conversions; if none fits,
-    the smallest tile with one stage is used. Under the interpreter: one 16x16 tile, so every loop
-    and edge runs. With autotuning off the first fitting config of the class is used.
+    Configs whose estimated shared memory (``footprint(block_m, block_n, block_d, stages)``
+    elements) does not fit are pruned, as ``pick_tile`` does.
     """
-    if interpreter_active():
-        configs = [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-        return triton.autotune(configs=configs, key=["HEAD_DIM"])(kernel)
+    if not AUTOTUNE:
+        return kernel
     unique = list(dict.fromkeys(s for group in shapes.values() for s in group))
     configs = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
@@ -351,18 +332,35 @@ def make_autotune(
         head_dim = max(kwargs["HEAD_DIM"], kwargs["HEAD_DIM_V"])
         block_d = max(kwargs["BLOCK_D"], kwargs["BLOCK_DV"])
         first = next(iter(named_args.values()))
-        budget = 0.75 * _shared_memory_bytes(first.device.index or 0)
+        budget = 0.75 * shared_memory_bytes(first.device.index or 0)
         elem = first.element_size()
         kept = []
         for bm, bn, w, st in shapes[dim_class(head_dim)]:
             if elem * footprint(bm, bn, block_d, st) <= budget:
                 kept.append(configs[unique.index((bm, bn, w, st))])
-        if not kept:
-            return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-        return kept if autotune_enabled() else kept[:1]
+        return kept or [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
 
+    cache = {"cache_results": True} if _AUTOTUNE_CACHES else {}  # Triton >= 3.2
     return triton.autotune(
         configs=configs,
         key=["HEAD_DIM", "HEAD_DIM_V", *Flags._fields, "PRECISION", "tune_len"],  # + dtypes
         prune_configs_by={"early_config_prune": prune},
+        **cache,
     )(kernel)
+
+
+_AUTOTUNE_CACHES = "cache_results" in inspect.signature(triton.autotune).parameters
+
+
+def plan_tile(
+    kernel: str, q: torch.Tensor, head_dim: int, block_d: int, precision: str, flags: Flags,
+    seq_len: int, shapes: dict[int, Sequence[Tile]], footprint: Callable[..., int],
+) -> dict[str, int]:  # fmt: skip
+    """The launch keywords of ``kernel``'s tile for this problem (none when autotuning)."""
+    if AUTOTUNE:
+        return {}
+    tile = pick_tile(
+        kernel, q.device, head_dim, block_d, q.element_size(), precision, flags.HAS_RIGHT,
+        seq_len, shapes, footprint,
+    )  # fmt: skip
+    return tile_meta(tile)

@@ -29,6 +29,7 @@ from torch_flashsys.attention._triton_common import (
     make_autotune,
     mod_scores,
     next_pow2,
+    plan_tile,
     problem_dims,
     seq_bounds,
     tune_len,
@@ -36,7 +37,8 @@ from torch_flashsys.attention._triton_common import (
 
 _LN2 = tl.constexpr(0.6931471805599453)  # ln(2): turns the base-2 logsumexp into a natural one
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class; the first entry is the default.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class: the fallback where the tile table
+# (_kernel_config) has no entry is the first that fits; TORCH_FLASHSYS_AUTOTUNE=1 tunes over them.
 FWD_SHAPES = {  # from benchmarks/tune_attention.py on an H100 (docs/benchmarks.md)
     64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4)],
     128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
@@ -292,8 +294,11 @@ def _plan(q, k, v, out, ex: Extras, runtime: tuple, flags, precision: str, pos_s
     ints = (*batch_strides(q, ex), *batch_strides(k, ex), *batch_strides(v, ex),
             *batch_strides(out, ex), *lse_strides, *runtime[:6],
             n_heads, n_heads // k.shape[1], seq_q, seq_k, tune_len(seq_q, seq_k))  # fmt: skip
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim), "HEAD_DIM_V": dim_v,
-                  "BLOCK_DV": next_pow2(dim_v), **flags._asdict(), "PRECISION": precision,
-                  "FOLD_SCALE": fold_scale(flags, pos_scale)}  # fmt: skip
+    block_d, block_dv = next_pow2(head_dim), next_pow2(dim_v)
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HEAD_DIM_V": dim_v,
+                  "BLOCK_DV": block_dv, **flags._asdict(), "PRECISION": precision,
+                  "FOLD_SCALE": fold_scale(flags, pos_scale),
+                  **plan_tile("fwd", q, max(head_dim, dim_v), max(block_d, block_dv), precision,
+                              flags, max(seq_q, seq_k), FWD_SHAPES, _fwd_footprint)}  # fmt: skip
     grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,)
     return Plan(grid, ints, constexprs)

@@ -1,0 +1,138 @@
+"""Tile configs for the attention kernels: committed tables per GPU architecture, no autotuning.
+
+A launch takes its ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` from a table made by
+``benchmarks/tune_attention.py`` on that architecture (``tiles/sm90.json``: kernel, head-dim
+class, causal or not, length bucket -> tile), so a first call costs the compile of one config per
+kernel and nothing is benchmarked on a user's hot path. A shape the table does not hold (another
+head-dim class, another GPU) takes the first config of the kernel's list for its head-dim class
+that fits the device's shared memory. IEEE float32 dots (TF32 not allowed) take small tiles:
+they run on CUDA cores, and large tiles take minutes to compile.
+
+``TORCH_FLASHSYS_AUTOTUNE=1`` (read when the kernels are first imported) opts into Triton's
+autotuner over each class's list instead, its results cached on disk (Triton's cache directory,
+``TRITON_CACHE_DIR``), so a second process does not tune again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from importlib import resources
+
+import torch
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+Tile = tuple[int, int, int, int]
+
+INTERPRETER_TILE: Tile = (16, 16, 4, 1)  # the interpreter: every loop and edge runs on small inputs
+FALLBACK_TILE: Tile = (32, 32, 4, 1)  # nothing of the list fits the device's shared memory
+# IEEE float32: tl.dot runs as FMA loops unrolled over the tile; these compile in seconds.
+IEEE_TILES: dict[str, Tile] = {"fwd": (64, 32, 4, 1), "dq": (64, 32, 4, 1), "dkdv": (32, 64, 4, 1)}
+
+
+def autotune_requested() -> bool:
+    """``TORCH_FLASHSYS_AUTOTUNE=1``: Triton's autotuner over each class's list, cached on disk."""
+    return os.environ.get("TORCH_FLASHSYS_AUTOTUNE", "0") == "1"
+
+
+def dim_class(head_dim: int) -> int:
+    """Head dims share config lists in classes: <= 64, <= 128, larger."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+
+
+@functools.cache
+def load_table(arch: str) -> dict[str, Tile]:
+    """The committed tile table of ``arch`` (e.g. ``"sm90"``); empty when none was made."""
+    try:
+        text = resources.files("torch_flashsys.attention").joinpath(f"tiles/{arch}.json")
+        data = json.loads(text.read_text())
+    except FileNotFoundError:
+        return {}
+    return {key: tuple(tile) for key, tile in data["tiles"].items()}
+
+
+def table_key(kernel: str, head_dim: int, causal: bool, seq_len: int) -> str:
+    """``"fwd/64/causal/4096"``: the table's key for the measured length nearest to ``seq_len``."""
+    return f"{kernel}/{dim_class(head_dim)}/{'causal' if causal else 'full'}/{seq_len}"
+
+
+def nearest_length(lengths: Sequence[int], seq_len: int) -> int:
+    """The measured length nearest to ``seq_len`` on a log scale."""
+    return min(lengths, key=lambda n: abs(math.log2(n) - math.log2(max(seq_len, 1))))
+
+
+@functools.cache
+def _table_lengths(arch: str, kernel: str, klass: int, causal: bool) -> tuple[int, ...]:
+    prefix = f"{kernel}/{klass}/{'causal' if causal else 'full'}/"
+    return tuple(int(k[len(prefix) :]) for k in load_table(arch) if k.startswith(prefix))
+
+
+@functools.cache
+def shared_memory_bytes(index: int) -> int:
+    """Shared memory per block of CUDA device ``index``, in bytes."""
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
+        return int(props["max_shared_mem"])
+    except Exception:  # unknown driver or API: assume a small GPU
+        return 100 * 1024
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def pick_tile(
+    kernel: str,
+    device: torch.device,
+    head_dim: int,
+    block_d: int,
+    elem_size: int,
+    precision: str,
+    causal: bool,
+    seq_len: int,
+    defaults: dict[int, Sequence[Tile]],
+    footprint: Callable[[int, int, int, int], int],
+) -> Tile:
+    """The tile ``kernel`` runs with: the table's entry for this problem (16-bit inputs: as
+    measured; float32: if it fits), else the first fitting config of
+    ``defaults[dim_class(head_dim)]``.
+
+    ``footprint(block_m, block_n, block_d, stages)`` estimates shared memory in elements, with
+    a quarter of the device's capacity spare for layout conversions. It is conservative: the
+    tables hold tiles it would reject that were measured to run (and to be faster).
+    """
+    if device.type != "cuda":
+        return INTERPRETER_TILE
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _arch(index)
+    klass = dim_class(head_dim)
+    candidates: list[Tile] = []
+    if precision == "ieee":
+        candidates.append(IEEE_TILES[kernel])
+    else:
+        lengths = _table_lengths(arch, kernel, klass, causal)
+        if lengths:
+            key = table_key(kernel, head_dim, causal, nearest_length(lengths, seq_len))
+            if elem_size <= 2:  # measured on this architecture in 16 bits: known to fit and run
+                return load_table(arch)[key]
+            candidates.append(load_table(arch)[key])
+        candidates.extend(defaults[klass])
+    budget = 0.75 * shared_memory_bytes(index)
+    for tile in candidates:
+        bm, bn, _, stages = tile
+        if elem_size * footprint(bm, bn, block_d, stages) <= budget:
+            return tile
+    return FALLBACK_TILE
+
+
+def tile_meta(tile: Tile) -> dict[str, int]:
+    """A tile as launch keywords."""
+    bm, bn, warps, stages = tile
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
