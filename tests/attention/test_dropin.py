@@ -335,6 +335,78 @@ def test_enable_disable_sdpa_override(flash_calls):
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
 
 
+@pytest.fixture
+def routed_backend():
+    """state() -> None when F.scaled_dot_product_attention is torch's own, else the backend the
+    installed override passes to flash_attention (replaced by a stub for speed)."""
+    q = torch.randn(1, 1, 4, 16)
+    with mock.patch.object(attention_pkg, "flash_attention", return_value=q) as stub:
+
+        def state():
+            if F.scaled_dot_product_attention is ORIGINAL_SDPA:
+                return None
+            calls = stub.call_count
+            F.scaled_dot_product_attention(q, q, q)
+            assert stub.call_count == calls + 1, "patched, but not routed to flash_attention"
+            return stub.call_args.kwargs["backend"]
+
+        yield state
+
+
+def test_enable_inside_sdpa_override_then_disable(routed_backend):
+    """Issue 24 row 9: exiting the block restores the state at its entry (off), and disable
+    restores torch's function."""
+    try:
+        with sdpa_override(backend="torch"):
+            enable_sdpa_override(backend="auto")
+            assert routed_backend() == "auto"
+        assert routed_backend() is None
+        disable_sdpa_override()
+        assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    finally:
+        F.scaled_dot_product_attention = ORIGINAL_SDPA
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        # (action, expected state afterwards); "with:<backend>" enters a block, "exit" leaves
+        # the innermost one
+        [("enable:torch", "torch"), ("with:auto", "auto"), ("exit", "torch"), ("disable", None)],
+        [("with:torch", "torch"), ("enable:auto", "auto"), ("exit", None), ("disable", None)],
+        [("enable:torch", "torch"), ("enable:auto", "auto"), ("disable", None)],
+        [("disable", None), ("disable", None), ("enable:torch", "torch"), ("disable", None)],
+        [("enable:torch", "torch"), ("with:auto", "auto"), ("disable", None), ("exit", "torch")],
+        [("with:torch", "torch"), ("disable", None), ("enable:auto", "auto"), ("exit", None)],
+        [("with:torch", "torch"), ("with:auto", "auto"), ("disable", None), ("exit", "torch")],
+        [("with:torch", "torch"), ("with:auto", "auto"), ("exit", "torch"), ("exit", None)],
+    ],
+    ids=lambda steps: " ".join(action for action, _ in steps),
+)
+def test_sdpa_override_switches_and_blocks_compose(steps, routed_backend):
+    """enable/disable are one global switch (like torch.set_grad_enabled); a block restores on
+    exit the state at its entry (like torch.no_grad()), whatever was switched inside it."""
+    blocks = []
+    try:
+        for action, expected in steps:
+            kind, _, backend = action.partition(":")
+            if kind == "enable":
+                enable_sdpa_override(backend=backend)
+            elif kind == "disable":
+                disable_sdpa_override()
+            elif kind == "with":
+                blocks.append(sdpa_override(backend=backend))
+                blocks[-1].__enter__()
+            else:
+                blocks.pop().__exit__(None, None, None)
+            assert routed_backend() == expected, action
+    finally:
+        while blocks:
+            blocks.pop().__exit__(None, None, None)
+        disable_sdpa_override()
+        F.scaled_dot_product_attention = ORIGINAL_SDPA
+
+
 def test_sdpa_override_reaches_models_that_call_sdpa(flash_calls):
     """Unmodified code that calls F.scaled_dot_product_attention: the LM's "sdpa" attention and
     nn.MultiheadAttention's own (slow-path) implementation."""
