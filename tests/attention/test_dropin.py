@@ -159,6 +159,93 @@ def test_replace_attention_skips_filters_and_shares():
     assert names == ["blocks.0.0"] and isinstance(model.a, nn.MultiheadAttention)
 
 
+def _train_in_lockstep(models_and_opts, x, mask, steps=3):
+    for _ in range(steps):
+        for model, opt in models_and_opts:
+            opt.zero_grad()
+            model(x, src_mask=mask, is_causal=True).pow(2).mean().backward()
+            opt.step()
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    ],
+    ids=["sgd", "adamw"],
+)
+def test_replace_attention_after_building_the_optimizer(make_opt):
+    """Issue 24 row 1: the optimizer is built first (the natural order when retrofitting); the
+    swapped attention must keep training, exactly as the unswapped model (float64)."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 2, dim_feedforward=48, dropout=0.0).double()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.self_attn.out_proj.bias.requires_grad_(False)  # kept frozen by the swap
+    hook_calls = []
+    model.self_attn.in_proj_weight.register_hook(lambda g: hook_calls.append(g.shape))
+    before = dict(model.named_parameters())
+    initial = {name: p.detach().clone() for name, p in before.items()}
+    opt, opt_ref = make_opt(model.parameters()), make_opt(ref.parameters())
+
+    assert replace_attention(model, backend="torch") == ["self_attn"]
+    assert isinstance(model.self_attn, FlashAttention)
+    after = dict(model.named_parameters())
+    assert list(after) == list(before)
+    assert all(after[name] is before[name] for name in after), "new Parameter objects"
+    assert not model.self_attn.out_proj.bias.requires_grad
+
+    x = torch.randn(7, 3, 32, dtype=torch.float64)  # (seq, batch, embed): batch_first=False
+    mask = nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64)
+    _train_in_lockstep([(model, opt), (ref, opt_ref)], x, mask)
+    assert len(hook_calls) == 3
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, p_ref, atol=1e-10, rtol=1e-10, msg=name)
+    assert not torch.equal(model.self_attn.in_proj_weight, initial["self_attn.in_proj_weight"])
+    assert torch.equal(model.self_attn.out_proj.bias, initial["self_attn.out_proj.bias"])
+    torch.testing.assert_close(model(x), ref(x), atol=1e-10, rtol=1e-10)
+
+
+class _Tied(nn.Module):
+    """Two distinct MHAs sharing their input projection (tied parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64)
+        self.b = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64)
+        self.b.in_proj_weight = self.a.in_proj_weight
+
+    def forward(self, x):
+        x = x + self.a(x, x, x, need_weights=False)[0]
+        return x + self.b(x, x, x, need_weights=False)[0]
+
+
+def test_replace_attention_keeps_tied_parameters():
+    torch.manual_seed(0)
+    model = _Tied()
+    ref = copy.deepcopy(model)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    assert replace_attention(model, backend="torch") == ["a", "b"]
+    assert model.a.in_proj_weight is model.b.in_proj_weight
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, p_ref, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_replace_attention_skips_parametrized_mha():
+    model = nn.Sequential(nn.MultiheadAttention(32, 2))
+    torch.nn.utils.parametrizations.weight_norm(model[0], "in_proj_weight")
+    with pytest.warns(UserWarning, match=r"0 \(.*parametrize"):
+        assert replace_attention(model, backend="torch") == []
+    assert isinstance(model[0], nn.MultiheadAttention)
+
+
 def test_replace_attention_errors():
     with pytest.raises(TypeError, match=r"FlashAttention\.from_mha"):
         replace_attention(nn.MultiheadAttention(32, 2))

@@ -38,16 +38,19 @@ def replace_attention(
 ) -> list[str]:
     """Swap the self-attention ``nn.MultiheadAttention`` modules of ``model`` for FlashAttention.
 
-    In place, keeping weights, device, dtype, ``batch_first``, attention dropout and training
-    mode. Masks keep arriving through MHA's call form (``key_padding_mask``, ``attn_mask``, with
-    MHA's conventions) and are passed to flash_attention; causal masks and ``is_causal=True``
-    use the causal kernels.
+    In place, keeping device, dtype, ``batch_first``, attention dropout, training mode and the
+    weights themselves: the new modules hold the old ones' Parameter objects (see
+    :meth:`FlashAttention.from_mha`), so an optimizer built before the swap keeps training them,
+    tied parameters stay tied, and ``requires_grad`` and tensor hooks stay. Masks keep arriving
+    through MHA's call form (``key_padding_mask``, ``attn_mask``, with MHA's conventions) and
+    are passed to flash_attention; causal masks and ``is_causal=True`` use the causal kernels.
 
     Swapped: every ``nn.MultiheadAttention`` (batch_first or not) except the cross-attention
     ``multihead_attn`` of ``nn.TransformerDecoderLayer``, those ``should_replace(name, mha)``
     rejects, and those FlashAttention cannot reproduce (kdim/vdim != embed_dim, add_bias_kv,
-    add_zero_attn): these are left alone with a ``UserWarning`` naming them and why. A swapped
-    module called as cross-attention raises at call time; exclude it with ``should_replace``.
+    add_zero_attn, parametrized weights): these are left alone with a ``UserWarning`` naming
+    them and why. A swapped module called as cross-attention raises at call time; exclude it
+    with ``should_replace``.
     ``nn.TransformerEncoder`` modules get ``use_nested_tensor = False``: their nested-tensor
     path would turn padded batches into nested tensors, and FlashAttention takes the padding
     mask instead.
@@ -110,8 +113,10 @@ def replace_attention(
 
 # --------------------------------------------------------------------------------------------
 # sdpa_override
-
-_state: dict[str, Any] = {"saved": None}  # the SDPA that disable_sdpa_override() restores
+#
+# The state is F.scaled_dot_product_attention itself: torch's function, or a router that holds
+# it (``_flashsys_original``). enable/disable switch it globally, like torch.set_grad_enabled;
+# sdpa_override() puts back on exit what it found on entry, like torch.no_grad().
 
 
 def _supported(query: Any, key: Any, value: Any, args: dict[str, Any], backend: str) -> bool:

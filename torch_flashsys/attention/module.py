@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from torch_flashsys.attention._backend import BACKENDS
 from torch_flashsys.attention._kvcache import KVCache
@@ -19,6 +20,8 @@ def _mha_unsupported_reason(mha: nn.MultiheadAttention) -> str | None:
         return "add_bias_kv=True is not supported"
     if mha.add_zero_attn:
         return "add_zero_attn=True is not supported"
+    if parametrize.is_parametrized(mha) or parametrize.is_parametrized(mha.out_proj):
+        return "parametrized weights (torch.nn.utils.parametrize) are not supported"
     return None
 
 
@@ -217,8 +220,14 @@ class FlashAttention(nn.Module):
     ) -> FlashAttention:
         """A FlashAttention with ``mha``'s weights, device, dtype, batch_first and training mode.
 
+        The new module holds ``mha``'s own Parameter objects (``in_proj_weight``,
+        ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``), as
+        ``nn.SyncBatchNorm.convert_sync_batchnorm`` does: an optimizer built over the old
+        parameters keeps updating them, and their ``requires_grad``, ``grad`` and tensor hooks
+        stay. Convert ``copy.deepcopy(mha)`` for independent weights.
+
         Raises ``ValueError`` for MHAs it cannot reproduce (kdim/vdim != embed_dim,
-        add_bias_kv, add_zero_attn). MHA's attention dropout carries over.
+        add_bias_kv, add_zero_attn, parametrized weights). MHA's attention dropout carries over.
         """
         if not isinstance(mha, nn.MultiheadAttention):
             raise TypeError(
@@ -239,8 +248,18 @@ class FlashAttention(nn.Module):
             device=weight.device,
             dtype=weight.dtype,
         )
-        new.load_state_dict(mha.state_dict())
+        new._share_parameters(mha)
         return new.train(mha.training)
+
+    def _share_parameters(self, mha: nn.MultiheadAttention) -> None:
+        """Register ``mha``'s Parameter objects (not copies) as this module's."""
+        for target, source, name in (
+            (self, mha, "in_proj_weight"),
+            (self, mha, "in_proj_bias"),
+            (self.out_proj, mha.out_proj, "weight"),
+            (self.out_proj, mha.out_proj, "bias"),
+        ):
+            setattr(target, name, getattr(source, name))
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
