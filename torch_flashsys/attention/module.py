@@ -96,8 +96,9 @@ def _sdpa_mask(
 class FlashAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention computed by :func:`flash_attention`.
 
-    x: (batch, seq, embed_dim) -> (batch, seq, embed_dim); with ``batch_first=False``
-    (seq, batch, embed_dim) -> (seq, batch, embed_dim); unbatched (seq, embed_dim) also works.
+    x: (seq, batch, embed_dim) -> (seq, batch, embed_dim) by default, as in
+    nn.MultiheadAttention; with ``batch_first=True`` (batch, seq, embed_dim) -> (batch, seq,
+    embed_dim); unbatched (seq, embed_dim) also works.
 
     A fused QKV projection ``in_proj_weight`` / ``in_proj_bias``, attention per head, and an output
     projection ``out_proj``. With ``num_kv_heads == num_heads`` (the default) the parameters have
@@ -136,11 +137,12 @@ class FlashAttention(nn.Module):
         bias: add biases to the input and output projections (as in MHA).
         dropout: attention-weight dropout probability in training mode (MHA's ``dropout``).
         causal: always apply the causal mask.
-        batch_first: inputs are (batch, seq, embed_dim); ``False``: (seq, batch, embed_dim).
+        batch_first: ``True``: inputs are (batch, seq, embed_dim); ``False`` (the default, as
+            in nn.MultiheadAttention): (seq, batch, embed_dim).
         backend: ``backend`` of :func:`flash_attention` ("auto", "triton", "torch").
 
     Example:
-        >>> attn = FlashAttention(256, 4, causal=True, backend="torch")
+        >>> attn = FlashAttention(256, 4, causal=True, batch_first=True, backend="torch")
         >>> attn(torch.randn(2, 100, 256)).shape
         torch.Size([2, 100, 256])
     """
@@ -158,7 +160,7 @@ class FlashAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         causal: bool = False,
-        batch_first: bool = True,
+        batch_first: bool = False,
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
