@@ -4,6 +4,7 @@ the MHA call form inside nn.TransformerEncoderLayer, and its errors."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -205,7 +206,6 @@ def test_inside_transformer_encoder_layer_train_and_eval():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"need_weights": True}, NotImplementedError, "need_weights=True"),
         (
             {"need_weights": False, "key_padding_mask": torch.zeros(2, 4, dtype=torch.bool)},
             ValueError,
@@ -281,6 +281,34 @@ def test_mha_state_dict_recipe_matches_mha(batch_first, call):
     if not masks:
         torch.testing.assert_close(fa(x), expected, atol=1e-12, rtol=1e-10)
     assert fa.batch_first == mha.batch_first
+
+
+def test_need_weights_true_returns_none_and_warns_once(monkeypatch):
+    """Issue 25 row 2b: MHA's default call ``out, _ = attn(x, x, x)`` works, with one warning per
+    process that the weights are not computed."""
+    import torch_flashsys.attention.module as module
+
+    monkeypatch.setattr(module, "_WARNED", set(), raising=False)
+    mha = _mha(32, 2, batch_first=False, seed=4).double()
+    fa = FlashAttention.from_mha(copy.deepcopy(mha), backend="torch")
+    x = torch.randn(5, 2, 32, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # need_weights=False: silent, and does not use up the once
+        fa(x, x, x, need_weights=False)
+    with pytest.warns(UserWarning) as record:
+        result = fa(x, x, x)
+    assert [str(w.message) for w in record] == [
+        "FlashAttention: need_weights=True, but attention weights are not computed by the fused "
+        "kernel; returning (output, None). Pass need_weights=False to silence this warning."
+    ]
+    assert record[0].filename == __file__  # points at the caller
+    assert isinstance(result, tuple) and len(result) == 2 and result[1] is None
+    torch.testing.assert_close(result[0], mha(x, x, x)[0], atol=1e-12, rtol=1e-10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: no second warning, any module
+        assert fa(x, x, x, need_weights=True, average_attn_weights=False)[1] is None
+        other = FlashAttention(32, 2, backend="torch", dtype=torch.float64)
+        assert other(x, x, x)[1] is None
 
 
 def test_other_errors():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -10,6 +12,7 @@ from torch_flashsys.attention._backend import BACKENDS
 from torch_flashsys.attention._kvcache import KVCache
 
 _NAME = "FlashAttention"
+_WARNED: set[str] = set()  # one-time warnings already given in this process
 
 
 def _mha_unsupported_reason(mha: nn.MultiheadAttention) -> str | None:
@@ -23,6 +26,14 @@ def _mha_unsupported_reason(mha: nn.MultiheadAttention) -> str | None:
     if parametrize.is_parametrized(mha) or parametrize.is_parametrized(mha.out_proj):
         return "parametrized weights (torch.nn.utils.parametrize) are not supported"
     return None
+
+
+def _warn_once(key: str, message: str) -> None:
+    """``warnings.warn(message)`` the first time ``key`` comes up in this process, pointing at the
+    code that called the module (past forward and nn.Module's two call wrappers)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=5)
 
 
 def _is_causal_mask(mask: torch.Tensor, seq: int) -> bool:
@@ -119,8 +130,10 @@ class FlashAttention(nn.Module):
       both may be given (both apply). A mask that is exactly the causal mask (as
       ``nn.Transformer.generate_square_subsequent_mask`` makes it), ``is_causal=True`` or
       ``causal=True`` at construction use the causal kernels. A query row with no allowed key
-      gives zeros (SDPA's convention; MHA gives NaN). ``need_weights=True`` (the default of MHA:
-      pass ``need_weights=False``) raises ``NotImplementedError``.
+      gives zeros (SDPA's convention; MHA gives NaN). The fused kernel never forms the
+      attention weights: with ``need_weights=True`` (MHA's default) the second element is
+      ``None`` too, and the first such call in the process warns once (``UserWarning``); pass
+      ``need_weights=False`` to silence it.
 
     Dropout on the attention weights (``dropout``, MHA's argument) applies in training mode only,
     as in nn.MultiheadAttention.
@@ -292,9 +305,11 @@ class FlashAttention(nn.Module):
                     "itself (use nn.MultiheadAttention for cross-attention)"
                 )
             if need_weights:
-                raise NotImplementedError(
-                    f"{_NAME}: need_weights=True is not supported (flash attention never forms "
-                    "the attention weights); pass need_weights=False"
+                _warn_once(
+                    "need_weights",
+                    f"{_NAME}: need_weights=True, but attention weights are not computed by the "
+                    "fused kernel; returning (output, None). Pass need_weights=False to silence "
+                    "this warning.",
                 )
         if not isinstance(query, torch.Tensor) or query.is_nested:
             raise TypeError(f"{_NAME}: query must be a dense torch.Tensor")
