@@ -159,6 +159,93 @@ def test_replace_attention_skips_filters_and_shares():
     assert names == ["blocks.0.0"] and isinstance(model.a, nn.MultiheadAttention)
 
 
+def _train_in_lockstep(models_and_opts, x, mask, steps=3):
+    for _ in range(steps):
+        for model, opt in models_and_opts:
+            opt.zero_grad()
+            model(x, src_mask=mask, is_causal=True).pow(2).mean().backward()
+            opt.step()
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    ],
+    ids=["sgd", "adamw"],
+)
+def test_replace_attention_after_building_the_optimizer(make_opt):
+    """Issue 24 row 1: the optimizer is built first (the natural order when retrofitting); the
+    swapped attention must keep training, exactly as the unswapped model (float64)."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 2, dim_feedforward=48, dropout=0.0).double()
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.self_attn.out_proj.bias.requires_grad_(False)  # kept frozen by the swap
+    hook_calls = []
+    model.self_attn.in_proj_weight.register_hook(lambda g: hook_calls.append(g.shape))
+    before = dict(model.named_parameters())
+    initial = {name: p.detach().clone() for name, p in before.items()}
+    opt, opt_ref = make_opt(model.parameters()), make_opt(ref.parameters())
+
+    assert replace_attention(model, backend="torch") == ["self_attn"]
+    assert isinstance(model.self_attn, FlashAttention)
+    after = dict(model.named_parameters())
+    assert list(after) == list(before)
+    assert all(after[name] is before[name] for name in after), "new Parameter objects"
+    assert not model.self_attn.out_proj.bias.requires_grad
+
+    x = torch.randn(7, 3, 32, dtype=torch.float64)  # (seq, batch, embed): batch_first=False
+    mask = nn.Transformer.generate_square_subsequent_mask(7, dtype=torch.float64)
+    _train_in_lockstep([(model, opt), (ref, opt_ref)], x, mask)
+    assert len(hook_calls) == 3
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, p_ref, atol=1e-10, rtol=1e-10, msg=name)
+    assert not torch.equal(model.self_attn.in_proj_weight, initial["self_attn.in_proj_weight"])
+    assert torch.equal(model.self_attn.out_proj.bias, initial["self_attn.out_proj.bias"])
+    torch.testing.assert_close(model(x), ref(x), atol=1e-10, rtol=1e-10)
+
+
+class _Tied(nn.Module):
+    """Two distinct MHAs sharing their input projection (tied parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64)
+        self.b = nn.MultiheadAttention(32, 2, batch_first=True, dtype=torch.float64)
+        self.b.in_proj_weight = self.a.in_proj_weight
+
+    def forward(self, x):
+        x = x + self.a(x, x, x, need_weights=False)[0]
+        return x + self.b(x, x, x, need_weights=False)[0]
+
+
+def test_replace_attention_keeps_tied_parameters():
+    torch.manual_seed(0)
+    model = _Tied()
+    ref = copy.deepcopy(model)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    assert replace_attention(model, backend="torch") == ["a", "b"]
+    assert model.a.in_proj_weight is model.b.in_proj_weight
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, p_ref, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_replace_attention_skips_parametrized_mha():
+    model = nn.Sequential(nn.MultiheadAttention(32, 2))
+    torch.nn.utils.parametrizations.weight_norm(model[0], "in_proj_weight")
+    with pytest.warns(UserWarning, match=r"0 \(.*parametrize"):
+        assert replace_attention(model, backend="torch") == []
+    assert isinstance(model[0], nn.MultiheadAttention)
+
+
 def test_replace_attention_errors():
     with pytest.raises(TypeError, match=r"FlashAttention\.from_mha"):
         replace_attention(nn.MultiheadAttention(32, 2))
@@ -333,6 +420,78 @@ def test_enable_disable_sdpa_override(flash_calls):
     with pytest.raises(ValueError, match="enable_sdpa_override: backend"):
         enable_sdpa_override(backend="nope")
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+@pytest.fixture
+def routed_backend():
+    """state() -> None when F.scaled_dot_product_attention is torch's own, else the backend the
+    installed override passes to flash_attention (replaced by a stub for speed)."""
+    q = torch.randn(1, 1, 4, 16)
+    with mock.patch.object(attention_pkg, "flash_attention", return_value=q) as stub:
+
+        def state():
+            if F.scaled_dot_product_attention is ORIGINAL_SDPA:
+                return None
+            calls = stub.call_count
+            F.scaled_dot_product_attention(q, q, q)
+            assert stub.call_count == calls + 1, "patched, but not routed to flash_attention"
+            return stub.call_args.kwargs["backend"]
+
+        yield state
+
+
+def test_enable_inside_sdpa_override_then_disable(routed_backend):
+    """Issue 24 row 9: exiting the block restores the state at its entry (off), and disable
+    restores torch's function."""
+    try:
+        with sdpa_override(backend="torch"):
+            enable_sdpa_override(backend="auto")
+            assert routed_backend() == "auto"
+        assert routed_backend() is None
+        disable_sdpa_override()
+        assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    finally:
+        F.scaled_dot_product_attention = ORIGINAL_SDPA
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        # (action, expected state afterwards); "with:<backend>" enters a block, "exit" leaves
+        # the innermost one
+        [("enable:torch", "torch"), ("with:auto", "auto"), ("exit", "torch"), ("disable", None)],
+        [("with:torch", "torch"), ("enable:auto", "auto"), ("exit", None), ("disable", None)],
+        [("enable:torch", "torch"), ("enable:auto", "auto"), ("disable", None)],
+        [("disable", None), ("disable", None), ("enable:torch", "torch"), ("disable", None)],
+        [("enable:torch", "torch"), ("with:auto", "auto"), ("disable", None), ("exit", "torch")],
+        [("with:torch", "torch"), ("disable", None), ("enable:auto", "auto"), ("exit", None)],
+        [("with:torch", "torch"), ("with:auto", "auto"), ("disable", None), ("exit", "torch")],
+        [("with:torch", "torch"), ("with:auto", "auto"), ("exit", "torch"), ("exit", None)],
+    ],
+    ids=lambda steps: " ".join(action for action, _ in steps),
+)
+def test_sdpa_override_switches_and_blocks_compose(steps, routed_backend):
+    """enable/disable are one global switch (like torch.set_grad_enabled); a block restores on
+    exit the state at its entry (like torch.no_grad()), whatever was switched inside it."""
+    blocks = []
+    try:
+        for action, expected in steps:
+            kind, _, backend = action.partition(":")
+            if kind == "enable":
+                enable_sdpa_override(backend=backend)
+            elif kind == "disable":
+                disable_sdpa_override()
+            elif kind == "with":
+                blocks.append(sdpa_override(backend=backend))
+                blocks[-1].__enter__()
+            else:
+                blocks.pop().__exit__(None, None, None)
+            assert routed_backend() == expected, action
+    finally:
+        while blocks:
+            blocks.pop().__exit__(None, None, None)
+        disable_sdpa_override()
+        F.scaled_dot_product_attention = ORIGINAL_SDPA
 
 
 def test_sdpa_override_reaches_models_that_call_sdpa(flash_calls):

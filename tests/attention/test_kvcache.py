@@ -168,7 +168,9 @@ def test_kv_cache_append_and_errors():
 def test_flash_attention_module_generates_with_a_cache(backend):
     """Prompt then one position at a time through kv_cache equals the full causal forward."""
     torch.manual_seed(0)
-    attn = FlashAttention(64, 4, num_kv_heads=2, causal=True, backend=backend).eval()
+    attn = FlashAttention(
+        64, 4, num_kv_heads=2, causal=True, batch_first=True, backend=backend
+    ).eval()
     x = torch.randn(2, 12, 64)
     with torch.no_grad():
         full = attn(x)

@@ -4,6 +4,7 @@ the MHA call form inside nn.TransformerEncoderLayer, and its errors."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -141,7 +142,9 @@ def test_gqa_matches_float64_reference(seed, seq, kv_heads, group, causal):
     heads, head_dim = kv_heads * group, 16
     embed = heads * head_dim
     torch.manual_seed(seed)
-    fa = FlashAttention(embed, heads, num_kv_heads=kv_heads, causal=causal, backend="torch")
+    fa = FlashAttention(
+        embed, heads, num_kv_heads=kv_heads, causal=causal, batch_first=True, backend="torch"
+    )
     proj_rows = (heads + 2 * kv_heads) * head_dim
     assert fa.in_proj_weight.shape == (proj_rows, embed) and fa.in_proj_bias.shape == (proj_rows,)
     with torch.no_grad():
@@ -203,7 +206,6 @@ def test_inside_transformer_encoder_layer_train_and_eval():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"need_weights": True}, NotImplementedError, "need_weights=True"),
         (
             {"need_weights": False, "key_padding_mask": torch.zeros(2, 4, dtype=torch.bool)},
             ValueError,
@@ -218,14 +220,99 @@ def test_inside_transformer_encoder_layer_train_and_eval():
     ],
 )
 def test_call_errors(kwargs, error, match):
-    fa = FlashAttention(32, 2, backend="torch")
+    fa = FlashAttention(32, 2, batch_first=True, backend="torch")
     x = torch.randn(2, 5, 32)
     with pytest.raises(error, match=match):
         fa(x, x, x, **kwargs)
 
 
+_MHA_CALLS = {
+    "no mask": lambda b, h, seq, gen: {},
+    "key_padding_mask": lambda b, h, seq, gen: {"key_padding_mask": _padding(b, seq)},
+    "float attn_mask": lambda b, h, seq, gen: {"attn_mask": torch.randn(seq, seq, generator=gen)},
+    "3-D bool attn_mask + padding": lambda b, h, seq, gen: {
+        "attn_mask": _bool_mask_keeping_key_0(b * h, seq, gen),
+        "key_padding_mask": _padding(b, seq),
+    },
+    "causal mask + is_causal": lambda b, h, seq, gen: {
+        "attn_mask": _causal_mask(seq, torch.float32),
+        "is_causal": True,
+    },
+}
+
+
+def _padding(batch, seq):
+    pad = torch.zeros(batch, seq, dtype=torch.bool)
+    pad[0, seq - 2 :] = True
+    return pad
+
+
+def _bool_mask_keeping_key_0(n, seq, gen):
+    mask = torch.rand(n, seq, seq, generator=gen) > 0.6
+    mask[..., 0] = False  # every query keeps key 0 (MHA returns NaN for empty rows)
+    return mask
+
+
+@pytest.mark.parametrize("call", list(_MHA_CALLS))
+@pytest.mark.parametrize("batch_first", [None, False, True])  # None: both constructors' default
+def test_mha_state_dict_recipe_matches_mha(batch_first, call):
+    """Issue 24 row 10, docs/migration.md's recipe: ``FlashAttention(E, H)`` with an
+    ``nn.MultiheadAttention(E, H)`` state dict is the same layer, layout default included."""
+    kw = {} if batch_first is None else {"batch_first": batch_first}
+    torch.manual_seed(2)
+    mha = nn.MultiheadAttention(32, 4, dtype=torch.float64, **kw)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # MHA initialises biases to zero; make them count
+        mha.in_proj_bias.normal_(generator=gen)
+        mha.out_proj.bias.normal_(generator=gen)
+    fa = FlashAttention(32, 4, backend="torch", dtype=torch.float64, **kw)
+    fa.load_state_dict(mha.state_dict())
+    batch, seq = 3, 6
+    shape = (batch, seq, 32) if mha.batch_first else (seq, batch, 32)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    masks = {
+        k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in _MHA_CALLS[call](batch, 4, seq, gen).items()
+    }
+    expected = mha(x, x, x, need_weights=False, **masks)[0]
+    out, weights = fa(x, x, x, need_weights=False, **masks)
+    assert weights is None
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-10)
+    if not masks:
+        torch.testing.assert_close(fa(x), expected, atol=1e-12, rtol=1e-10)
+    assert fa.batch_first == mha.batch_first
+
+
+def test_need_weights_true_returns_none_and_warns_once(monkeypatch):
+    """Issue 25 row 2b: MHA's default call ``out, _ = attn(x, x, x)`` works, with one warning per
+    process that the weights are not computed."""
+    import torch_flashsys.attention.module as module
+
+    monkeypatch.setattr(module, "_WARNED", set(), raising=False)
+    mha = _mha(32, 2, batch_first=False, seed=4).double()
+    fa = FlashAttention.from_mha(copy.deepcopy(mha), backend="torch")
+    x = torch.randn(5, 2, 32, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # need_weights=False: silent, and does not use up the once
+        fa(x, x, x, need_weights=False)
+    with pytest.warns(UserWarning) as record:
+        result = fa(x, x, x)
+    assert [str(w.message) for w in record] == [
+        "FlashAttention: need_weights=True, but attention weights are not computed by the fused "
+        "kernel; returning (output, None). Pass need_weights=False to silence this warning."
+    ]
+    assert record[0].filename == __file__  # points at the caller
+    assert isinstance(result, tuple) and len(result) == 2 and result[1] is None
+    torch.testing.assert_close(result[0], mha(x, x, x)[0], atol=1e-12, rtol=1e-10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: no second warning, any module
+        assert fa(x, x, x, need_weights=True, average_attn_weights=False)[1] is None
+        other = FlashAttention(32, 2, backend="torch", dtype=torch.float64)
+        assert other(x, x, x)[1] is None
+
+
 def test_other_errors():
-    fa = FlashAttention(32, 2, backend="torch")
+    fa = FlashAttention(32, 2, batch_first=True, backend="torch")
     x = torch.randn(2, 5, 32)
     with pytest.raises(NotImplementedError, match="self-attention only"):
         fa(x, x.clone(), x.clone(), need_weights=False)

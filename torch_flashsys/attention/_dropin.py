@@ -38,16 +38,19 @@ def replace_attention(
 ) -> list[str]:
     """Swap the self-attention ``nn.MultiheadAttention`` modules of ``model`` for FlashAttention.
 
-    In place, keeping weights, device, dtype, ``batch_first``, attention dropout and training
-    mode. Masks keep arriving through MHA's call form (``key_padding_mask``, ``attn_mask``, with
-    MHA's conventions) and are passed to flash_attention; causal masks and ``is_causal=True``
-    use the causal kernels.
+    In place, keeping device, dtype, ``batch_first``, attention dropout, training mode and the
+    weights themselves: the new modules hold the old ones' Parameter objects (see
+    :meth:`FlashAttention.from_mha`), so an optimizer built before the swap keeps training them,
+    tied parameters stay tied, and ``requires_grad`` and tensor hooks stay. Masks keep arriving
+    through MHA's call form (``key_padding_mask``, ``attn_mask``, with MHA's conventions) and
+    are passed to flash_attention; causal masks and ``is_causal=True`` use the causal kernels.
 
     Swapped: every ``nn.MultiheadAttention`` (batch_first or not) except the cross-attention
     ``multihead_attn`` of ``nn.TransformerDecoderLayer``, those ``should_replace(name, mha)``
     rejects, and those FlashAttention cannot reproduce (kdim/vdim != embed_dim, add_bias_kv,
-    add_zero_attn): these are left alone with a ``UserWarning`` naming them and why. A swapped
-    module called as cross-attention raises at call time; exclude it with ``should_replace``.
+    add_zero_attn, parametrized weights): these are left alone with a ``UserWarning`` naming
+    them and why. A swapped module called as cross-attention raises at call time; exclude it
+    with ``should_replace``.
     ``nn.TransformerEncoder`` modules get ``use_nested_tensor = False``: their nested-tensor
     path would turn padded batches into nested tensors, and FlashAttention takes the padding
     mask instead.
@@ -110,8 +113,10 @@ def replace_attention(
 
 # --------------------------------------------------------------------------------------------
 # sdpa_override
-
-_state: dict[str, Any] = {"saved": None}  # the SDPA that disable_sdpa_override() restores
+#
+# The state is F.scaled_dot_product_attention itself: torch's function, or a router that holds
+# it (``_flashsys_original``). enable/disable switch it globally, like torch.set_grad_enabled;
+# sdpa_override() puts back on exit what it found on entry, like torch.no_grad().
 
 
 def _supported(query: Any, key: Any, value: Any, args: dict[str, Any], backend: str) -> bool:
@@ -184,6 +189,17 @@ def _make_router(original: Callable[..., torch.Tensor], backend: str) -> Callabl
     return scaled_dot_product_attention
 
 
+def _install_router(fn: str, backend: str) -> None:
+    """Route F.scaled_dot_product_attention (on top of the original SDPA, never of a router)."""
+    _check_backend(fn, backend)
+    F.scaled_dot_product_attention = _make_router(_original_sdpa(), backend)
+
+
+def _original_sdpa() -> Callable[..., torch.Tensor]:
+    current = F.scaled_dot_product_attention
+    return current._flashsys_original if _is_router(current) else current
+
+
 def _check_backend(fn: str, backend: str) -> None:
     from torch_flashsys.attention._backend import BACKENDS
 
@@ -193,23 +209,23 @@ def _check_backend(fn: str, backend: str) -> None:
 
 def enable_sdpa_override(*, backend: str = "auto") -> None:
     """Route ``torch.nn.functional.scaled_dot_product_attention`` to flash_attention until
-    :func:`disable_sdpa_override`. Calling it again only changes ``backend``.
+    :func:`disable_sdpa_override`.
 
-    See :func:`sdpa_override` for what is routed where.
+    A global switch, like ``torch.set_grad_enabled``: calling it again only changes ``backend``
+    (one :func:`disable_sdpa_override` still turns it off). Inside a ``with sdpa_override():``
+    block it lasts until the block exits, which puts back the state found on entry (as
+    ``torch.no_grad()`` does with ``torch.set_grad_enabled``). See :func:`sdpa_override` for
+    what is routed where.
     """
-    _check_backend("enable_sdpa_override", backend)
-    current = F.scaled_dot_product_attention
-    original = current._flashsys_original if _is_router(current) else current
-    if _state["saved"] is None:
-        _state["saved"] = current
-    F.scaled_dot_product_attention = _make_router(original, backend)
+    _install_router("enable_sdpa_override", backend)
 
 
 def disable_sdpa_override() -> None:
-    """Undo :func:`enable_sdpa_override` (restore the SDPA it replaced). No-op when not enabled."""
-    if _state["saved"] is not None:
-        F.scaled_dot_product_attention = _state["saved"]
-        _state["saved"] = None
+    """Turn the override off: put back torch's own ``scaled_dot_product_attention``, whatever
+    enabled it (:func:`enable_sdpa_override` or an enclosing ``with sdpa_override():`` block,
+    which then restores on exit the state found on entry). No-op when the override is off.
+    """
+    F.scaled_dot_product_attention = _original_sdpa()
 
 
 def _is_router(fn: object) -> bool:
@@ -232,7 +248,10 @@ def sdpa_override(*, backend: str = "auto") -> Iterator[None]:
     of routed calls match SDPA to floating-point rounding (with dropout: in distribution, the
     random numbers differ); gradients flow through both.
 
-    The original function is restored on exit, also when the block raises. The patch is
+    On exit, also when the block raises, ``scaled_dot_product_attention`` is put back to what
+    it was on entry: blocks nest, and :func:`enable_sdpa_override` /
+    :func:`disable_sdpa_override` called inside a block last until it exits (the rule of
+    ``torch.no_grad()`` and ``torch.set_grad_enabled``). The patch is
     process-wide (all threads) and affects code that looks the function up at call time
     (``F.scaled_dot_product_attention(...)``, including nn.MultiheadAttention's internals), not
     a reference imported earlier with ``from torch.nn.functional import ...``. Usable as a
@@ -243,10 +262,8 @@ def sdpa_override(*, backend: str = "auto") -> Iterator[None]:
         >>> with sdpa_override(backend="torch"):
         ...     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash_attention
     """
-    _check_backend("sdpa_override", backend)
     previous = F.scaled_dot_product_attention
-    original = previous._flashsys_original if _is_router(previous) else previous
-    F.scaled_dot_product_attention = _make_router(original, backend)
+    _install_router("sdpa_override", backend)
     try:
         yield
     finally:

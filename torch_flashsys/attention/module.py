@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from torch_flashsys.attention._backend import BACKENDS
 from torch_flashsys.attention._kvcache import KVCache
 
 _NAME = "FlashAttention"
+_WARNED: set[str] = set()  # one-time warnings already given in this process
 
 
 def _mha_unsupported_reason(mha: nn.MultiheadAttention) -> str | None:
@@ -19,7 +23,17 @@ def _mha_unsupported_reason(mha: nn.MultiheadAttention) -> str | None:
         return "add_bias_kv=True is not supported"
     if mha.add_zero_attn:
         return "add_zero_attn=True is not supported"
+    if parametrize.is_parametrized(mha) or parametrize.is_parametrized(mha.out_proj):
+        return "parametrized weights (torch.nn.utils.parametrize) are not supported"
     return None
+
+
+def _warn_once(key: str, message: str) -> None:
+    """``warnings.warn(message)`` the first time ``key`` comes up in this process, pointing at the
+    code that called the module (past forward and nn.Module's two call wrappers)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=5)
 
 
 def _is_causal_mask(mask: torch.Tensor, seq: int) -> bool:
@@ -93,8 +107,9 @@ def _sdpa_mask(
 class FlashAttention(nn.Module):
     """Multi-head (or grouped-query) self-attention computed by :func:`flash_attention`.
 
-    x: (batch, seq, embed_dim) -> (batch, seq, embed_dim); with ``batch_first=False``
-    (seq, batch, embed_dim) -> (seq, batch, embed_dim); unbatched (seq, embed_dim) also works.
+    x: (seq, batch, embed_dim) -> (seq, batch, embed_dim) by default, as in
+    nn.MultiheadAttention; with ``batch_first=True`` (batch, seq, embed_dim) -> (batch, seq,
+    embed_dim); unbatched (seq, embed_dim) also works.
 
     A fused QKV projection ``in_proj_weight`` / ``in_proj_bias``, attention per head, and an output
     projection ``out_proj``. With ``num_kv_heads == num_heads`` (the default) the parameters have
@@ -115,8 +130,10 @@ class FlashAttention(nn.Module):
       both may be given (both apply). A mask that is exactly the causal mask (as
       ``nn.Transformer.generate_square_subsequent_mask`` makes it), ``is_causal=True`` or
       ``causal=True`` at construction use the causal kernels. A query row with no allowed key
-      gives zeros (SDPA's convention; MHA gives NaN). ``need_weights=True`` (the default of MHA:
-      pass ``need_weights=False``) raises ``NotImplementedError``.
+      gives zeros (SDPA's convention; MHA gives NaN). The fused kernel never forms the
+      attention weights: with ``need_weights=True`` (MHA's default) the second element is
+      ``None`` too, and the first such call in the process warns once (``UserWarning``); pass
+      ``need_weights=False`` to silence it.
 
     Dropout on the attention weights (``dropout``, MHA's argument) applies in training mode only,
     as in nn.MultiheadAttention.
@@ -133,11 +150,12 @@ class FlashAttention(nn.Module):
         bias: add biases to the input and output projections (as in MHA).
         dropout: attention-weight dropout probability in training mode (MHA's ``dropout``).
         causal: always apply the causal mask.
-        batch_first: inputs are (batch, seq, embed_dim); ``False``: (seq, batch, embed_dim).
+        batch_first: ``True``: inputs are (batch, seq, embed_dim); ``False`` (the default, as
+            in nn.MultiheadAttention): (seq, batch, embed_dim).
         backend: ``backend`` of :func:`flash_attention` ("auto", "triton", "torch").
 
     Example:
-        >>> attn = FlashAttention(256, 4, causal=True, backend="torch")
+        >>> attn = FlashAttention(256, 4, causal=True, batch_first=True, backend="torch")
         >>> attn(torch.randn(2, 100, 256)).shape
         torch.Size([2, 100, 256])
     """
@@ -155,7 +173,7 @@ class FlashAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         causal: bool = False,
-        batch_first: bool = True,
+        batch_first: bool = False,
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -217,8 +235,14 @@ class FlashAttention(nn.Module):
     ) -> FlashAttention:
         """A FlashAttention with ``mha``'s weights, device, dtype, batch_first and training mode.
 
+        The new module holds ``mha``'s own Parameter objects (``in_proj_weight``,
+        ``in_proj_bias``, ``out_proj.weight``, ``out_proj.bias``), as
+        ``nn.SyncBatchNorm.convert_sync_batchnorm`` does: an optimizer built over the old
+        parameters keeps updating them, and their ``requires_grad``, ``grad`` and tensor hooks
+        stay. Convert ``copy.deepcopy(mha)`` for independent weights.
+
         Raises ``ValueError`` for MHAs it cannot reproduce (kdim/vdim != embed_dim,
-        add_bias_kv, add_zero_attn). MHA's attention dropout carries over.
+        add_bias_kv, add_zero_attn, parametrized weights). MHA's attention dropout carries over.
         """
         if not isinstance(mha, nn.MultiheadAttention):
             raise TypeError(
@@ -239,8 +263,18 @@ class FlashAttention(nn.Module):
             device=weight.device,
             dtype=weight.dtype,
         )
-        new.load_state_dict(mha.state_dict())
+        new._share_parameters(mha)
         return new.train(mha.training)
+
+    def _share_parameters(self, mha: nn.MultiheadAttention) -> None:
+        """Register ``mha``'s Parameter objects (not copies) as this module's."""
+        for target, source, name in (
+            (self, mha, "in_proj_weight"),
+            (self, mha, "in_proj_bias"),
+            (self.out_proj, mha.out_proj, "weight"),
+            (self.out_proj, mha.out_proj, "bias"),
+        ):
+            setattr(target, name, getattr(source, name))
 
     def extra_repr(self) -> str:
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
@@ -271,9 +305,11 @@ class FlashAttention(nn.Module):
                     "itself (use nn.MultiheadAttention for cross-attention)"
                 )
             if need_weights:
-                raise NotImplementedError(
-                    f"{_NAME}: need_weights=True is not supported (flash attention never forms "
-                    "the attention weights); pass need_weights=False"
+                _warn_once(
+                    "need_weights",
+                    f"{_NAME}: need_weights=True, but attention weights are not computed by the "
+                    "fused kernel; returning (output, None). Pass need_weights=False to silence "
+                    "this warning.",
                 )
         if not isinstance(query, torch.Tensor) or query.is_nested:
             raise TypeError(f"{_NAME}: query must be a dense torch.Tensor")
