@@ -126,8 +126,9 @@ def feature_cases(draw, max_seq=40, head_dims=(16, 32), only=None):
     )
 
 
-def check_features(case: FeatureCase, dtype, backend, device="cpu", atol=None):
-    """out, lse, dq, dk, dv against the float64 reference (the same dropout mask, read back)."""
+def run_features(case: FeatureCase, dtype, backend, device="cpu"):
+    """flash_attention on the case's tensors: ``(q, k, v, out, lse, ref_kw)``, where ``ref_kw``
+    are the ``modded_attention`` arguments of the same problem (the same dropout mask, read back)."""
     q, k, v, mask, alibi = case.tensors(dtype, device)
     kw = case.kwargs(mask, alibi)
     torch.manual_seed(case.seed)
@@ -145,6 +146,12 @@ def check_features(case: FeatureCase, dtype, backend, device="cpu", atol=None):
         "attn_mask": mask, "is_causal": case.is_causal, "window": case.window,
         "softcap": case.softcap, "alibi": alibi, "keep": keep, "dropout_p": effective_p(case.dropout_p),
     }  # fmt: skip
+    return q, k, v, out, lse, ref_kw
+
+
+def check_features(case: FeatureCase, dtype, backend, device="cpu", atol=None):
+    """out, lse, dq, dk, dv against the float64 reference (the same dropout mask, read back)."""
+    q, k, v, out, lse, ref_kw = run_features(case, dtype, backend, device)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     out64, lse64 = modded_attention(q64, k64, v64, **ref_kw)
     qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))

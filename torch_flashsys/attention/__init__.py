@@ -52,7 +52,10 @@ def flash_attention(
     """FlashAttention-2: ``softmax(query @ key.T * scale) @ value`` without materialising the scores.
 
     A drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` (same argument names and
-    semantics) with memory linear in the sequence length, differentiable in query, key and value.
+    semantics) with memory linear in the sequence length, differentiable in query, key and value,
+    twice too: a backward under ``create_graph=True`` (a gradient penalty) runs through
+    differentiable PyTorch ops (slower, memory quadratic in the length) so a second backward is
+    exact.
 
     Args:
         query: ``(batch, heads, seq_q, head_dim)``; also ``(batch, seq_q, head_dim)``,
