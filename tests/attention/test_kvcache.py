@@ -177,3 +177,18 @@ def test_flash_attention_module_generates_with_a_cache(backend):
         steps += [attn(x[:, t : t + 1], kv_cache=cache) for t in range(5, 12)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-5, rtol=1e-5)
     assert cache.length == 12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("masked", [False, True])  # split-KV kernel / prefill kernel's cache mode
+def test_strided_cache_seqlens_give_the_contiguous_result(backend, masked):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 2, 4, 16, generator=g)
+    k, v = torch.randn(3, 2, 40, 16, generator=g), torch.randn(3, 2, 40, 16, generator=g)
+    lens = torch.tensor([7, 40, 22], dtype=torch.int32)
+    strided = torch.stack([lens, torch.zeros_like(lens)], 1).flatten()[::2]  # lens[::2]-like view
+    mask = torch.rand(3, 1, 4, 40, generator=g) > 0.2 if masked else None
+    kw = {"attn_mask": mask, "is_causal": True, "backend": backend}
+    with torch.no_grad():
+        outs = [flash_attention(q, k, v, cache_seqlens=t, **kw) for t in (lens, strided)]
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)

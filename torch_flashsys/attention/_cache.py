@@ -49,7 +49,8 @@ def cached_attention(query, key, value, attn_mask, mods, sm_scale, backend, cach
     mode or the PyTorch backend. Returns ``(out, lse)``."""
     check_cache_seqlens(cache_seqlens, query, key)
     ex = make_extras(query.shape, key.shape[-2], query.device, attn_mask, *mods)
-    ex = dataclasses.replace(ex, seqused_k=cache_seqlens)
+    # the kernels index it as contiguous memory (no copy when it is)
+    ex = dataclasses.replace(ex, seqused_k=cache_seqlens.contiguous())
     if backend == "triton":
         from torch_flashsys.attention._triton_decode import decode_forward, decode_supported
 

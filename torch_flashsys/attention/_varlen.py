@@ -39,7 +39,7 @@ def _check_cu(cu: object, name: str, total: int, device: torch.device) -> torch.
         _fail(ValueError, f"{name} must have at least one entry (0), got an empty tensor")
     if cu.device != device:
         _fail(ValueError, f"{name} must be on {device} like the inputs, got {cu.device}")
-    return cu
+    return cu.contiguous()  # the kernels index it as contiguous memory (no copy when it is)
 
 
 def _check_values(cu: torch.Tensor, name: str, total: int, max_len: int | None) -> int:
