@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.attention.cases import ATOL_TF32, Case, cases, check_against_reference, max_err
-from tests.attention.test_features import FeatureCase, check_features, feature_cases
+from tests.attention.test_double_backward import compare
+from tests.attention.test_features import FeatureCase, check_features, feature_cases, run_features
 from tests.attention.test_kvcache import check_decode, decode_cases
 from tests.attention.test_varlen import check_packed, packed_cases
-from tests.reference import attention_reference
+from tests.reference import attention_reference, modded_attention
 from torch_flashsys import flash_attention
 
 pytestmark = pytest.mark.gpu
@@ -154,6 +155,23 @@ def test_key_padding_and_window_long_sequence_on_cuda():
     case = FeatureCase(2, 2, 2, 1500, 1500, 64, True, "key_padding", (200, -1), None, "heads",
                        0.1, seed=21)  # fmt: skip
     check_features(case, torch.bfloat16, "triton", device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [1e4, 1e6])
+def test_large_softcap_on_cuda(softcap, dtype):
+    """A softcap far above the scores: the kernels' tanh (forward, dQ and dK/dV) must not cancel."""
+    case = FeatureCase(2, 2, 2, 300, 333, 64, True, "none", None, softcap, "heads", 0.0, seed=24)
+    check_features(case, dtype, "triton", device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_penalty_on_cuda(dtype):
+    """Double backward through the Triton backend (its create_graph path) in every dtype."""
+    case = FeatureCase(2, 2, 2, 150, 170, 64, True, "key_padding", None, 20.0, "heads", 0.1, 25)
+    q, k, v, out, lse, ref_kw = run_features(case, dtype, "triton", device="cuda")
+    compare((out, lse, (q, k, v)), lambda *t: modded_attention(*t, **ref_kw), (q, k, v), dtype,
+            case.seed)  # fmt: skip
 
 
 @settings(max_examples=8)

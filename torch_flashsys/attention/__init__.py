@@ -107,7 +107,8 @@ def flash_attention(
             ``TRITON_INTERPRET=1``), ``"torch"`` (pure-PyTorch tiled FlashAttention-2, any device), or
             ``"auto"`` (Triton where it can run, else torch).
         return_lse: also return the logsumexp of the scaled, modified scores (before dropout),
-            float32, shape ``query.shape[:-1]``; ``-inf`` for rows with no allowed key.
+            float32 (float64 for float64 inputs), shape ``query.shape[:-1]``; ``-inf`` for rows
+            with no allowed key.
 
     Returns:
         ``out`` with the shape (last dimension ``head_dim_v``), dtype and memory layout of
@@ -177,7 +178,7 @@ def flash_attention(
 def _attend(query, key, value, attn_mask, mods, sm_scale: float, backend: str):
     """The validated 3-D/4-D problem on ``backend``: ``(out, lse)``."""
     q4_shape = query.shape if query.dim() == 4 else (1, *query.shape)
-    ex = make_extras(q4_shape, key.shape[-2], query.device, attn_mask, *mods)
+    ex = make_extras(q4_shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
     return _run(query, key, value, ex, sm_scale, backend)
 
 

@@ -48,7 +48,7 @@ def cached_attention(query, key, value, attn_mask, mods, sm_scale, backend, cach
     """The decode step: split-KV Triton kernel where it applies, else the prefill kernel's cache
     mode or the PyTorch backend. Returns ``(out, lse)``."""
     check_cache_seqlens(cache_seqlens, query, key)
-    ex = make_extras(query.shape, key.shape[-2], query.device, attn_mask, *mods)
+    ex = make_extras(query.shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
     # the kernels index it as contiguous memory (no copy when it is)
     ex = dataclasses.replace(ex, seqused_k=cache_seqlens.contiguous())
     if backend == "triton":

@@ -118,8 +118,8 @@ def packed_attention(
     max_q = _check_values(cu_q, "cu_seqlens_q", query.shape[0], max_seqlen_q)
     max_k = _check_values(cu_k, "cu_seqlens_k", key.shape[0], max_seqlen_k)
     ex = make_extras(
-        (n_seqs, heads, max_q, query.shape[-1]), max_k, query.device, None, dropout_p, is_causal,
-        window_size, softcap, alibi_slopes,
+        (n_seqs, heads, max_q, query.shape[-1]), max_k, query.device, query.dtype, None, dropout_p,
+        is_causal, window_size, softcap, alibi_slopes,
     )  # fmt: skip
     ex = dataclasses.replace(ex, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
     if query.shape[0] == 0 or key.shape[0] == 0 or n_seqs == 0:
