@@ -4,6 +4,10 @@ sequences, huge batch*heads and >2**31 elements, CUDA graphs, the launch cache. 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -190,6 +194,25 @@ def test_packed_batch_with_max_seqlen_checks_on_the_device():
                           max_seqlen_k=300, is_causal=True)  # fmt: skip
     ref = flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=True)
     assert torch.equal(out, ref)
+
+
+def test_cache_seqlens_below_seq_q_fails_on_the_device():
+    """On CUDA, cache_seqlens < seq_q is caught by a device-side check (no synchronization):
+    the process fails at the next synchronization instead of returning rows of zeros."""
+    code = (
+        "import torch; from torch_flashsys import flash_attention\n"
+        "q = torch.randn(2, 4, 3, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "k = torch.randn(2, 4, 64, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "lens = torch.tensor([40, 2], device='cuda', dtype=torch.int32)\n"
+        "with torch.no_grad():\n"
+        "    flash_attention(q, k, k, cache_seqlens=lens, is_causal=True)\n"
+        "torch.cuda.synchronize()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert proc.returncode != 0, "cache_seqlens below seq_q was accepted on CUDA"
+    assert "assert" in proc.stderr, proc.stderr[-2000:]
 
 
 @settings(max_examples=8)

@@ -6,11 +6,10 @@ packed :class:`~torch_flashsys.attention._extras.Extras`; no sequence attends ac
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
-from torch_flashsys.attention._checks import check_inputs
+from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._extras import make_extras
 
 _NAME = "flash_attention"
@@ -124,7 +123,7 @@ def packed_attention(
     ex = dataclasses.replace(ex, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
     if query.shape[0] == 0 or key.shape[0] == 0 or n_seqs == 0:
         resolved = "torch"
-    sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    sm_scale = softmax_scale(scale, query.shape[-1])
     out4, lse4 = attend(q4, k4, v4, ex, sm_scale, resolved)
     return out4[0].transpose(0, 1), lse4[0].transpose(0, 1)
 
