@@ -126,8 +126,9 @@ def feature_cases(draw, max_seq=40, head_dims=(16, 32), only=None):
     )
 
 
-def check_features(case: FeatureCase, dtype, backend, device="cpu", atol=None):
-    """out, lse, dq, dk, dv against the float64 reference (the same dropout mask, read back)."""
+def run_features(case: FeatureCase, dtype, backend, device="cpu"):
+    """flash_attention on the case's tensors: ``(q, k, v, out, lse, ref_kw)``, where ``ref_kw``
+    are the ``modded_attention`` arguments of the same problem (the same dropout mask, read back)."""
     q, k, v, mask, alibi = case.tensors(dtype, device)
     kw = case.kwargs(mask, alibi)
     torch.manual_seed(case.seed)
@@ -145,6 +146,12 @@ def check_features(case: FeatureCase, dtype, backend, device="cpu", atol=None):
         "attn_mask": mask, "is_causal": case.is_causal, "window": case.window,
         "softcap": case.softcap, "alibi": alibi, "keep": keep, "dropout_p": effective_p(case.dropout_p),
     }  # fmt: skip
+    return q, k, v, out, lse, ref_kw
+
+
+def check_features(case: FeatureCase, dtype, backend, device="cpu", atol=None):
+    """out, lse, dq, dk, dv against the float64 reference (the same dropout mask, read back)."""
+    q, k, v, out, lse, ref_kw = run_features(case, dtype, backend, device)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     out64, lse64 = modded_attention(q64, k64, v64, **ref_kw)
     qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -315,3 +322,37 @@ def test_masked_results_match_sdpa_math():
 
 def test_atol_table_covers_all_dtypes():
     assert set(ATOL) >= {torch.float32, torch.float16, torch.bfloat16}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softcap", [1e4, 1e6])
+@pytest.mark.parametrize("alibi", ["none", "heads"])
+def test_large_softcap_is_precise(softcap, alibi, backend):
+    """A softcap far above the scores makes ``s / softcap`` tiny: tanh must not cancel there
+    (out, lse and the gradients within 2x PyTorch's float32 error)."""
+    case = FeatureCase(2, 1, 2, 37, 45, 32, True, "none", None, softcap, alibi, 0.0, seed=23)
+    check_features(case, torch.float32, backend)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_float64_masks_and_alibi_stay_float64(backend):
+    """A float64 problem keeps its float mask and ALiBi slopes in float64 (none of it passes
+    through float32): out, lse and gradients at float64 precision."""
+    case = FeatureCase(2, 2, 1, 21, 30, 16, True, "float", (9, 3), 5.0, "batch_heads", 0.0, 4)
+    q, k, v, mask, alibi = case.tensors(torch.float64)
+    mask = mask.double() + 1e-3 * torch.rand(mask.shape, dtype=torch.float64)  # not float32
+    alibi = alibi.double() + 1e-3 * torch.rand(alibi.shape, dtype=torch.float64)
+    out, lse = flash_attention(q, k, v, **case.kwargs(mask, alibi), backend=backend,
+                               return_lse=True)  # fmt: skip
+    r = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref_kw = {"attn_mask": mask, "is_causal": True, "window": case.window, "softcap": 5.0,
+              "alibi": alibi}  # fmt: skip
+    out64, lse64 = modded_attention(*r, **ref_kw)
+    finite = lse64.isfinite()
+    assert max_err(out, out64) < 1e-12, max_err(out, out64)
+    assert max_err(lse[finite], lse64[finite]) < 1e-12, max_err(lse[finite], lse64[finite])
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    out.backward(dout)
+    out64.backward(dout)
+    for name, ours, ref in zip("qkv", (q, k, v), r, strict=True):
+        assert max_err(ours.grad, ref.grad) < 1e-12, (name, max_err(ours.grad, ref.grad))

@@ -4,16 +4,21 @@ sequences, huge batch*heads and >2**31 elements, CUDA graphs, the launch cache. 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.attention.cases import ATOL_TF32, Case, cases, check_against_reference, max_err
-from tests.attention.test_features import FeatureCase, check_features, feature_cases
+from tests.attention.test_double_backward import compare
+from tests.attention.test_features import FeatureCase, check_features, feature_cases, run_features
 from tests.attention.test_kvcache import check_decode, decode_cases
 from tests.attention.test_varlen import check_packed, packed_cases
-from tests.reference import attention_reference
+from tests.reference import attention_reference, modded_attention
 from torch_flashsys import flash_attention
 
 pytestmark = pytest.mark.gpu
@@ -156,6 +161,23 @@ def test_key_padding_and_window_long_sequence_on_cuda():
     check_features(case, torch.bfloat16, "triton", device="cuda")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [1e4, 1e6])
+def test_large_softcap_on_cuda(softcap, dtype):
+    """A softcap far above the scores: the kernels' tanh (forward, dQ and dK/dV) must not cancel."""
+    case = FeatureCase(2, 2, 2, 300, 333, 64, True, "none", None, softcap, "heads", 0.0, seed=24)
+    check_features(case, dtype, "triton", device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradient_penalty_on_cuda(dtype):
+    """Double backward through the Triton backend (its create_graph path) in every dtype."""
+    case = FeatureCase(2, 2, 2, 150, 170, 64, True, "key_padding", None, 20.0, "heads", 0.1, 25)
+    q, k, v, out, lse, ref_kw = run_features(case, dtype, "triton", device="cuda")
+    compare((out, lse, (q, k, v)), lambda *t: modded_attention(*t, **ref_kw), (q, k, v), dtype,
+            case.seed)  # fmt: skip
+
+
 @settings(max_examples=8)
 @given(case=packed_cases(max_len=300, head_dims=(64, 128)),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]))  # fmt: skip
@@ -172,6 +194,25 @@ def test_packed_batch_with_max_seqlen_checks_on_the_device():
                           max_seqlen_k=300, is_causal=True)  # fmt: skip
     ref = flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=True)
     assert torch.equal(out, ref)
+
+
+def test_cache_seqlens_below_seq_q_fails_on_the_device():
+    """On CUDA, cache_seqlens < seq_q is caught by a device-side check (no synchronization):
+    the process fails at the next synchronization instead of returning rows of zeros."""
+    code = (
+        "import torch; from torch_flashsys import flash_attention\n"
+        "q = torch.randn(2, 4, 3, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "k = torch.randn(2, 4, 64, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "lens = torch.tensor([40, 2], device='cuda', dtype=torch.int32)\n"
+        "with torch.no_grad():\n"
+        "    flash_attention(q, k, k, cache_seqlens=lens, is_causal=True)\n"
+        "torch.cuda.synchronize()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
+    assert proc.returncode != 0, "cache_seqlens below seq_q was accepted on CUDA"
+    assert "assert" in proc.stderr, proc.stderr[-2000:]
 
 
 @settings(max_examples=8)

@@ -59,13 +59,13 @@ def decode_reference(q, k, v, lens, *, causal, window=None, softcap=None, alibi=
 @st.composite
 def decode_cases(draw):
     kv_heads, group = draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4]))
-    capacity = draw(st.integers(1, 150))
     batch = draw(st.integers(1, 3))
     seq_q = draw(st.integers(1, 12))
+    capacity = draw(st.integers(seq_q, 150))
     return {
         "batch": batch, "kv_heads": kv_heads, "group": group, "seq_q": seq_q,
         "capacity": capacity, "dim": draw(st.sampled_from([16, 32])),
-        "lens": draw(st.lists(st.integers(0, capacity), min_size=batch, max_size=batch)),
+        "lens": draw(st.lists(st.integers(seq_q, capacity), min_size=batch, max_size=batch)),
         "causal": draw(st.booleans()),
         "window": draw(st.sampled_from([None, (20, -1), (5, 0)])),
         "softcap": draw(st.sampled_from([None, 5.0])),
@@ -131,13 +131,24 @@ def test_cache_with_a_mask_or_many_queries_takes_the_prefill_kernel(backend):
     torch.testing.assert_close(many.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_seqlens_below_seq_q_raises(backend):
+    """The queries are the last seq_q positions of each sequence's keys: fewer valid keys than
+    queries is an error naming cache_seqlens (not rows that silently attend nothing)."""
+    q, k = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 8, 16)
+    for lens in ([5, 2], [0, 8]):
+        with pytest.raises(ValueError, match=r"flash_attention: cache_seqlens .* \[3, 8\]"):
+            flash_attention(q, k, k, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                            backend=backend)  # fmt: skip
+
+
 def test_cache_seqlens_errors():
     q, k = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 8, 16)
     with pytest.raises(
         TypeError, match=r"cache_seqlens must be an int32 .* shape \(batch,\) = \(2,\)"
     ):
         flash_attention(q, k, k, cache_seqlens=torch.tensor([3, 4, 5], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"must lie in \[0, 8\]"):
+    with pytest.raises(ValueError, match=r"must lie in \[seq_q, capacity\] = \[1, 8\]"):
         flash_attention(q, k, k, cache_seqlens=torch.tensor([3, 9], dtype=torch.int32))
     with pytest.raises(ValueError, match="forward only"):
         flash_attention(q.requires_grad_(), k, k, cache_seqlens=torch.tensor([3, 4]))
@@ -179,3 +190,18 @@ def test_flash_attention_module_generates_with_a_cache(backend):
         steps += [attn(x[:, t : t + 1], kv_cache=cache) for t in range(5, 12)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-5, rtol=1e-5)
     assert cache.length == 12
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("masked", [False, True])  # split-KV kernel / prefill kernel's cache mode
+def test_strided_cache_seqlens_give_the_contiguous_result(backend, masked):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 2, 4, 16, generator=g)
+    k, v = torch.randn(3, 2, 40, 16, generator=g), torch.randn(3, 2, 40, 16, generator=g)
+    lens = torch.tensor([7, 40, 22], dtype=torch.int32)
+    strided = torch.stack([lens, torch.zeros_like(lens)], 1).flatten()[::2]  # lens[::2]-like view
+    mask = torch.rand(3, 1, 4, 40, generator=g) > 0.2 if masked else None
+    kw = {"attn_mask": mask, "is_causal": True, "backend": backend}
+    with torch.no_grad():
+        outs = [flash_attention(q, k, v, cache_seqlens=t, **kw) for t in (lens, strided)]
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)

@@ -103,7 +103,7 @@ def test_gradcheck_float64(causal):
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True, softcap=3.0, return_lse=True
     )
     assert torch.autograd.gradcheck(fn, (q, k, v))
-    assert torch.autograd.gradgradcheck is not None  # (second order is not supported: no claim)
+    assert torch.autograd.gradgradcheck(fn, (q, k, v))  # double backward (gradient penalties)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -125,3 +125,25 @@ def test_output_of_a_transposed_query_keeps_its_layout_with_another_value_dim():
     v = torch.randn(2, 4, 9, 24)
     out = flash_attention(q, q, v, backend="torch")
     assert out.shape == (2, 4, 9, 24) and out.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("dims", [(0, 16), (16, 0), (0, 0)], ids=["E0", "Ev0", "both0"])
+@pytest.mark.parametrize("scale", [None, 0.5])
+def test_head_dim_zero_like_sdpa(scale, dims, backend):
+    """Query/key head dim 0: every score is an empty dot product (0), so attention is uniform over
+    the allowed keys (SDPA's result, whatever the scale); value head dim 0: an empty output."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 3, 5, dims[0], generator=g, requires_grad=True)
+    k = torch.randn(2, 3, 7, dims[0], generator=g, requires_grad=True)
+    v = torch.randn(2, 3, 7, dims[1], generator=g, requires_grad=True)
+    kw = {"is_causal": True, "scale": scale}
+    out = flash_attention(q, k, v, **kw, backend=backend)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _sdpa64(q64, k64, v64, **kw)
+    assert out.shape == ref.shape and max_err(out, ref) < 1e-6
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    ref.backward(dout.double())
+    for ours, r in ((q, q64), (k, k64), (v, v64)):
+        assert ours.grad.shape == r.shape and max_err(ours.grad, r.grad) < 1e-6

@@ -171,3 +171,26 @@ def test_packed_errors(kwargs, error, match):
         flash_attention(q, q, q, backend="torch", **kwargs)
     with pytest.raises(ValueError, match=r"packed \(total, heads, head_dim\)"):
         flash_attention(q[None], q[None], q[None], cu_seqlens_q=_cu([8]), cu_seqlens_k=_cu([8]))
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a view with stride 2 (zeros in between: a kernel that reads it as
+    contiguous memory stays in bounds but gets other lengths), e.g. ``cu[::2]``."""
+    return torch.stack([t, torch.zeros_like(t)], 1).flatten()[::2]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_cu_seqlens_give_the_contiguous_result(backend):
+    """cu_seqlens views with a stride (``t[::2]``) are read by value, not as contiguous memory."""
+    g = torch.Generator().manual_seed(8)
+    lens = [5, 17, 0, 9]
+    q, k, v = (torch.randn(31, 2, 16, generator=g).requires_grad_() for _ in range(3))
+    results = []
+    for cu in (_cu(lens), _strided(_cu(lens))):
+        out = flash_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, is_causal=True,
+                              backend=backend)  # fmt: skip
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        results.append((out, *grads))
+    assert results[1][0].isfinite().all()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from torch_flashsys.attention._checks import check_inputs
+from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._dropin import (
     disable_sdpa_override,
     enable_sdpa_override,
@@ -52,7 +52,10 @@ def flash_attention(
     """FlashAttention-2: ``softmax(query @ key.T * scale) @ value`` without materialising the scores.
 
     A drop-in for :func:`torch.nn.functional.scaled_dot_product_attention` (same argument names and
-    semantics) with memory linear in the sequence length, differentiable in query, key and value.
+    semantics) with memory linear in the sequence length, differentiable in query, key and value,
+    twice too: a backward under ``create_graph=True`` (a gradient penalty) runs through
+    differentiable PyTorch ops (slower, memory quadratic in the length) so a second backward is
+    exact.
 
     Args:
         query: ``(batch, heads, seq_q, head_dim)``; also ``(batch, seq_q, head_dim)``,
@@ -95,7 +98,8 @@ def flash_attention(
             reading the lengths on the host (the checks of ``cu_seqlens`` then run on the GPU).
         cache_seqlens: decoding with a KV cache, as flash-attn's ``flash_attn_with_kvcache``:
             key/value are pre-allocated caches ``(batch, kv_heads, capacity, head_dim)`` of which
-            the first ``cache_seqlens[b]`` positions (int32 ``(batch,)``) are valid; the
+            the first ``cache_seqlens[b]`` positions (int32 ``(batch,)``, each in ``[seq_q,
+            capacity]``; checked on the GPU for CUDA tensors) are valid; the
             ``seq_q`` queries are the last ``seq_q`` of those positions (bottom-right aligned:
             with ``is_causal``, query ``i`` attends keys ``j <= cache_seqlens[b] - seq_q + i``).
             Up to 128 query rows per key/value head (e.g. 1-16 new tokens) run a split-KV
@@ -104,7 +108,8 @@ def flash_attention(
             ``TRITON_INTERPRET=1``), ``"torch"`` (pure-PyTorch tiled FlashAttention-2, any device), or
             ``"auto"`` (Triton where it can run, else torch).
         return_lse: also return the logsumexp of the scaled, modified scores (before dropout),
-            float32, shape ``query.shape[:-1]``; ``-inf`` for rows with no allowed key.
+            float32 (float64 for float64 inputs), shape ``query.shape[:-1]``; ``-inf`` for rows
+            with no allowed key.
 
     Returns:
         ``out`` with the shape (last dimension ``head_dim_v``), dtype and memory layout of
@@ -115,7 +120,8 @@ def flash_attention(
     float64 through the PyTorch backend (``"auto"`` picks it; for ``torch.autograd.gradcheck``).
     Under ``torch.autocast``, query, key and value are first cast to the autocast dtype, as
     ``scaled_dot_product_attention`` does.
-    The Triton backend takes head dims 16..256 that are multiples of 8.
+    The Triton backend takes head dims 16..256 that are multiples of 8; head dim 0 gives SDPA's
+    result (uniform weights over the allowed keys, or an empty output) on any backend.
 
     Example:
         >>> q, k, v = (torch.randn(2, 4, 128, 64) for _ in range(3))
@@ -147,7 +153,7 @@ def flash_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
         window_size, softcap, alibi_slopes,
     )  # fmt: skip
-    sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    sm_scale = softmax_scale(scale, query.shape[-1])
     mods = (dropout_p, is_causal, window_size, softcap, alibi_slopes)
     if cache_seqlens is not None:
         from torch_flashsys.attention._cache import cached_attention
@@ -174,7 +180,7 @@ def flash_attention(
 def _attend(query, key, value, attn_mask, mods, sm_scale: float, backend: str):
     """The validated 3-D/4-D problem on ``backend``: ``(out, lse)``."""
     q4_shape = query.shape if query.dim() == 4 else (1, *query.shape)
-    ex = make_extras(q4_shape, key.shape[-2], query.device, attn_mask, *mods)
+    ex = make_extras(q4_shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
     return _run(query, key, value, ex, sm_scale, backend)
 
 

@@ -16,8 +16,9 @@ def _fail(exc: type[Exception], msg: str) -> None:
 
 
 def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.Tensor) -> None:
-    """(batch,) int32/int64 on the inputs' device, values in [0, capacity]: checked on the host
-    for CPU tensors and on the device (no synchronization) for CUDA ones."""
+    """(batch,) int32/int64 on the inputs' device, values in [seq_q, capacity] (the queries are
+    the last seq_q positions of each sequence): checked on the host for CPU tensors and on the
+    device (``torch._assert_async``, no synchronization) for CUDA ones."""
     if query.dim() != 4:
         _fail(ValueError, "cache_seqlens needs 4-D (batch, heads, seq, head_dim) inputs, got "
                           f"{query.dim()}-D query")  # fmt: skip
@@ -36,20 +37,24 @@ def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.T
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
         _fail(ValueError, "cache_seqlens (KV-cache decoding) is forward only; call it under "
                           "torch.no_grad() / torch.inference_mode()")  # fmt: skip
+    seq_q = query.shape[2]
+    bounds = f"[seq_q, capacity] = [{seq_q}, {capacity}]"
     if cache_seqlens.is_cuda:
-        ok = (cache_seqlens.min() >= 0) & (cache_seqlens.max() <= capacity)
-        torch._assert_async(ok, f"{_NAME}: cache_seqlens must lie in [0, {capacity}] (capacity)")
-    elif batch and (int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > capacity):
-        _fail(ValueError, f"cache_seqlens must lie in [0, {capacity}] (the cache capacity, key's "
-                          f"dim -2), got {cache_seqlens.tolist()}")  # fmt: skip
+        ok = (cache_seqlens.min() >= seq_q) & (cache_seqlens.max() <= capacity)
+        torch._assert_async(ok, f"{_NAME}: cache_seqlens must lie in {bounds}")
+    elif batch and (int(cache_seqlens.min()) < seq_q or int(cache_seqlens.max()) > capacity):
+        _fail(ValueError, f"cache_seqlens must lie in {bounds} (the queries are the last seq_q "
+                          "positions of each sequence's valid keys; capacity is key's dim -2), "
+                          f"got {cache_seqlens.tolist()}")  # fmt: skip
 
 
 def cached_attention(query, key, value, attn_mask, mods, sm_scale, backend, cache_seqlens):
     """The decode step: split-KV Triton kernel where it applies, else the prefill kernel's cache
     mode or the PyTorch backend. Returns ``(out, lse)``."""
     check_cache_seqlens(cache_seqlens, query, key)
-    ex = make_extras(query.shape, key.shape[-2], query.device, attn_mask, *mods)
-    ex = dataclasses.replace(ex, seqused_k=cache_seqlens)
+    ex = make_extras(query.shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
+    # the kernels index it as contiguous memory (no copy when it is)
+    ex = dataclasses.replace(ex, seqused_k=cache_seqlens.contiguous())
     if backend == "triton":
         from torch_flashsys.attention._triton_decode import decode_forward, decode_supported
 

@@ -24,6 +24,14 @@ def _fail(exc: type[Exception], msg: str) -> None:
     raise exc(f"{_NAME}: {msg}")
 
 
+def softmax_scale(scale: float | None, head_dim: int) -> float:
+    """``scale`` as a float; by default ``1 / sqrt(head_dim)``. Head dim 0 makes every score an
+    empty dot product (0), whatever the scale: SDPA's uniform weights, here with scale 1."""
+    if scale is not None:
+        return float(scale)
+    return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+
+
 def triton_head_dim_ok(head_dim: int) -> bool:
     return 16 <= head_dim <= 256 and head_dim % 8 == 0
 
@@ -226,8 +234,10 @@ def _check_inputs(
         _check_alibi(alibi_slopes, query)
 
     resolved = resolve_backend(backend, query.device)
-    if query.shape[-2] == 0 or key.shape[-2] == 0:
-        return "torch"  # an empty sequence: zeros / an empty output, from the PyTorch backend
+    if query.shape[-2] == 0 or key.shape[-2] == 0 or e_q == 0 or e_v == 0:
+        # an empty sequence or head dim: SDPA's zeros / uniform weights / empty output, from the
+        # PyTorch backend
+        return "torch"
     if backend == "auto" and query.dtype == torch.float64:
         resolved = "torch"  # float64 (e.g. gradcheck): the PyTorch backend, on any device
     if resolved == "triton":

@@ -27,7 +27,7 @@ class Extras:
     left: int = -1  # keys j >= i - left; -1: unbounded
     right: int = -1  # keys j <= i + right; -1: unbounded (is_causal: 0)
     softcap: float = 0.0  # > 0: s -> softcap * tanh(s / softcap)
-    alibi: torch.Tensor | None = None  # (B, H) float32 view: s -= slope * |i - j|
+    alibi: torch.Tensor | None = None  # (B, H) float32 (float64 inputs: float64): s -= slope*|i-j|
     dropout_p: float = 0.0
     seed: torch.Tensor | None = None  # int64 (1,) on the device, when dropout_p > 0
     # Packed variable-length batch: int32 cumulative lengths (n + 1,) and the longest lengths.
@@ -68,6 +68,7 @@ def make_extras(
     q4_shape: tuple[int, ...],
     seq_k: int,
     device: torch.device,
+    dtype: torch.dtype,
     attn_mask: torch.Tensor | None,
     dropout_p: float,
     is_causal: bool,
@@ -75,7 +76,10 @@ def make_extras(
     softcap: float | None,
     alibi_slopes: torch.Tensor | None,
 ) -> Extras:
-    """Normalize validated arguments for the 4-D problem of shape ``q4_shape`` (B, H, L, E)."""
+    """Normalize validated arguments for the 4-D problem of shape ``q4_shape`` (B, H, L, E) whose
+    inputs have ``dtype``. A float64 problem (the PyTorch backend) keeps a float64 mask and
+    ALiBi slopes in float64; otherwise they become at most 32-bit, what the kernels read."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
     batch, heads, seq_q, _ = q4_shape
     left, right = (-1, -1) if window_size is None else (int(window_size[0]), int(window_size[1]))
     if is_causal:
@@ -95,14 +99,14 @@ def make_extras(
     mask = None
     if attn_mask is not None:
         mask = attn_mask
-        if mask.dtype not in (torch.bool, torch.float16, torch.bfloat16, torch.float32):
-            mask = mask.float()  # e.g. float64: the kernels read at most 32 bits
+        if mask.dtype not in (torch.bool, torch.float16, torch.bfloat16, torch.float32, wide):
+            mask = mask.to(wide)  # e.g. float64 for a float32 problem: the kernels read 32 bits
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)
         mask = mask.expand(batch, heads, seq_q, seq_k)
     alibi = None
     if alibi_slopes is not None:
-        alibi = alibi_slopes.float()
+        alibi = alibi_slopes.to(wide)
         if alibi.dim() == 1:
             alibi = alibi.unsqueeze(0)
         alibi = alibi.expand(batch, heads)

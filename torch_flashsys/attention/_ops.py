@@ -8,6 +8,12 @@ kernels are reached through the ``torch.library`` custom ops ``torch_flashsys::a
 ``torch.compile(fullgraph=True)`` sees one opaque node (no graph break) and CUDA graphs capture it.
 
 Both paths take query/key/value in the caller's rank (3-D or 4-D) and save q, k, v, out and lse.
+
+A backward that runs with grad mode on (``torch.autograd.grad(..., create_graph=True)``, e.g. a
+gradient penalty) computes the gradients with the PyTorch tiled backward instead of the kernels:
+differentiable ops, so a second backward gets the second-order terms (slower; see
+docs/attention.md). Under torch.compile, AOTAutograd traces the backward with grad mode off (the
+kernels) and refuses a double backward itself.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 
 from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._tensors import empty_like_layout
+from torch_flashsys.attention._torch_impl import differentiable_backward
 from torch_flashsys.attention._triton_bwd import attention_backward
 from torch_flashsys.attention._triton_fwd import attention_forward
 
@@ -74,6 +81,9 @@ class _TritonAttention(torch.autograd.Function):
                 "only); run generation under torch.no_grad()"
             )
         q, k, v, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+            dq, dk, dv = differentiable_backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
+            return dq, dk, dv, None, None
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
@@ -154,6 +164,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _op_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True, called eagerly (compiled graphs refuse it)
+        mask, alibi, seed, scale, *scalars = ctx.extras
+        ex = _extras(mask, alibi, seed, *scalars)
+        dq, dk, dv = differentiable_backward(dout, q, k, v, out, lse, dlse, scale, ex)
+        return (dq, dk, dv) + (None,) * 12
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.extras)

@@ -278,6 +278,22 @@ def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def differentiable_backward(dout, q, k, v, out, lse, dlse, scale: float, ex: Extras):
+    """``(dq, dk, dv)`` through differentiable PyTorch ops, autocast off: under
+    ``create_graph=True`` they record a graph, so a second backward (a gradient penalty) is exact.
+    ``out`` and ``lse`` are the forward's saved outputs: the graph reaches q, k, v through them
+    too (their gradients run the first-order backward again)."""
+    if ex.seqused_k is not None:
+        raise NotImplementedError(
+            "flash_attention: no backward with cache_seqlens (KV-cache decoding is forward "
+            "only); run generation under torch.no_grad()"
+        )
+    if dout is None:
+        dout = torch.zeros_like(out)
+    with _no_autocast(q.device):
+        return tiled_backward(dout, q, k, v, out, lse, dlse, scale, ex)
+
+
 class TiledAttention(torch.autograd.Function):
     """Autograd for the tiled path; saves q, k, v, out and lse (as the Triton path does).
 
@@ -296,14 +312,6 @@ class TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if ctx.ex.seqused_k is not None:
-            raise NotImplementedError(
-                "flash_attention: no backward with cache_seqlens (KV-cache decoding is forward "
-                "only); run generation under torch.no_grad()"
-            )
         q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        with _no_autocast(q.device):
-            dq, dk, dv = tiled_backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
+        dq, dk, dv = differentiable_backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
         return dq, dk, dv, None, None

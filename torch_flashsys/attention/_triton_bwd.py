@@ -93,7 +93,7 @@ def _attn_bwd_dq_inner(
             else:
                 mvals = load_mask(mask_base + cols * stride_mn, col_ok, MASK_KIND)[None, :]
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s, t = mod_scores(
+        s, dcap = mod_scores(
             qk, offs_m[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
             SOFTCAP, ALIBI, MASK_KIND == 2,
         )  # fmt: skip
@@ -111,7 +111,7 @@ def _attn_bwd_dq_inner(
             dp = tl.where(keep_r, dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
-            ds = ds * (1.0 - t * t)
+            ds = ds * dcap  # 1 - tanh^2
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -282,7 +282,7 @@ def _attn_bwd_dkdv_inner(
             else:
                 mvals = mask_keys  # a key-padding mask: loaded once per key tile
         qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
-        sT, t = mod_scores(
+        sT, dcapT = mod_scores(
             qkT, offs_m[None, :], offs_n[:, None], sm_scale, qk_scale, softcap, slope, mvals,
             SOFTCAP, ALIBI, MASK_KIND == 2,
         )  # fmt: skip
@@ -304,7 +304,7 @@ def _attn_bwd_dkdv_inner(
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
         dsT = pT * (dpT - delta[None, :])
         if SOFTCAP:
-            dsT = dsT * (1.0 - t * t)
+            dsT = dsT * dcapT  # 1 - tanh^2
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom

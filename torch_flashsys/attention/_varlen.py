@@ -6,11 +6,10 @@ packed :class:`~torch_flashsys.attention._extras.Extras`; no sequence attends ac
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
-from torch_flashsys.attention._checks import check_inputs
+from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._extras import make_extras
 
 _NAME = "flash_attention"
@@ -39,7 +38,7 @@ def _check_cu(cu: object, name: str, total: int, device: torch.device) -> torch.
         _fail(ValueError, f"{name} must have at least one entry (0), got an empty tensor")
     if cu.device != device:
         _fail(ValueError, f"{name} must be on {device} like the inputs, got {cu.device}")
-    return cu
+    return cu.contiguous()  # the kernels index it as contiguous memory (no copy when it is)
 
 
 def _check_values(cu: torch.Tensor, name: str, total: int, max_len: int | None) -> int:
@@ -118,13 +117,13 @@ def packed_attention(
     max_q = _check_values(cu_q, "cu_seqlens_q", query.shape[0], max_seqlen_q)
     max_k = _check_values(cu_k, "cu_seqlens_k", key.shape[0], max_seqlen_k)
     ex = make_extras(
-        (n_seqs, heads, max_q, query.shape[-1]), max_k, query.device, None, dropout_p, is_causal,
-        window_size, softcap, alibi_slopes,
+        (n_seqs, heads, max_q, query.shape[-1]), max_k, query.device, query.dtype, None, dropout_p,
+        is_causal, window_size, softcap, alibi_slopes,
     )  # fmt: skip
     ex = dataclasses.replace(ex, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
     if query.shape[0] == 0 or key.shape[0] == 0 or n_seqs == 0:
         resolved = "torch"
-    sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    sm_scale = softmax_scale(scale, query.shape[-1])
     out4, lse4 = attend(q4, k4, v4, ex, sm_scale, resolved)
     return out4[0].transpose(0, 1), lse4[0].transpose(0, 1)
 
