@@ -5,7 +5,9 @@ Rows ``impl,case,ms`` (``impl`` "ours" for flash_attention), bf16 on CUDA:
 - ``packed``: 16 causal sequences of random.seed(1) randint(128, 8192) lengths (65,617 tokens), 16
   heads, d 128, fwd+bwd: ours packed (cu_seqlens), FlexAttention with a document block mask, SDPA
   cuDNN / efficient padded to the longest with a causal+padding mask, ours padded the same way; and
-  the equal-length batch (16, 4101) with plain causal, for TFLOP/s at the same work.
+  the equal-length batch (16, 4101) with plain causal, for TFLOP/s at the same work; and ours on
+  the same batch as nested jagged tensors (``nested_tensor_from_jagged`` of the packed values,
+  transposed to (batch, heads, j, dim)).
 - ``decode b8 c32768`` / ``decode b64 c1024``: one new query against a full cache, 32 query heads,
   8 key/value heads, d 128: ours (cache_seqlens), SDPA flash / cuDNN (enable_gqa), FlexAttention,
   and ``copy bandwidth`` (half the time of a device copy of the cache's K and V, which reads and
@@ -83,6 +85,14 @@ def packed_rows(device: str, dtype, smoke: bool) -> list[dict]:
         is_causal=True,
     )
     _row(rows, "ours", case, _fwd_bwd(ours, (q, k, v), dout), device, flops=flops)
+    # the same batch as nested jagged tensors, (n, heads, j, dim) as SDPA takes them
+    offsets = cu.long()
+    as_nested = lambda t: torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
+    ours_nested = lambda q, k, v: flash_attention(
+        as_nested(q), as_nested(k), as_nested(v), is_causal=True
+    ).transpose(1, 2).values()
+    _row(rows, "ours nested jagged", case, _fwd_bwd(ours_nested, (q, k, v), dout), device,
+         flops=flops)  # fmt: skip
     # padded to the longest: (n, heads, longest, dim) with a causal + key-padding mask
     pad = torch.zeros(n, heads, longest, dim, device=device, dtype=dtype)
     qp, kp, vp, dp = (pad.clone().requires_grad_(i < 3) for i in range(4))
