@@ -196,6 +196,35 @@ def test_packed_batch_with_max_seqlen_checks_on_the_device():
     assert torch.equal(out, ref)
 
 
+_INDEX_DTYPES = (
+    "import sys, torch; from torch_flashsys import flash_attention\n"
+    "lens, grads = [300, 17, 129], []\n"
+    "q = torch.randn(sum(lens), 4, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+    "for name in sys.argv[1:]:\n"
+    "    cu = torch.tensor([0, 300, 317, 446], device='cuda', dtype=getattr(torch, name))\n"
+    "    out = flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,\n"
+    "                          max_seqlen_k=300, is_causal=True)\n"
+    "    q.grad = None\n"
+    "    out.float().square().sum().backward()\n"
+    "    grads.append((out.detach(), q.grad))\n"
+    "(o1, g1), (o2, g2) = grads\n"
+    "torch.cuda.synchronize()\n"
+    "assert torch.equal(o1, o2) and torch.equal(g1, g2), 'results differ between index dtypes'\n"
+)
+
+
+@pytest.mark.parametrize("order", [("int64", "int32"), ("int32", "int64")])
+def test_cu_seqlens_dtype_is_part_of_the_launch_key(order):
+    """The same shapes with int64 then int32 cu_seqlens (nested tensors give int64 offsets): the
+    second call must not reuse the first's compiled kernel, which reads the index width it was
+    compiled for (an illegal memory access or wrong sequences). In a subprocess: a bad read can
+    leave the CUDA context unusable."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _INDEX_DTYPES, *order], capture_output=True,
+                          text=True, timeout=300, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_cache_seqlens_below_seq_q_fails_on_the_device():
     """On CUDA, cache_seqlens < seq_q is caught by a device-side check (no synchronization):
     the process fails at the next synchronization instead of returning rows of zeros."""

@@ -474,7 +474,7 @@ def attention_backward(
     precision = dot_precision(q.dtype)
     tensors, runtime, flags = kernel_extras(ex, q)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
-           dout.stride(), q.dtype, precision, flags, tensors[0].dtype, problem_dims(q, k, ex),
+           dout.stride(), q.dtype, precision, flags, tuple([t.dtype for t in tensors]), problem_dims(q, k, ex),
            runtime, dlse is None)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:

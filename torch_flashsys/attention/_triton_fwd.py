@@ -267,7 +267,7 @@ def attention_forward(
     precision = dot_precision(q.dtype)
     tensors, runtime, flags = kernel_extras(ex, q)
     key = (shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), q.dtype,
-           precision, flags, tensors[0].dtype, problem_dims(q, k, ex), runtime, scale > 0)  # fmt: skip
+           precision, flags, tuple([t.dtype for t in tensors]), problem_dims(q, k, ex), runtime, scale > 0)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(q, k, v, out, ex, runtime, flags, precision, scale > 0)
