@@ -301,8 +301,46 @@ class GradientReducer:
                     self._sparse.start(self._group, self._divisor)
             if self._sparse is not None:
                 self._sparse.finish(self._sparse_keep)
+            if self._owners is not None and self._world > 1:
+                self._share_nonfinite()
         finally:
             self._bw.in_backward = False
+
+    def _share_nonfinite(self) -> None:
+        """ZeRO-2, end of a synchronizing backward: a non-finite averaged gradient is seen only
+        by its owner, so a GradScaler (or any inf check) would skip the step on that rank alone
+        and the ranks would disagree on the loss scale, then hang. One all-reduce of a flag per
+        bucket (and sparse parameter) tells every rank; each parameter of a flagged bucket that
+        another rank owns gets a NaN gradient here, so every rank's check finds it (as with
+        ZeRO-1, where every rank holds every gradient). Costs a max-abs pass over this rank's
+        gradients, one small all-reduce and, on GPUs, a host sync."""
+        device = collective_device(self.process_group)
+        kept = [b for b, bucket in enumerate(self._buckets) if bucket.keeps]
+        sparse = [] if self._sparse is None else self._sparse.params
+        flags = torch.zeros(len(self._buckets) + len(sparse), dtype=torch.float32, device=device)
+        if kept:  # max |x| is finite exactly when every element is (NaN propagates)
+            norms = torch._foreach_norm([self._buckets[b].buffer for b in kept], float("inf"))
+            bad = ~torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms]))
+            flags[torch.tensor(kept, device=device)] = bad.float()
+        for i, p in enumerate(sparse):
+            if self._sparse_keep[i] and p.grad is not None:
+                values = p.grad._values() if p.grad.is_sparse else p.grad
+                flags[len(self._buckets) + i] = float(not bool(torch.isfinite(values).all()))
+        self._guard(
+            "the all-reduce of the non-finite gradient flags (ZeRO-2)",
+            lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group),
+        )
+        for j in flags.nonzero().flatten().tolist():
+            if j < len(self._buckets):
+                params = [] if self._buckets[j].keeps else self._buckets[j].params
+            else:
+                params = (
+                    []
+                    if self._sparse_keep[j - len(self._buckets)]
+                    else [sparse[j - len(self._buckets)]]
+                )
+            for p in params:
+                p.grad = torch.full_like(p, float("nan"), memory_format=torch.contiguous_format)
 
     def _reduce_flags(self) -> None:
         """Behind a communication hook (which reduces only the gradients): one all-reduce of
