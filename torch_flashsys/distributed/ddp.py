@@ -146,7 +146,10 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
     Args:
         module: the model, already on this rank's device; every rank must wrap the same
             architecture (checked across ranks at construction, before any other collective).
-            Parameters and buffers are then broadcast from the group's rank 0.
+            Parameters and buffers are then broadcast from the group's rank 0. Wrap a module
+            once: a module that is or holds a BucketedDDP or torch DDP, or whose parameters a
+            live BucketedDDP already synchronizes, raises ``RuntimeError`` (as does running it
+            inside a torch DDP forward over the same parameters).
         bucket_size_mb: gradient MiB at which a bucket closes (torch DDP's ``bucket_cap_mb``
             rule: a bucket takes parameters until it holds at least this much); ``None``: one
             bucket per dtype; ``0``: one parameter per bucket.

@@ -89,6 +89,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             averaged gradients of its own parameters and ``grad is None`` for the others, so
             gradient memory drops to about ``1 / world_size``. Clip gradients with
             :meth:`clip_grad_norm_` (it sums over ranks), not ``torch.nn.utils.clip_grad_norm_``.
+            A non-finite gradient shows on every rank (NaN where another rank owns it), so
+            ``torch.amp.GradScaler`` skips the step on all ranks together.
         **kwargs: passed to ``optimizer_cls`` (``lr=...``, ``betas=...``).
 
     Trainable parameters become views into per-(device, dtype, owner) flat buffers (their values,
