@@ -39,11 +39,7 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
-class _WholeVector(TypeError):
-    """optimizer_cls cannot be sharded (raised after the cross-rank check, as a TypeError)."""
-
-
-def _whole_vector_problem(optimizer_cls: type[torch.optim.Optimizer]) -> _WholeVector | None:
+def _unshardable(optimizer_cls: type[torch.optim.Optimizer]) -> str | None:
     """Why ``optimizer_cls`` cannot run on one rank's shard, or None. Sharding is exact only for
     optimizers that update each parameter from its own gradient and state; one whose step needs a
     closure (LBFGS: line search and directions over the whole flattened parameter vector) would
@@ -52,7 +48,7 @@ def _whole_vector_problem(optimizer_cls: type[torch.optim.Optimizer]) -> _WholeV
     needs_closure = closure is not None and closure.default is inspect.Parameter.empty
     if not (issubclass(optimizer_cls, torch.optim.LBFGS) or needs_closure):
         return None
-    return _WholeVector(
+    return (
         f"ShardedOptimizer: optimizer_cls {optimizer_cls.__qualname__} cannot be sharded: its "
         "step() requires a closure and works on the whole parameter vector at once (directions, "
         "line search and norms over every parameter), while each rank steps only the parameters "
@@ -174,7 +170,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._index = {p: i for i, p in enumerate(self._params)}
         self._loads = [[0] * self.world_size, [0] * self.world_size]  # trainable, frozen bytes
         self._owners = [r for g in self.param_groups for r in self._assign(g["params"])]
-        problem: Exception | None = _whole_vector_problem(optimizer_cls)
+        unshardable = _unshardable(optimizer_cls)
+        problem: Exception | None = None if unshardable is None else TypeError(unshardable)
         if problem is None:
             try:
                 self.optim = optimizer_cls(
@@ -200,8 +197,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.process_group,
             what="the parameters, param groups or optimizer options",
         )
-        if isinstance(problem, _WholeVector):
-            raise TypeError(str(problem))
+        if unshardable is not None:
+            raise TypeError(unshardable)
         if problem is not None:
             raise type(problem)(
                 f"ShardedOptimizer: {optimizer_cls.__name__} rejected its arguments {kwargs}: "
