@@ -100,6 +100,17 @@ def _optimizer_differs(rank, tmpdir):
     ShardedOptimizer(_params((3,)), [torch.optim.Adam, torch.optim.AdamW][rank % 2], lr=0.1)
 
 
+class _NeedsClosure(SGD):
+    """An optimizer whose step() cannot run without a closure."""
+
+    def step(self, closure):  # type: ignore[override]
+        return super().step(closure)
+
+
+def _lbfgs_on_one_rank(rank, tmpdir):
+    ShardedOptimizer(_params((3,)), [torch.optim.LBFGS, SGD][rank % 2], lr=0.1)
+
+
 def _optimizer_rejects_on_one_rank(rank, tmpdir):
     ShardedOptimizer(_params((3,)), SGD, lr=0.1 if rank == 0 else -1.0)
 
@@ -168,6 +179,12 @@ CASES = {
     "optimizer_cls: unknown option": lambda r, d: ShardedOptimizer(
         _params((3,)), SGD, lr=0.1, betas=(0.9, 0.99)
     ),
+    "optimizer_cls: LBFGS": lambda r, d: ShardedOptimizer(
+        _params((3,), (4,)), torch.optim.LBFGS, lr=0.1
+    ),
+    "optimizer_cls: step requires a closure": lambda r, d: ShardedOptimizer(
+        _params((3,), (4,)), _NeedsClosure, lr=0.1
+    ),
     "process_group: wrong type": lambda r, d: ShardedOptimizer(
         _params((3,)), SGD, process_group="world", lr=0.1
     ),
@@ -176,6 +193,7 @@ CASES = {
     "ranks: optimizer_cls rejects on one rank": _optimizer_rejects_on_one_rank,
     "ranks: lr differs": _lr_differs,
     "ranks: optimizer_cls differs": _optimizer_differs,
+    "ranks: LBFGS on one rank": _lbfgs_on_one_rank,
     "add_param_group: differs across ranks": _add_group_differs,
     "add_param_group: parameter already present": _add_group_existing,
     "add_param_group: not a dict": _add_group_not_dict,

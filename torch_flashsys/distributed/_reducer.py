@@ -35,6 +35,17 @@ _IN_FLIGHT = 2  # ZeRO-2: reductions of other ranks' buckets left running before
 _ALIGN_BYTES = 64  # each bucket's buffer starts at a multiple of 64 bytes of its storage
 
 
+def _nonfinite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One bool per tensor on ``device``: whether it holds an inf or NaN. Max |x| is finite
+    exactly when every element is (NaN propagates), so one reduction per tensor, no copy."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.bool, device=device)
+    norms = [
+        torch.linalg.vector_norm(t, float("inf")) if t.numel() else t.new_zeros(()) for t in tensors
+    ]
+    return ~torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms]))
+
+
 class BackwardState:
     """Per-backward state of a BucketedDDP, updated from its hooks."""
 
@@ -301,8 +312,56 @@ class GradientReducer:
                     self._sparse.start(self._group, self._divisor)
             if self._sparse is not None:
                 self._sparse.finish(self._sparse_keep)
+            if self._owners is not None and self._world > 1:
+                self._share_nonfinite()
         finally:
             self._bw.in_backward = False
+
+    def _share_nonfinite(self) -> None:
+        """ZeRO-2, end of a synchronizing backward: a non-finite averaged gradient is seen only
+        by its owner, so a GradScaler (or any inf check) would skip the step on that rank alone
+        and the ranks would disagree on the loss scale, then hang. Every rank tells whether it
+        holds one (one max-abs pass per gradient storage, one all-reduce of one float and, on
+        GPUs, a host sync); only if some rank does, a second all-reduce of one flag per bucket
+        (and sparse parameter) says which, and each parameter of a flagged bucket that another
+        rank owns gets a NaN gradient here, so every rank's check finds it (as with ZeRO-1,
+        where every rank holds every gradient)."""
+        device = collective_device(self.process_group)
+        owned_sparse = [] if self._sparse is None else self._owned_sparse_grads()
+        local = _nonfinite([s for s, _, _ in self._storages] + owned_sparse, device)
+        any_bad = local.any().float().reshape(1)
+        what = "the all-reduce of the non-finite gradient flags (ZeRO-2)"
+        self._guard(what, lambda: dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=self._group))
+        if not any_bad.item():
+            return
+        sparse = [] if self._sparse is None else self._sparse.params
+        flags = torch.zeros(len(self._buckets) + len(sparse), dtype=torch.float32, device=device)
+        kept = [b for b, bucket in enumerate(self._buckets) if bucket.keeps]
+        kept += [len(self._buckets) + i for i, keep in enumerate(self._sparse_keep or []) if keep]
+        if kept:
+            tensors = [self._buckets[b].buffer for b in kept if b < len(self._buckets)]
+            flags[torch.tensor(kept, device=device)] = _nonfinite(
+                tensors + owned_sparse, device
+            ).float()
+        self._guard(what, lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group))
+        for j in flags.nonzero().flatten().tolist():
+            if j < len(self._buckets):
+                params = [] if self._buckets[j].keeps else self._buckets[j].params
+            else:
+                i = j - len(self._buckets)
+                params = [] if self._sparse_keep[i] else [sparse[i]]
+            for p in params:
+                p.grad = torch.full_like(p, float("nan"), memory_format=torch.contiguous_format)
+
+    def _owned_sparse_grads(self) -> list[torch.Tensor]:
+        """The values of this rank's sparse parameters' gradients (ZeRO-2), in parameter order;
+        an empty tensor for one without a gradient."""
+        out = []
+        for p, keep in zip(self._sparse.params, self._sparse_keep, strict=True):
+            if keep:
+                grad = p.grad if p.grad is not None else p.new_zeros(0)
+                out.append(grad._values() if grad.is_sparse else grad.reshape(-1))
+        return out
 
     def _reduce_flags(self) -> None:
         """Behind a communication hook (which reduces only the gradients): one all-reduce of

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,38 @@ def describe_tensors(
 def _fingerprint(items: Sequence[Item]) -> list[int]:
     digest = hashlib.sha256("\n".join(v for _, v in items).encode()).digest()
     return [len(items), int.from_bytes(digest[:7], "little")]  # 56 bits: fits in int64
+
+
+def signature(items: Sequence[Item]) -> int:
+    """A 56-bit digest of the items' values (and their count) for :func:`verify_signature`."""
+    count, digest = _fingerprint(items)
+    return (digest + count * 0x9E3779B97F4A7) % 2**56  # count mixed in (golden-ratio constant)
+
+
+def verify_signature(
+    caller: str,
+    sig: int,
+    items: Callable[[], Sequence[Item]],
+    group: dist.ProcessGroup | None,
+    *,
+    what: str,
+    guard: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
+) -> None:
+    """:func:`verify_same_across_ranks` for checks run often: one all-reduce of two int64 (the
+    maximum of ``sig`` and of ``-sig``) when every rank passes the same ``sig`` (computed by
+    :func:`signature`, e.g. cached until the items change); else every rank builds ``items()``
+    and raises the same error naming the first difference and each rank's value. ``guard(fn)``
+    runs the all-reduce (e.g. to re-raise a failed collective naming the rank and the check)."""
+    device = collective_device(group)
+    both = torch.tensor([sig, -sig], dtype=torch.int64, device=device)
+    guard(lambda: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group))
+    high, neg_low = both.tolist()
+    if high == -neg_low:  # the same on every rank, as every rank sees
+        return
+    verify_same_across_ranks(caller, items(), group, what=what)
+    raise RuntimeError(  # the signatures differed but the items match: a signature bug
+        f"{caller}: {what} signatures differ across ranks but the descriptions match"
+    )
 
 
 def _all_gather_bytes(data: bytes, group: dist.ProcessGroup | None) -> list[bytes]:

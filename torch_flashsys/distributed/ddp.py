@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_flashsys.distributed import _join
@@ -56,6 +57,59 @@ def _option_problem(
     return None
 
 
+def _double_wrap_problem(
+    module: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]]
+) -> tuple[type[Exception], str] | None:
+    """Why wrapping ``module`` would synchronize some gradient twice (as (exception type,
+    message)), or None: it is, or holds, a data-parallel wrapper, or a parameter of it is already
+    synchronized by another live BucketedDDP (the same module wrapped twice, shared parameters).
+    Averaging twice does not give the average: the wrappers' gradient buffers interfere (e.g.
+    exactly half the true average), and the ranks agree, so nothing else would show it."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (BucketedDDP, TorchDDP)):
+            kind = type(sub).__name__
+            where = "module is already" if not name else f"submodule {name!r} is"
+            return RuntimeError, (
+                f"BucketedDDP: {where} a {kind}; its parameters would be synchronized twice, "
+                "which gives wrong gradients; wrap the model itself once (for a wrapper w, its "
+                "model is w.module), with no data-parallel wrapper inside"
+            )
+    for name, p in named:
+        if wrapper_of(p) is not None:
+            return RuntimeError, (
+                f"BucketedDDP: parameter {name!r} is already synchronized by another BucketedDDP "
+                "(the same module wrapped twice, or modules that share parameters); a gradient "
+                "averaged by two wrappers is wrong: use the existing wrapper, or delete it first"
+            )
+    return None
+
+
+class _TorchDDPGuard:
+    """Forward pre-hook on the wrapped module: refuses to run inside a torch DDP forward that
+    synchronizes the same parameters (``DDP(BucketedDDP(m))``, or ``DDP(m)`` beside
+    ``BucketedDDP(m)``), which torch DDP's constructor cannot be stopped from building. Holds
+    the wrapper weakly; a copied or pickled module gets a guard that does nothing."""
+
+    def __init__(self, ddp: BucketedDDP) -> None:
+        self.ref = weakref.ref(ddp)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        active = TorchDDP._active_ddp_module  # set during a torch DDP forward
+        if active is not None and (ddp := self.ref()) is not None:
+            ddp._refuse_torch_ddp(active)
+
+    def __reduce__(self) -> tuple:
+        return (_noop_hook, ())  # unpickled (or deep-copied) as the no-op hook
+
+
+def _ignore(*args: Any) -> None:
+    return None
+
+
+def _noop_hook() -> Callable[..., None]:
+    return _ignore
+
+
 # Parameter -> the BucketedDDP that synchronizes it (weakly), so that
 # ShardedOptimizer(..., shard_gradients=True) can find the wrapper of its parameters.
 _WRAPPERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -92,7 +146,10 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
     Args:
         module: the model, already on this rank's device; every rank must wrap the same
             architecture (checked across ranks at construction, before any other collective).
-            Parameters and buffers are then broadcast from the group's rank 0.
+            Parameters and buffers are then broadcast from the group's rank 0. Wrap a module
+            once: a module that is or holds a BucketedDDP or torch DDP, or whose parameters a
+            live BucketedDDP already synchronizes, raises ``RuntimeError`` (as does running it
+            inside a torch DDP forward over the same parameters).
         bucket_size_mb: gradient MiB at which a bucket closes (torch DDP's ``bucket_cap_mb``
             rule: a bucket takes parameters until it holds at least this much); ``None``: one
             bucket per dtype; ``0``: one parameter per bucket.
@@ -153,7 +210,9 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         # Option errors go through the cross-rank check too: a rank passing a bad option then
         # raises with the others instead of leaving them hanging in the first collective.
         named = list(module.named_parameters())
-        problem = _option_problem(bucket_size_mb, broadcast_buffers, grad_compression)
+        problem = _option_problem(
+            bucket_size_mb, broadcast_buffers, grad_compression
+        ) or _double_wrap_problem(module, named)
         items = [("argument check", problem[1] if problem else "ok")]  # first: named first
         items += describe_tensors(named)
         if broadcast_buffers is True:  # buffers are broadcast, so they must match too
@@ -211,6 +270,8 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
             p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, i))
             for i, p in enumerate(self._params)
         ]
+        handles.append(module.register_forward_pre_hook(_TorchDDPGuard(self)))
+        self._torch_ddp_ok: weakref.WeakSet = weakref.WeakSet()  # torch DDPs seen not to overlap
         weakref.finalize(self, _remove_hooks, handles)
         for p in self._params:
             _WRAPPERS[p] = this
@@ -237,6 +298,23 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         self._grad_sync = not self._no_sync
         self._sync_buffers_next = torch.is_grad_enabled() and self._grad_sync
         return self.module(*inputs, **kwargs)
+
+    def _refuse_torch_ddp(self, active: TorchDDP) -> None:
+        """Raise if the torch DDP whose forward is running synchronizes our parameters too."""
+        if active in self._torch_ddp_ok:
+            return
+        ours = {id(p): name for p, name in zip(self._params, self._names, strict=True)}
+        shared = [ours[id(p)] for p in active.parameters() if id(p) in ours]
+        if not shared:
+            self._torch_ddp_ok.add(active)
+            return
+        more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
+        raise RuntimeError(
+            "BucketedDDP: the wrapped module ran inside torch.nn.parallel.DistributedDataParallel, "
+            f"which synchronizes the same parameters ({', '.join(map(repr, shared[:3]))}{more}): "
+            "every gradient would be averaged by both wrappers, which gives wrong gradients; use "
+            "one of the two"
+        )
 
     def _broadcast_buffers(self, src: int) -> None:
         """Overwrite the buffers with global rank ``src``'s."""

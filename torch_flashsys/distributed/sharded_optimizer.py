@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,7 +26,9 @@ from torch_flashsys.distributed._sharding import (
 from torch_flashsys.distributed._verify import (
     collective_device,
     describe_tensors,
+    signature,
     verify_same_across_ranks,
+    verify_signature,
 )
 from torch_flashsys.distributed._zero2 import clip_grad_norm, find_wrapper
 
@@ -34,6 +37,24 @@ _NOT_HYPER = ("params", "param_names")  # group keys that are not hyperparameter
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+
+
+def _unshardable(optimizer_cls: type[torch.optim.Optimizer]) -> str | None:
+    """Why ``optimizer_cls`` cannot run on one rank's shard, or None. Sharding is exact only for
+    optimizers that update each parameter from its own gradient and state; one whose step needs a
+    closure (LBFGS: line search and directions over the whole flattened parameter vector) would
+    run a different algorithm on each rank's part of the vector."""
+    closure = inspect.signature(optimizer_cls.step).parameters.get("closure")
+    needs_closure = closure is not None and closure.default is inspect.Parameter.empty
+    if not (issubclass(optimizer_cls, torch.optim.LBFGS) or needs_closure):
+        return None
+    return (
+        f"ShardedOptimizer: optimizer_cls {optimizer_cls.__qualname__} cannot be sharded: its "
+        "step() requires a closure and works on the whole parameter vector at once (directions, "
+        "line search and norms over every parameter), while each rank steps only the parameters "
+        "it owns, which would run a different algorithm on each shard; use it unsharded (only "
+        "optimizers that update each parameter from its own gradient and state can be sharded)"
+    )
 
 
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
@@ -54,7 +75,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         params: tensors or param-group dicts, as for any ``torch.optim.Optimizer``. Every rank must
             pass the same parameters (shapes, dtypes, requires_grad) in the same order.
         optimizer_cls: the optimizer to shard, a ``torch.optim.Optimizer`` subclass
-            (``torch.optim.AdamW``, ...).
+            (``torch.optim.AdamW``, ...) that updates each parameter from its own gradient and
+            state: not ``torch.optim.LBFGS`` nor any optimizer whose ``step()`` requires a
+            closure (``TypeError``: they need the whole parameter vector).
         process_group: the ranks to shard across (default: the default group).
         shard_gradients: ZeRO-2. The parameters' :class:`~torch_flashsys.BucketedDDP` (built
             first, over the same process group) then reduces each gradient only to the rank that
@@ -62,6 +85,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             averaged gradients of its own parameters and ``grad is None`` for the others, so
             gradient memory drops to about ``1 / world_size``. Clip gradients with
             :meth:`clip_grad_norm_` (it sums over ranks), not ``torch.nn.utils.clip_grad_norm_``.
+            A non-finite gradient shows on every rank (NaN where another rank owns it), so
+            ``torch.amp.GradScaler`` skips the step on all ranks together.
         **kwargs: passed to ``optimizer_cls`` (``lr=...``, ``betas=...``).
 
     Trainable parameters become views into per-(device, dtype, owner) flat buffers (their values,
@@ -145,14 +170,18 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         self._index = {p: i for i, p in enumerate(self._params)}
         self._loads = [[0] * self.world_size, [0] * self.world_size]  # trainable, frozen bytes
         self._owners = [r for g in self.param_groups for r in self._assign(g["params"])]
-        problem: Exception | None = None
-        try:
-            self.optim = optimizer_cls([self._local_group(g) for g in self.param_groups], **kwargs)
-        except (TypeError, ValueError) as exc:
-            problem = exc
-        else:
-            self.defaults = dict(self.optim.defaults)  # add_param_group fills in the same values
-            self._pull_hyperparams()
+        unshardable = _unshardable(optimizer_cls)
+        problem: Exception | None = None if unshardable is None else TypeError(unshardable)
+        if problem is None:
+            try:
+                self.optim = optimizer_cls(
+                    [self._local_group(g) for g in self.param_groups], **kwargs
+                )
+            except (TypeError, ValueError) as exc:
+                problem = exc
+            else:
+                self.defaults = dict(self.optim.defaults)  # add_param_group: the same values
+                self._pull_hyperparams()
         self.shard_gradients = shard_gradients
         ddp, ddp_problem = self._find_ddp() if shard_gradients else (None, None)
         # A rank whose optimizer_cls raised still takes part, so the others do not hang.
@@ -168,6 +197,8 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             self.process_group,
             what="the parameters, param groups or optimizer options",
         )
+        if unshardable is not None:
+            raise TypeError(unshardable)
         if problem is not None:
             raise type(problem)(
                 f"ShardedOptimizer: {optimizer_cls.__name__} rejected its arguments {kwargs}: "
@@ -177,9 +208,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             raise ValueError(f"ShardedOptimizer: shard_gradients=True needs {ddp_problem}")
         # Built-in optimizers update each parameter on its own, so the step can go chunk by
         # chunk with each chunk's broadcast overlapping the next chunk's step.
-        self._pipelined = optimizer_cls.__module__.startswith("torch.optim.") and not issubclass(
-            optimizer_cls, torch.optim.LBFGS
-        )
+        self._pipelined = optimizer_cls.__module__.startswith("torch.optim.")
         self._buckets: list[ParamBucket] = []
         self._rebuild_buckets()
         self._consolidated: tuple[int, State | None] | None = None
@@ -227,6 +256,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _current_layout(self) -> list[tuple[bool, torch.dtype]]:
         return [(p.requires_grad, p.dtype) for p in self._params]
+
+    @staticmethod
+    def _layout_items(layout: list[tuple[bool, torch.dtype]]) -> list[tuple[str, str]]:
+        return [
+            (f"parameter {i}", f"requires_grad={rg} dtype={dt}")
+            for i, (rg, dt) in enumerate(layout)
+        ]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (e.g. layers unfrozen mid-training); its parameters are sharded too.
@@ -279,6 +315,7 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _rebuild_buckets(self) -> None:
         self._layout = self._current_layout()
+        self._layout_sig = signature(self._layout_items(self._layout))
         self._consolidated = None
         if self.world_size == 1:  # every parameter is this rank's: nothing to exchange
             return
@@ -297,24 +334,28 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     # ----------------------------------------------------------------- step
     def _check_buckets(self) -> None:
-        """Rebuild the buckets if trainability or dtypes changed, or a view was replaced."""
+        """Rebuild the buckets if trainability or dtypes changed, or a view was replaced.
+
+        Every step checks that every rank has the same layout (``requires_grad`` and dtype of
+        each parameter) before the first collective that depends on it, since it decides which
+        parameters are bucketed and broadcast: one all-reduce of two int64, whose signature is
+        recomputed only when this rank's layout changed. A difference raises on every rank."""
         if self.world_size == 1:
             return
         layout = self._current_layout()
-        if layout != self._layout:
-            # The bucket layout changes: make sure every rank changes it the same way.
-            verify_same_across_ranks(
-                "ShardedOptimizer.step",
-                [
-                    (f"parameter {i}", f"requires_grad={rg} dtype={dt}")
-                    for i, (rg, dt) in enumerate(layout)
-                ],
-                self.process_group,
-                what="which parameters are trainable, or their dtypes,",
-            )
+        changed = layout != self._layout
+        sig = signature(self._layout_items(layout)) if changed else self._layout_sig
+        what = "the all-reduce of the parameter layout signature (requires_grad and dtypes)"
+        verify_signature(
+            "ShardedOptimizer.step",
+            sig,
+            lambda: self._layout_items(layout),
+            self.process_group,
+            what="which parameters are trainable (requires_grad), or their dtypes,",
+            guard=lambda fn: self._guard(what, fn),
+        )
+        if changed or not all(b.intact() for b in self._buckets):
             self._rebuild_buckets()
-        elif not all(b.intact() for b in self._buckets):
-            self._rebuild_buckets()  # same layout on every rank: no collective needed
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:
         """Update this rank's shard with ``.optim``, then receive every other rank's shard.
