@@ -164,3 +164,26 @@ def test_allreduce_under_torchrun(tmp_path):
         algbw, busbw = float(row["algbw_GBps"]), float(row["busbw_GBps"])
         assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2, rel=1e-2), row
     assert out.read_text().count("\n") == 3  # CSV header + 2 rows
+
+
+def test_plots_go_through_the_harness():
+    """Only _harness.line_plot imports matplotlib: it warns when matplotlib is missing, so a
+    long run still prints its table and writes --out (a script's own import would crash)."""
+    for script in SCRIPTS:
+        text = (BENCH / script).read_text()
+        assert "import matplotlib" not in text, f"{script}: plot through _harness.line_plot"
+
+
+def test_plot_without_matplotlib_still_prints_the_table(tmp_path):
+    out, plot = tmp_path / "rows.json", tmp_path / "plot.png"
+    script = BENCH / "flash.py"
+    argv = [str(script), "--smoke", "--out", str(out), "--plot", str(plot)]
+    no_matplotlib = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "  # import raises ImportError
+        f"sys.argv = {argv!r}; runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    proc = _run([sys.executable, "-c", no_matplotlib], tmp_path)
+    assert _last_table(proc.stdout), f"no table at the end of stdout:\n{proc.stdout[-1500:]}"
+    assert json.loads(out.read_text()), "--out wrote no rows"
+    assert "matplotlib is not installed; no plot written" in proc.stderr, proc.stderr[-1500:]
+    assert not plot.exists()
