@@ -1,4 +1,4 @@
-"""Attention benchmark: flash_attention beside naive PyTorch, torch.compile'd naive and SDPA's backends.
+r"""Attention benchmark: flash_attention beside naive PyTorch, torch.compile'd naive and SDPA's backends.
 
 Times forward, backward and forward+backward (``triton.testing.do_bench`` median with 20th/80th
 percentiles on CUDA), reports TFLOP/s and the memory in use before the backward; out-of-memory is a

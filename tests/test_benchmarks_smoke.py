@@ -9,6 +9,7 @@ removed from the children's environment: the smoke runs check the scripts, not t
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -187,3 +188,13 @@ def test_plot_without_matplotlib_still_prints_the_table(tmp_path):
     assert json.loads(out.read_text()), "--out wrote no rows"
     assert "matplotlib is not installed; no plot written" in proc.stderr, proc.stderr[-1500:]
     assert not plot.exists()
+
+
+def test_help_examples_keep_their_line_continuations():
+    """A ``\\`` ending a line of a docstring (--help shows it) must stay: in a non-raw string it
+    joins the lines, and the example printed by --help loses its line break."""
+    for script in SCRIPTS:
+        source = (BENCH / script).read_text()
+        doc = ast.get_docstring(ast.parse(source), clean=False) or ""
+        written = source.split('"""')[1] if '"""' in source else ""
+        assert doc.count("\\\n") == written.count("\\\n"), f"{script}: make the docstring r'''"
