@@ -1,4 +1,4 @@
-"""ShardedOptimizer: ZeRO-1 optimizer-state sharding for any ``torch.optim.Optimizer``."""
+"""ShardedOptimizer: ZeRO-1/2 state (and gradient) sharding for any ``torch.optim.Optimizer``."""
 
 from __future__ import annotations
 
