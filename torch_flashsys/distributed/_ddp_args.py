@@ -27,7 +27,7 @@ NO_OPS = {
     "check_reduction": "deprecated in torch DDP, where it does nothing either",
     "gradient_as_bucket_view": "gradients are always views into their buckets",
     "static_graph": "nothing is recorded from the first iterations; reentrant activation "
-    "checkpointing, which torch DDP supports only with it, raises (use use_reentrant=False)",
+    "checkpointing, which torch DDP supports with it, is not supported (use_reentrant=False is)",
     "skip_all_reduce_unused_params": "unused parameters reduce with their bucket, at no extra "
     "collective; the results are the same",
     "batched_grad_copy": "gradients are accumulated in their bucket views, never copied",
