@@ -186,6 +186,7 @@ def line_plot(
     title: str = "",
     logx: bool = False,
     logy: bool = False,
+    xtick_rotation: float = 0.0,
 ) -> None:
     """Save one line per ``series`` entry (label -> [(x, y), ...]) as a PNG (matplotlib, lazily).
 
@@ -211,6 +212,7 @@ def line_plot(
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    ax.tick_params(axis="x", rotation=xtick_rotation)
     stamp = env_stamp()
     ax.set_title(f"{title}\n{stamp['device']}, torch {stamp['torch']}, {stamp['date']}", fontsize=9)
     ax.grid(True, alpha=0.3)

@@ -1,4 +1,4 @@
-"""Attention benchmark: flash_attention beside naive PyTorch, torch.compile'd naive and SDPA's backends.
+r"""Attention benchmark: flash_attention beside naive PyTorch, torch.compile'd naive and SDPA's backends.
 
 Times forward, backward and forward+backward (``triton.testing.do_bench`` median with 20th/80th
 percentiles on CUDA), reports TFLOP/s and the memory in use before the backward; out-of-memory is a
@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._harness import (
     bench_gpu,
+    line_plot,
     print_report,
     progress,
     time_fn,
@@ -467,27 +468,15 @@ def status(modes, text):
 
 
 def _plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # forward+backward when measured, else the last mode that was (e.g. --modes fwd,bwd)
+    """Forward+backward time per shape and implementation (the last mode measured if not)."""
     key = next((k for k in ("fwd+bwd ms", "bwd ms", "fwd ms")
                 if any(isinstance(r.get(k), float) for r in rows)), "fwd+bwd ms")  # fmt: skip
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name in dict.fromkeys(r["impl"] for r in rows):
-        pts = [(r["shape"], r[key]) for r in rows
-               if r["impl"] == name and isinstance(r.get(key), float)]  # fmt: skip
-        if pts:
-            ax.plot([s for s, _ in pts], [t for _, t in pts], marker="o", label=name)
-    ax.set_yscale("log")
-    ax.set_ylabel(f"{key.replace(' ms', '')} (ms, median)")
-    ax.set_xlabel("shape")
-    ax.tick_params(axis="x", rotation=60)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series: dict[str, list] = {}
+    for r in rows:
+        if isinstance(r.get(key), float):
+            series.setdefault(r["impl"], []).append((r["shape"], r[key]))
+    line_plot(path, series, xlabel="shape", ylabel=f"{key.replace(' ms', '')} (ms, median)",
+              title="Attention benchmark", logy=True, xtick_rotation=60)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ removed from the children's environment: the smoke runs check the scripts, not t
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -178,3 +179,36 @@ def test_first_call_rows_cover_both_impls(tmp_path):
         assert cases[0] == "first call" and cases[-1] == "warm call", cases
         assert any(c.startswith("first call at length") for c in cases), cases
         assert all(r["seconds"] > 0 for r in rows if r["impl"] == impl), rows
+
+
+def test_plots_go_through_the_harness():
+    """Only _harness.line_plot imports matplotlib: it warns when matplotlib is missing, so a
+    long run still prints its table and writes --out (a script's own import would crash)."""
+    for script in SCRIPTS:
+        text = (BENCH / script).read_text()
+        assert "import matplotlib" not in text, f"{script}: plot through _harness.line_plot"
+
+
+def test_plot_without_matplotlib_still_prints_the_table(tmp_path):
+    out, plot = tmp_path / "rows.json", tmp_path / "plot.png"
+    script = BENCH / "flash.py"
+    argv = [str(script), "--smoke", "--out", str(out), "--plot", str(plot)]
+    no_matplotlib = (
+        "import runpy, sys; sys.modules['matplotlib'] = None; "  # import raises ImportError
+        f"sys.argv = {argv!r}; runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    proc = _run([sys.executable, "-c", no_matplotlib], tmp_path)
+    assert _last_table(proc.stdout), f"no table at the end of stdout:\n{proc.stdout[-1500:]}"
+    assert json.loads(out.read_text()), "--out wrote no rows"
+    assert "matplotlib is not installed; no plot written" in proc.stderr, proc.stderr[-1500:]
+    assert not plot.exists()
+
+
+def test_help_examples_keep_their_line_continuations():
+    """A ``\\`` ending a line of a docstring (--help shows it) must stay: in a non-raw string it
+    joins the lines, and the example printed by --help loses its line break."""
+    for script in SCRIPTS:
+        source = (BENCH / script).read_text()
+        doc = ast.get_docstring(ast.parse(source), clean=False) or ""
+        written = source.split('"""')[1] if '"""' in source else ""
+        assert doc.count("\\\n") == written.count("\\\n"), f"{script}: make the docstring r'''"

@@ -62,6 +62,9 @@ def test_demo_trains_two_ranks_and_replicas_agree(tmp_path, capfd):
         (["--symbols", "1"], "--symbols must be >= 2"),
         (["--lr", "-1"], "--lr must be a positive number"),
         (["--task", "sort"], "invalid choice"),
+        # checked before training, not after it (the results would be lost)
+        (["--steps", "1", "--out", "no_such_dir/x.json"], "--out no_such_dir/x.json: the folder"),
+        (["--steps", "1", "--plot", "no_such_dir/x.png"], "--plot no_such_dir/x.png: the folder"),
     ],
 )
 def test_demo_rejects_bad_arguments(argv, match, capsys):

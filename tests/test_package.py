@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 from packaging.version import Version
 
@@ -40,6 +41,22 @@ def test_environment_report_from_the_command_line():
         assert field in text, f"{field!r} missing from the report:\n{text}"
     assert torch.__version__ in text
     assert torch_flashsys.__version__ in text
+
+
+@pytest.mark.parametrize(
+    ("flag", "code", "stream", "text"),
+    [
+        ("--help", 0, "stdout", "usage: python -m torch_flashsys"),
+        ("--bogus", 2, "stderr", "unrecognized arguments: --bogus"),
+    ],
+)
+def test_command_line_parses_its_arguments(flag, code, stream, text):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_flashsys", flag], capture_output=True, text=True
+    )
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert text in getattr(proc, stream), (proc.stdout, proc.stderr)
+    assert "torch_flashsys environment report" not in proc.stdout  # the flag was not ignored
 
 
 def test_report_matches_backend_resolution():

@@ -1,4 +1,4 @@
-"""torch_flashsys: FlashAttention-2 in Triton, bucketed DDP and ZeRO-1 optimizer sharding.
+"""torch_flashsys: FlashAttention-2 in Triton, bucketed DDP and ZeRO-1/2 optimizer sharding.
 
 Public API (everything else is private or a documented submodule):
 

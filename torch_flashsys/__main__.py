@@ -1,6 +1,8 @@
 """``python -m torch_flashsys``: print an environment report to paste into bug reports."""
 
-from torch_flashsys._env import report
+import sys
+
+from torch_flashsys._env import main
 
 if __name__ == "__main__":
-    print(report())
+    sys.exit(main())

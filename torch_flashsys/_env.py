@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 
 import torch
@@ -78,3 +80,16 @@ def report() -> str:
     lines = ["torch_flashsys environment report"]
     lines += [f"  {key:<{width}} : {value}" for key, value in info.items()]
     return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m torch_flashsys [--help]``: print the report; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_flashsys",
+        description="Print an environment report to paste into bug reports: versions, GPUs, "
+        "whether the Triton kernels can run, which attention backend 'auto' picks, and the "
+        "available torch.distributed backends. Takes no other arguments.",
+    )
+    parser.parse_args(argv)
+    print(report())
+    return 0

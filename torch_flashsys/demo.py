@@ -67,7 +67,23 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--lr must be a positive number, got {args.lr}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib: pip install matplotlib")
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        problem = path and _unwritable(path)
+        if problem:  # now, not after the training whose results it would hold
+            p.error(f"{flag} {path}: {problem}")
     return args
+
+
+def _unwritable(path: str) -> str | None:
+    """Why a file cannot be written at ``path`` (its folder is missing, ...), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a folder; give a file name"
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist (create it first)"
+    if not os.access(folder, os.W_OK):
+        return f"the folder {folder} is not writable"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

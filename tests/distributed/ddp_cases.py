@@ -392,7 +392,7 @@ ERROR_CASES: dict[str, tuple[Callable[[int, int], tuple[Any, dict]], type, str]]
     "broadcast_buffers_str": (
         lambda r, w: (nn.Linear(4, 4), {"broadcast_buffers": "yes"}),
         TypeError,
-        "broadcast_buffers must be a bool, got str",
+        "broadcast_buffers must be a bool or None, got str",
     ),
     "process_group_str": (
         lambda r, w: (nn.Linear(4, 4), {"process_group": "world"}),
@@ -444,6 +444,83 @@ ERROR_CASES: dict[str, tuple[Callable[[int, int], tuple[Any, dict]], type, str]]
         RuntimeError,
         "bucket_size_mb must be finite and >= 0",
     ),
+    # torch DDP's arguments (issue: a drop-in that accepts torch's own calls). Rank-specific
+    # values (device_ids=[rank]) must still raise the same error type on every rank.
+    "device_ids_cpu_module": (
+        lambda r, w: (nn.Linear(4, 4), {"device_ids": [r]}),
+        ValueError,
+        "device_ids must be None for a module on the CPU",
+    ),
+    "device_ids_positional": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": [r]}),
+        TypeError,
+        "pass device_ids= by keyword",
+    ),
+    "device_ids_not_a_list": (
+        lambda r, w: (nn.Linear(4, 4), {"device_ids": r}),
+        TypeError,
+        "device_ids must be None or a list of one device, got int",
+    ),
+    "output_device_cpu_module": (
+        lambda r, w: (nn.Linear(4, 4), {"output_device": r}),
+        ValueError,
+        "output_device must be None for a module on the CPU",
+    ),
+    "bucket_cap_and_size": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": 10.0, "bucket_cap_mb": 10}),
+        TypeError,
+        "bucket_cap_mb is torch DDP's name for bucket_size_mb; pass one of them",
+    ),
+    "bucket_cap_negative": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_cap_mb": -1}),
+        ValueError,
+        "bucket_cap_mb must be finite and >= 0",
+    ),
+    "init_sync_str": (
+        lambda r, w: (nn.Linear(4, 4), {"init_sync": "no"}),
+        TypeError,
+        "init_sync must be a bool, got str",
+    ),
+    "static_graph_str": (
+        lambda r, w: (nn.Linear(4, 4), {"static_graph": "yes"}),
+        TypeError,
+        "static_graph must be a bool, got str",
+    ),
+    "dim_str": (
+        lambda r, w: (nn.Linear(4, 4), {"dim": "0"}),
+        TypeError,
+        "dim must be an int, got str",
+    ),
+    "forward_sync_buffers_str": (
+        lambda r, w: (nn.Linear(4, 4), {"forward_sync_buffers": "no"}),
+        TypeError,
+        "forward_sync_buffers must be a bool or None, got str",
+    ),
+    "mixed_precision": (
+        lambda r, w: (nn.Linear(4, 4), {"mixed_precision": object()}),
+        NotImplementedError,
+        "mixed_precision is not supported",
+    ),
+    "delay_all_reduce": (
+        lambda r, w: (nn.Linear(4, 4), {"delay_all_reduce_named_params": []}),
+        NotImplementedError,
+        "delay_all_reduce_named_params is not supported",
+    ),
+    "param_to_hook_all_reduce": (
+        lambda r, w: (nn.Linear(4, 4), {"param_to_hook_all_reduce": nn.Parameter(torch.ones(1))}),
+        NotImplementedError,
+        "param_to_hook_all_reduce is not supported",
+    ),
+    "device_mesh": (
+        lambda r, w: (nn.Linear(4, 4), {"device_mesh": object()}),
+        NotImplementedError,
+        "process_group=device_mesh.get_group(0)",
+    ),
+    "bucket_cap_mb_list": (
+        lambda r, w: (nn.Linear(4, 4), {"bucket_cap_mb_list": [1, 25]}),
+        NotImplementedError,
+        "bucket_cap_mb_list is not supported",
+    ),
 }
 
 
@@ -481,8 +558,21 @@ def nccl_equivalence(rank: int, world: int, seed: int) -> dict:
         for bs in (0, 0.0005, None):
             wrap = lambda m, bs=bs: BucketedDDP(m, bs)
             out[f"{kind}/ours[{bs}]"] = train(kind, seed, rank, wrap, mine, device=device)
+        # torch DDP's own call on a GPU, unchanged
+        call = {"device_ids": [rank], "output_device": rank, "bucket_cap_mb": 0.0005}
+        call |= {"find_unused_parameters": unused, "gradient_as_bucket_view": True}
+        wrap = lambda m, call=call: BucketedDDP(m, **call)
+        out[f"{kind}/ours[torch_call]"] = train(kind, seed, rank, wrap, mine, device=device)
+    # device_ids given: inputs on the CPU are moved to the module's device, as torch DDP does
     args, target = shard("mixed", seed, 0, rank)
-    args, target = tuple(a.to(device) for a in args), target.to(device)
+    target = target.to(device)
+    for tag, cls in (("torch", TorchDDP), ("ours[device_ids]", BucketedDDP)):
+        wrapped = cls(build("mixed", seed, rank).to(device), device_ids=[rank], output_device=rank)
+        grads = {k: v.cpu() for k, v in _grads_after_backward(wrapped, args, target).items()}
+        out[f"moved/{tag}"] = {"grads": grads}
+        if cls is BucketedDDP:
+            out[f"moved/{tag}"]["views"] = grads_are_bucket_views(wrapped)
+    args = tuple(a.to(device) for a in args)
     ref = TorchDDP(build("mixed", seed, rank).to(device))
     ref.register_comm_hook(None, default_hooks.bf16_compress_hook)
     out["compress/torch_bf16"] = {

@@ -170,6 +170,21 @@ ERRORS = {
     "optimizer_cls: step requires a closure": (TypeError, "_NeedsClosure cannot be sharded"),
     "process_group: wrong type": (TypeError, "process_group must be a .*ProcessGroup"),
     "process_group: not a member": ([None, ValueError], "rank 1\\) is not a member of process_g"),
+    "process_group: positional, wrong type": (TypeError, "process_group must be a .*ProcessGroup"),
+    "optimizer_class: with optimizer_cls too": (
+        TypeError,
+        "optimizer_class is ZeroRedundancyOptimizer's name for optimizer_cls; pass one of them",
+    ),
+    "optimizer_class: neither name": (
+        TypeError,
+        "missing the optimizer class: pass optimizer_cls \\(or ZeroRedundancyOptimizer's name",
+    ),
+    "optimizer_class: an instance": (TypeError, "optimizer_class must be a torch.optim.Optimizer"),
+    "overlap_with_ddp: True": (NotImplementedError, "overlap_with_ddp=True is not supported"),
+    "parameters_as_bucket_view: not a bool": (
+        TypeError,
+        "parameters_as_bucket_view must be a bool, got str",
+    ),
     "ranks: shapes differ": (RuntimeError, "differs across ranks.*shape=\\(3, 4\\)"),
     "ranks: optimizer_cls rejects on one rank": (RuntimeError, "differs across ranks.*lr"),
     "ranks: lr differs": (RuntimeError, "differs across ranks.*param group 0 options"),
@@ -186,7 +201,16 @@ ERRORS = {
     "load_state_dict: groups differ": (ValueError, "2 group\\(s\\) of sizes \\[1, 1\\].* 1 of"),
     "load_state_dict: not a state dict": (TypeError, "expected a dict with 'state' and 'param_g"),
     "load_state_dict: given a shard": (ValueError, "load it with load_sharded_state_dict"),
-    "load_sharded_state_dict: another rank's shard": (RuntimeError, "saved by rank 1 of 2"),
+    "load_sharded_state_dict: another rank's shard": (
+        ValueError,
+        "^ValueError: ShardedOptimizer.load_sharded_state_dict: this shard was saved by rank "
+        "[01] of 2, this is rank [01]: each rank must load the shard it saved",
+    ),
+    "load_sharded_state_dict: another world size": (
+        ValueError,
+        "^ValueError: ShardedOptimizer.load_sharded_state_dict: this shard was saved at world "
+        "size 1, this optimizer runs at world size 2",
+    ),
     "load_sharded_state_dict: another model's shard": (ValueError, "saved for different param"),
     "shard_gradients: not a bool": (TypeError, "shard_gradients must be a bool, got str"),
     "shard_gradients: no BucketedDDP": (ValueError, "shard_gradients=True needs .*found none"),

@@ -88,6 +88,14 @@ def _load_shard_of_other_model(rank, tmpdir):
     other.load_sharded_state_dict(shard)
 
 
+def _load_shard_of_other_world_size(rank, tmpdir):
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank calls
+    params = _params((3, 4), (5,), (2, 2))
+    alone = ShardedOptimizer(params, torch.optim.Adam, process_group=groups[rank], lr=0.1)
+    shard = alone.sharded_state_dict()  # saved at world size 1
+    ShardedOptimizer(params, torch.optim.Adam, lr=0.1).load_sharded_state_dict(shard)
+
+
 def _shapes_differ(rank, tmpdir):
     ShardedOptimizer(_params((3, 4 + rank), (5,)), SGD, lr=0.1)
 
@@ -189,6 +197,24 @@ CASES = {
         _params((3,)), SGD, process_group="world", lr=0.1
     ),
     "process_group: not a member": _not_a_member,
+    "process_group: positional, wrong type": lambda r, d: ShardedOptimizer(
+        _params((3,)), SGD, "world", lr=0.1
+    ),
+    # ZeroRedundancyOptimizer's names (params, optimizer_class, process_group=None,
+    # parameters_as_bucket_view=False, overlap_with_ddp=False, **defaults)
+    "optimizer_class: with optimizer_cls too": lambda r, d: ShardedOptimizer(
+        _params((3,)), SGD, optimizer_class=SGD, lr=0.1
+    ),
+    "optimizer_class: neither name": lambda r, d: ShardedOptimizer(_params((3,)), lr=0.1),
+    "optimizer_class: an instance": lambda r, d: ShardedOptimizer(
+        _params((3,)), optimizer_class=SGD(_params((3,)), lr=0.1)
+    ),
+    "overlap_with_ddp: True": lambda r, d: ShardedOptimizer(
+        _params((3,)), SGD, overlap_with_ddp=True, lr=0.1
+    ),
+    "parameters_as_bucket_view: not a bool": lambda r, d: ShardedOptimizer(
+        _params((3,)), SGD, parameters_as_bucket_view="yes", lr=0.1
+    ),
     "ranks: shapes differ": _shapes_differ,
     "ranks: optimizer_cls rejects on one rank": _optimizer_rejects_on_one_rank,
     "ranks: lr differs": _lr_differs,
@@ -207,6 +233,7 @@ CASES = {
     "load_state_dict: given a shard": _load_shard_as_plain,
     "load_sharded_state_dict: another rank's shard": _load_other_ranks_shard,
     "load_sharded_state_dict: another model's shard": _load_shard_of_other_model,
+    "load_sharded_state_dict: another world size": _load_shard_of_other_world_size,
     "shard_gradients: not a bool": _zero2_not_bool,
     "shard_gradients: no BucketedDDP": _zero2_without_ddp,
     "shard_gradients: torch DDP": _zero2_torch_ddp,

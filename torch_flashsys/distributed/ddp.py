@@ -4,83 +4,63 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_flashsys.distributed import _join
 from torch_flashsys.distributed._buckets import broadcast_coalesced
 from torch_flashsys.distributed._comm_hook import hook_name, hook_problem
+from torch_flashsys.distributed._ddp_args import (
+    COMPRESSION,
+    DEFAULT_BUCKET_MB,
+    Options,
+    Problem,
+    resolve,
+)
 from torch_flashsys.distributed._reducer import BackwardState, GradientReducer
 from torch_flashsys.distributed._sparse import SparseReduction, sparse_gradient_params
 from torch_flashsys.distributed._verify import (
+    check_process_group,
     collective_device,
     describe_tensors,
     verify_same_across_ranks,
 )
 
-_COMPRESSION = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _option_problem(
-    bucket_size_mb: Any, broadcast_buffers: Any, grad_compression: Any
-) -> tuple[type[Exception], str] | None:
-    """The first invalid option as (exception type, message), or None."""
-    if bucket_size_mb is not None:
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
-            return TypeError, (
-                "BucketedDDP: bucket_size_mb must be a number or None, got "
-                f"{type(bucket_size_mb).__name__} {bucket_size_mb!r}"
-            )
-        if not math.isfinite(bucket_size_mb) or bucket_size_mb < 0:
-            return ValueError, (
-                "BucketedDDP: bucket_size_mb must be finite and >= 0 (0: one parameter per bucket; "
-                f"None: one bucket), got {bucket_size_mb!r}"
-            )
-    if not isinstance(broadcast_buffers, bool):
-        return TypeError, (
-            f"BucketedDDP: broadcast_buffers must be a bool, got {type(broadcast_buffers).__name__}"
-        )
-    if grad_compression is not None and grad_compression not in _COMPRESSION:
-        return ValueError, (
-            "BucketedDDP: grad_compression must be None, 'bf16' or 'fp16', got "
-            f"{grad_compression!r}"
-        )
-    return None
-
 
 def _double_wrap_problem(
     module: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]]
-) -> tuple[type[Exception], str] | None:
-    """Why wrapping ``module`` would synchronize some gradient twice (as (exception type,
-    message)), or None: it is, or holds, a data-parallel wrapper, or a parameter of it is already
-    synchronized by another live BucketedDDP (the same module wrapped twice, shared parameters).
+) -> Problem | None:
+    """Why wrapping ``module`` would synchronize some gradient twice, or None: it is, or holds, a
+    data-parallel wrapper, or a parameter of it is already synchronized by another live BucketedDDP (the same module wrapped twice, shared parameters).
     Averaging twice does not give the average: the wrappers' gradient buffers interfere (e.g.
     exactly half the true average), and the ranks agree, so nothing else would show it."""
     for name, sub in module.named_modules():
         if isinstance(sub, (BucketedDDP, TorchDDP)):
             kind = type(sub).__name__
             where = "module is already" if not name else f"submodule {name!r} is"
-            return RuntimeError, (
+            message = (
                 f"BucketedDDP: {where} a {kind}; its parameters would be synchronized twice, "
                 "which gives wrong gradients; wrap the model itself once (for a wrapper w, its "
                 "model is w.module), with no data-parallel wrapper inside"
             )
+            return Problem(RuntimeError, message, message)
     for name, p in named:
         if wrapper_of(p) is not None:
-            return RuntimeError, (
+            message = (
                 f"BucketedDDP: parameter {name!r} is already synchronized by another BucketedDDP "
                 "(the same module wrapped twice, or modules that share parameters); a gradient "
                 "averaged by two wrappers is wrong: use the existing wrapper, or delete it first"
             )
+            return Problem(RuntimeError, message, message)
     return None
 
 
@@ -156,9 +136,24 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         process_group: group to average over (default: the whole world).
         broadcast_buffers: broadcast buffers (e.g. BatchNorm statistics) from rank 0 at
             construction and at the start of each forward that follows a synchronizing forward,
-            as torch DDP does; ``False``: buffers stay rank-local (never broadcast).
+            as torch DDP does; ``False``: buffers stay rank-local (never broadcast); ``None``
+            (torch 2.13's default): ``True``.
         grad_compression: ``"bf16"`` / ``"fp16"``: all-reduce a low-precision copy of each bucket
             and write the average back (torch DDP's compression hooks); ``None``: full precision.
+
+    torch DDP's other constructor arguments are accepted, so that its calls swap unchanged
+    (docs/migration.md lists each): ``device_ids`` (``None``, or ``[the device holding the
+    module]``: inputs are then moved there before the forward, as torch DDP does),
+    ``output_device`` (``None`` or that device), ``init_sync`` (``False``: nothing is broadcast
+    at construction; the cross-rank check still runs), ``bucket_cap_mb`` (``bucket_size_mb``
+    under torch's name; ``None``: 25), ``forward_sync_buffers`` (torch 2.13: whether forwards
+    and ``join()`` broadcast buffers; construction then always does). ``dim``,
+    ``find_unused_parameters``, ``check_reduction``, ``gradient_as_bucket_view``,
+    ``static_graph``, ``skip_all_reduce_unused_params`` and ``batched_grad_copy`` change
+    nothing here (``_ddp_args.NO_OPS`` says why); ``delay_all_reduce_named_params``,
+    ``param_to_hook_all_reduce``, ``mixed_precision``, ``device_mesh`` and
+    ``bucket_cap_mb_list`` raise ``NotImplementedError`` unless ``None``. Pass them by keyword
+    (the second positional argument is ``bucket_size_mb``, torch's is ``device_ids``).
 
     Each ``param.grad`` is a view into its bucket's flat buffer (no extra gradient memory). The
     wrapped module is ``.module``; its ``state_dict()`` keys are unchanged, and this wrapper's
@@ -174,11 +169,29 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
     def __init__(
         self,
         module: torch.nn.Module,
-        bucket_size_mb: float | None = 25.0,
+        bucket_size_mb: float | None = DEFAULT_BUCKET_MB,
         *,
         process_group: dist.ProcessGroup | None = None,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = True,
         grad_compression: str | None = None,
+        # torch DDP's other arguments (see the class docstring)
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
+        dim: int = 0,
+        init_sync: bool = True,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Any = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, torch.nn.Module):
@@ -188,59 +201,46 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
                 "BucketedDDP: torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group(...) first (torchrun sets its environment)"
             )
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                "BucketedDDP: process_group must be a torch.distributed.ProcessGroup or None, got "
-                f"{type(process_group).__name__}"
-            )
-        if dist.get_rank(process_group) < 0:
-            raise ValueError(
-                f"BucketedDDP: this process (global rank {dist.get_rank()}) is not a member of "
-                "process_group; only members may wrap a module with it"
-            )
+        check_process_group("BucketedDDP", process_group)
+        options, problem = resolve(
+            module,
+            bucket_size_mb,
+            grad_compression,
+            {
+                "device_ids": device_ids,
+                "output_device": output_device,
+                "dim": dim,
+                "broadcast_buffers": broadcast_buffers,
+                "init_sync": init_sync,
+                "bucket_cap_mb": bucket_cap_mb,
+                "find_unused_parameters": find_unused_parameters,
+                "check_reduction": check_reduction,
+                "gradient_as_bucket_view": gradient_as_bucket_view,
+                "static_graph": static_graph,
+                "delay_all_reduce_named_params": delay_all_reduce_named_params,
+                "param_to_hook_all_reduce": param_to_hook_all_reduce,
+                "mixed_precision": mixed_precision,
+                "device_mesh": device_mesh,
+                "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
+                "bucket_cap_mb_list": bucket_cap_mb_list,
+                "batched_grad_copy": batched_grad_copy,
+                "forward_sync_buffers": forward_sync_buffers,
+            },
+        )
         self.module = module
         self.process_group = process_group
-        self.bucket_size_mb = bucket_size_mb
-        self.broadcast_buffers = broadcast_buffers
+        self.bucket_size_mb = options.bucket_size_mb
+        self.broadcast_buffers = options.forward_buffers  # torch DDP's forward_sync_buffers
         self.grad_compression = grad_compression
+        self._input_device = options.input_device
         self._world = dist.get_world_size(process_group)
         self._group = process_group if process_group is not None else dist.group.WORLD
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-
-        # Option errors go through the cross-rank check too: a rank passing a bad option then
-        # raises with the others instead of leaving them hanging in the first collective.
         named = list(module.named_parameters())
-        problem = _option_problem(
-            bucket_size_mb, broadcast_buffers, grad_compression
-        ) or _double_wrap_problem(module, named)
-        items = [("argument check", problem[1] if problem else "ok")]  # first: named first
-        items += describe_tensors(named)
-        if broadcast_buffers is True:  # buffers are broadcast, so they must match too
-            items += describe_tensors(module.named_buffers(), kind="buffer")
+        problem = problem or _double_wrap_problem(module, named)
         sparse_ids = sparse_gradient_params(module)
-        items += [
-            ("option bucket_size_mb", repr(bucket_size_mb)),
-            ("option broadcast_buffers", repr(broadcast_buffers)),
-            ("option grad_compression", repr(grad_compression)),
-            (
-                "parameters with sparse gradients (nn.Embedding(sparse=True))",
-                repr([i for i, (_, p) in enumerate(named) if id(p) in sparse_ids]),
-            ),
-        ]
-        verify_same_across_ranks("BucketedDDP", items, process_group, what="the wrapped module")
-        if problem:
-            raise problem[0](problem[1])
+        self._verify_and_sync(named, sparse_ids, options, problem, grad_compression)
         trainable = [(name, p) for name, p in named if p.requires_grad]
-        if not trainable:  # same on every rank: requires_grad was verified above
-            raise ValueError(
-                "BucketedDDP: module has no parameter that requires a gradient; "
-                "there is nothing to synchronize"
-            )
-        # As torch DDP: broadcast_buffers=False leaves buffers rank-local from the start.
-        states = [p.detach() for _, p in named] + (
-            list(module.buffers()) if broadcast_buffers else []
-        )
-        broadcast_coalesced(states, self._src, process_group)
 
         self._params = [p for _, p in trainable]
         self._names = [name for name, _ in trainable]
@@ -253,13 +253,13 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
             if sparse
             else None
         )
-        self._limit = None if bucket_size_mb is None else int(bucket_size_mb * 2**20)
+        self._limit = None if self.bucket_size_mb is None else int(self.bucket_size_mb * 2**20)
         # Pointing grads at their views before AccumulateGrad runs is safe when one autograd
         # thread does all the accumulation: one device (the supported setup, as in torch DDP).
         self._prepoint = len({p.device for p in self._params}) == 1
         self._owners: list[int] | None = None  # ZeRO-2: owner group rank of each parameter
         self._build_buckets()
-        self._comm_dtype = _COMPRESSION.get(grad_compression) if grad_compression else None
+        self._comm_dtype = COMPRESSION.get(grad_compression) if grad_compression else None
         # NCCL averages inside the collective, saving a pass over the gradients; gloo cannot.
         self._reduce_avg = dist.get_backend(process_group) == "nccl"
         # Hooks hold the wrapper weakly: the param -> hook edge lives in C++, where Python's cycle
@@ -287,10 +287,62 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         self._divide_by_initial = True
         self._join_synced = True  # joined rank: the last shadowed forward synchronized
 
+    def _verify_and_sync(
+        self,
+        named: list[tuple[str, torch.nn.Parameter]],
+        sparse_ids: set[int],
+        options: Options,
+        problem: Problem | None,
+        grad_compression: str | None,
+    ) -> None:
+        """The cross-rank check, then (``init_sync``) rank 0's parameters and buffers to all.
+
+        Argument problems go through the check too, as rules without rank-specific values
+        (``device_ids=[rank]``): every rank then raises together instead of leaving the others
+        hanging in the first collective."""
+        module = self.module
+        items = [("argument check", problem.rule if problem else "ok")]  # first: named first
+        items += describe_tensors(named)
+        if options.init_buffers or options.forward_buffers:  # broadcast: they must match too
+            items += describe_tensors(module.named_buffers(), kind="buffer")
+
+        def value(option: Any) -> str:  # with a problem the rule speaks for the options
+            return repr(option) if problem is None else "see the argument check"
+
+        items += [
+            ("option bucket_size_mb", value(options.bucket_size_mb)),
+            ("option init_sync", value(options.init_sync)),
+            ("option buffers broadcast at construction", value(options.init_buffers)),
+            ("option buffers broadcast before forwards", value(options.forward_buffers)),
+            ("option grad_compression", value(grad_compression)),
+            (
+                "parameters with sparse gradients (nn.Embedding(sparse=True))",
+                repr([i for i, (_, p) in enumerate(named) if id(p) in sparse_ids]),
+            ),
+        ]
+        verify_same_across_ranks(
+            "BucketedDDP", items, self.process_group, what="the wrapped module"
+        )
+        if problem:
+            raise problem.kind(problem.message)
+        if not any(p.requires_grad for _, p in named):  # same on every rank: verified above
+            raise ValueError(
+                "BucketedDDP: module has no parameter that requires a gradient; "
+                "there is nothing to synchronize"
+            )
+        if options.init_sync:  # as torch DDP: broadcast_buffers=False leaves buffers rank-local
+            states = [p.detach() for _, p in named]
+            states += list(module.buffers()) if options.init_buffers else []
+            broadcast_coalesced(states, self._src, self.process_group)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Call ``self.module(*inputs, **kwargs)`` (after broadcasting buffers, see the class)."""
         if self._bw.in_backward:
             self._unfinished_backward()
+        if self._input_device is not None:  # device_ids given: torch DDP moves the inputs
+            inputs, kwargs = tree_map_only(
+                torch.Tensor, lambda t: t.to(self._input_device), (inputs, kwargs)
+            )
         if self._join_config.enable:
             self._join_forward()
         elif self._sync_buffers_next and self.broadcast_buffers and self._world > 1:

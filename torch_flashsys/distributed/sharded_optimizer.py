@@ -1,4 +1,4 @@
-"""ShardedOptimizer: ZeRO-1 optimizer-state sharding for any ``torch.optim.Optimizer``."""
+"""ShardedOptimizer: ZeRO-1/2 state (and gradient) sharding for any ``torch.optim.Optimizer``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from torch_flashsys.distributed._sharding import (
     chunk_bytes_for,
 )
 from torch_flashsys.distributed._verify import (
+    check_process_group,
     collective_device,
     describe_tensors,
     signature,
@@ -33,6 +34,11 @@ from torch_flashsys.distributed._verify import (
 from torch_flashsys.distributed._zero2 import clip_grad_norm, find_wrapper
 
 _NOT_HYPER = ("params", "param_names")  # group keys that are not hyperparameters
+
+
+def _same(problem: str) -> tuple[str, str]:
+    """A problem whose message names nothing rank-specific: the rule is the message."""
+    return problem, problem
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +63,53 @@ def _unshardable(optimizer_cls: type[torch.optim.Optimizer]) -> str | None:
     )
 
 
+def _optimizer_class(cls: Any, torch_name: Any) -> type[torch.optim.Optimizer]:
+    """The optimizer class, given as ``optimizer_cls`` or as ZeroRedundancyOptimizer's
+    ``optimizer_class``."""
+    if cls is not None and torch_name is not None:
+        raise TypeError(
+            "ShardedOptimizer: optimizer_class is ZeroRedundancyOptimizer's name for "
+            f"optimizer_cls; pass one of them, got optimizer_cls={cls!r} and "
+            f"optimizer_class={torch_name!r}"
+        )
+    if cls is None and torch_name is None:
+        raise TypeError(
+            "ShardedOptimizer: missing the optimizer class: pass optimizer_cls (or "
+            "ZeroRedundancyOptimizer's name, optimizer_class), e.g. "
+            "ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)"
+        )
+    name, cls = ("optimizer_cls", cls) if cls is not None else ("optimizer_class", torch_name)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(
+            f"ShardedOptimizer: {name} must be a torch.optim.Optimizer subclass (the class, e.g. "
+            f"torch.optim.AdamW, not an instance), got {cls!r}"
+        )
+    if issubclass(cls, ShardedOptimizer):
+        raise TypeError(f"ShardedOptimizer: {name} cannot be ShardedOptimizer itself")
+    return cls
+
+
+def _check_zero_flags(
+    shard_gradients: Any, parameters_as_bucket_view: Any, overlap_with_ddp: Any
+) -> None:
+    for name, value in (
+        ("shard_gradients", shard_gradients),
+        ("parameters_as_bucket_view", parameters_as_bucket_view),
+        ("overlap_with_ddp", overlap_with_ddp),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"ShardedOptimizer: {name} must be a bool, got {type(value).__name__} {value!r}"
+            )
+    if overlap_with_ddp:
+        raise NotImplementedError(
+            "ShardedOptimizer: overlap_with_ddp=True is not supported (ZeroRedundancyOptimizer "
+            "then steps inside a DDP communication hook, ddp_zero_hook); step() here already "
+            "overlaps each chunk's parameter broadcast with the next chunk's step, and "
+            "shard_gradients=True with BucketedDDP reduces each gradient to its owner only"
+        )
+
+
 class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     """Shard the state of any optimizer across the ranks of a process group (ZeRO stage 1, and
     stage 2 with :class:`~torch_flashsys.BucketedDDP`).
@@ -77,8 +130,13 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         optimizer_cls: the optimizer to shard, a ``torch.optim.Optimizer`` subclass
             (``torch.optim.AdamW``, ...) that updates each parameter from its own gradient and
             state: not ``torch.optim.LBFGS`` nor any optimizer whose ``step()`` requires a
-            closure (``TypeError``: they need the whole parameter vector).
+            closure (``TypeError``: they need the whole parameter vector);
+            ``optimizer_class=`` (ZeroRedundancyOptimizer's name) works too.
         process_group: the ranks to shard across (default: the default group).
+        parameters_as_bucket_view: accepted for ZeroRedundancyOptimizer's calls; no effect:
+            trainable parameters always become bucket views (below), as its ``True`` makes them.
+        overlap_with_ddp: ZeroRedundancyOptimizer's; ``True`` raises ``NotImplementedError``
+            (the step here already overlaps its broadcasts; ZeRO-2 is ``shard_gradients``).
         shard_gradients: ZeRO-2. The parameters' :class:`~torch_flashsys.BucketedDDP` (built
             first, over the same process group) then reduces each gradient only to the rank that
             owns the parameter, instead of all-reducing it: after each backward a rank holds the
@@ -115,43 +173,23 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     def __init__(
         self,
         params: ParamsT,
-        optimizer_cls: type[torch.optim.Optimizer],
-        *,
+        optimizer_cls: type[torch.optim.Optimizer] | None = None,
         process_group: dist.ProcessGroup | None = None,
+        parameters_as_bucket_view: bool = False,
+        overlap_with_ddp: bool = False,
+        *,
+        optimizer_class: type[torch.optim.Optimizer] | None = None,
         shard_gradients: bool = False,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(shard_gradients, bool):
-            raise TypeError(
-                "ShardedOptimizer: shard_gradients must be a bool, got "
-                f"{type(shard_gradients).__name__} {shard_gradients!r}"
-            )
-        if not (
-            isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
-        ):
-            raise TypeError(
-                "ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass (the "
-                f"class, e.g. torch.optim.AdamW, not an instance), got {optimizer_cls!r}"
-            )
-        if issubclass(optimizer_cls, ShardedOptimizer):
-            raise TypeError("ShardedOptimizer: optimizer_cls cannot be ShardedOptimizer itself")
+        optimizer_cls = _optimizer_class(optimizer_cls, optimizer_class)
+        _check_zero_flags(shard_gradients, parameters_as_bucket_view, overlap_with_ddp)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ShardedOptimizer: torch.distributed is not initialized; call "
                 "torch.distributed.init_process_group() on every rank before constructing it"
             )
-        if process_group is dist.GroupMember.NON_GROUP_MEMBER or (
-            isinstance(process_group, dist.ProcessGroup) and dist.get_rank(process_group) < 0
-        ):  # what new_group returns to the ranks it does not include
-            raise ValueError(
-                f"ShardedOptimizer: this process (global rank {dist.get_rank()}) is not a member "
-                "of process_group; only its members may construct the optimizer"
-            )
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                "ShardedOptimizer: process_group must be a torch.distributed.ProcessGroup or None, "
-                f"got {type(process_group).__name__}"
-            )
+        check_process_group("ShardedOptimizer", process_group)
         self._ready = False  # add_param_group only collects groups until __init__ is done
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.process_group)
@@ -605,19 +643,29 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
             },
         }
 
-    def _shard_problem(self, shard_dict: Any) -> str | None:
+    def _shard_problem(self, shard_dict: Any) -> tuple[str, str] | None:
+        """What is wrong with ``shard_dict`` for this rank, as (the rule broken, without
+        rank-specific values: compared across ranks; the message for this rank), or None."""
         if not isinstance(shard_dict, dict) or "shard" not in shard_dict:
-            return "expected a dict from sharded_state_dict() (with a 'shard' entry)"
+            return _same("expected a dict from sharded_state_dict() (with a 'shard' entry)")
         meta = shard_dict["shard"]
-        if (meta.get("world_size"), meta.get("rank")) != (self.world_size, self.rank):
+        saved_world, saved_rank = meta.get("world_size"), meta.get("rank")
+        if saved_world != self.world_size:
+            return _same(
+                f"this shard was saved at world size {saved_world}, this optimizer runs at "
+                f"world size {self.world_size}; a sharded checkpoint loads only at the world "
+                "size it was saved at: to change it, save the consolidated state "
+                "(consolidate_state_dict(to=0) on every rank, state_dict() on rank 0) and "
+                "load_state_dict() it on every rank"
+            )
+        if saved_rank != self.rank:
             return (
-                f"the shard was saved by rank {meta.get('rank')} of {meta.get('world_size')}, "
-                f"this is rank {self.rank} of {self.world_size} (each rank must load its own "
-                "shard from the same world size; otherwise save and load the consolidated "
-                "state_dict())"
+                "this shard was saved by another rank: each rank must load the shard it saved",
+                f"this shard was saved by rank {saved_rank} of {saved_world}, this is rank "
+                f"{self.rank}: each rank must load the shard it saved",
             )
         if meta.get("params") != self._shard_layout() or meta.get("owners") != self._owners:
-            return (
+            return _same(
                 "the shard was saved for different parameters (shapes, dtypes, order or "
                 "partition); build the optimizer over the same parameters and param groups"
             )
@@ -626,9 +674,9 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
                 "", shard_dict, [len(g["params"]) for g in self.param_groups]
             )
         except (TypeError, ValueError) as exc:
-            return str(exc).lstrip(": ")
+            return _same(str(exc).lstrip(": "))
         if any(self._owners[i] != self.rank for i in state):
-            return "the shard holds state for parameters this rank does not own"
+            return _same("the shard holds state for parameters this rank does not own")
         return None
 
     def load_sharded_state_dict(self, shard_dict: dict[str, Any]) -> None:
@@ -640,8 +688,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         caller = "ShardedOptimizer.load_sharded_state_dict"
         problem = self._shard_problem(shard_dict)
         verify_same_across_ranks(
-            caller, [("shard", problem or "ok")], self.process_group, what="the loaded shard"
+            caller,
+            [("shard", problem[0] if problem else "ok")],
+            self.process_group,
+            what="the loaded shard",
         )
         if problem is not None:
-            raise ValueError(f"{caller}: {problem}")
+            raise ValueError(f"{caller}: {problem[1]}")
         self._load_local(shard_dict["state"], shard_dict["param_groups"])
