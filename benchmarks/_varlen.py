@@ -88,9 +88,11 @@ def packed_rows(device: str, dtype, smoke: bool) -> list[dict]:
     # the same batch as nested jagged tensors, (n, heads, j, dim) as SDPA takes them
     offsets = cu.long()
     as_nested = lambda t: torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
-    ours_nested = lambda q, k, v: flash_attention(
-        as_nested(q), as_nested(k), as_nested(v), is_causal=True
-    ).transpose(1, 2).values()
+    ours_nested = lambda q, k, v: (
+        flash_attention(as_nested(q), as_nested(k), as_nested(v), is_causal=True)
+        .transpose(1, 2)
+        .values()
+    )
     _row(rows, "ours nested jagged", case, _fwd_bwd(ours_nested, (q, k, v), dout), device,
          flops=flops)  # fmt: skip
     # padded to the longest: (n, heads, longest, dim) with a causal + key-padding mask

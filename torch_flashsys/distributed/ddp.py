@@ -40,9 +40,10 @@ def _double_wrap_problem(
     module: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]]
 ) -> Problem | None:
     """Why wrapping ``module`` would synchronize some gradient twice, or None: it is, or holds, a
-    data-parallel wrapper, or a parameter of it is already synchronized by another live BucketedDDP (the same module wrapped twice, shared parameters).
-    Averaging twice does not give the average: the wrappers' gradient buffers interfere (e.g.
-    exactly half the true average), and the ranks agree, so nothing else would show it."""
+    data-parallel wrapper, or a parameter of it is already synchronized by another live
+    BucketedDDP (the same module wrapped twice, shared parameters). Averaging twice does not give
+    the average: the wrappers' gradient buffers interfere (e.g. exactly half the true average),
+    and the ranks agree, so nothing else would show it."""
     for name, sub in module.named_modules():
         if isinstance(sub, (BucketedDDP, TorchDDP)):
             kind = type(sub).__name__
