@@ -123,3 +123,14 @@ def test_environment_report_says_what_auto_picks_for_cpu_tensors(monkeypatch, in
     assert ("torch for cpu" in picks) and ("triton for cpu" not in picks)
     if interpret == "1" and triton_installed():
         assert "backend='triton'" in info["triton kernels can run"]
+
+
+@pytest.mark.gpu
+def test_auto_runs_cuda_tensors_on_the_kernels_unless_interpreting(monkeypatch, triton_calls):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+    flash_attention(q, q, q, is_causal=True)
+    assert triton_calls.call_count == 1
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flash_attention(q, q, q, is_causal=True)
+    assert triton_calls.call_count == 1  # the torch path

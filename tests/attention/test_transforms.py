@@ -112,3 +112,17 @@ def test_unsupported_transforms_raise_naming_what_works(backend):
         with pytest.raises(NotImplementedError, match=r"supported: torch\.func\.grad") as info:
             call()
         assert str(info.value).startswith("flash_attention: "), name
+
+
+@pytest.mark.gpu
+def test_vmap_and_grad_on_cuda_match_sdpa_float64():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 2, 4, 70, 64, generator=gen).cuda() for _ in range(3))
+    fn = lambda q, k, v: flash_attention(q, k, v, is_causal=True, backend="triton")
+    out = torch.func.vmap(fn)(q, k, v)
+    ref = torch.func.vmap(lambda q, k, v: _sdpa64(q, k, v, True, False))(q, k, v)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    grad = torch.func.grad(lambda q: fn(q[0], k[0], v[0]).sum())(q)
+    q64 = q.double().requires_grad_()
+    _sdpa64(q64[0], k[0], v[0], True, False).sum().backward()
+    torch.testing.assert_close(grad.double(), q64.grad, atol=1e-4, rtol=1e-4)
