@@ -15,6 +15,7 @@ sweep. Examples::
     python benchmarks/flash.py --first-call --out docs/data/attention_startup_h100.csv
                                    # first calls in a fresh process, empty Triton cache
     python benchmarks/flash.py --smoke                        # tiny, CPU, seconds
+    python benchmarks/flash.py --preset cpu --no-causal       # "auto" against SDPA on a CPU
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ PRESETS = {
     "features": dict(dtype="bf16"),
     # Packed batches and KV-cache decoding beside their peers (benchmarks/_varlen.py).
     "varlen": dict(dtype="bf16"),
+    # What backend="auto" costs on a CPU-only machine against SDPA there (issue 25; --causal or
+    # --no-causal; run it with and without TRITON_INTERPRET=1 in the environment).
+    "cpu": dict(
+        shapes="2x8x512x64,4x8x1024x64",
+        dtype="fp32",
+        modes="fwd+bwd",
+        reps=5,
+        impls="flash_attention,sdpa (default backend choice)",
+    ),
 }
 
 
@@ -125,6 +135,9 @@ def implementations(device: str) -> dict:
             q, k, v, is_causal=c, backend="torch"
         )
         impls["sdpa math"] = _sdpa("MATH")
+        impls["sdpa (default backend choice)"] = lambda q, k, v, c: F.scaled_dot_product_attention(
+            q, k, v, is_causal=c
+        )
     return impls
 
 
@@ -287,6 +300,10 @@ def main(argv=None):
     )  # fmt: skip
     p.add_argument("--seq", default="1024", help="sequence length(s), comma-separated")
     p.add_argument("--dim", default="64", help="head dim(s), comma-separated")
+    p.add_argument(
+        "--shapes",
+        help="comma-separated problems BxHxLxD (or BxLxD), instead of --batch/--heads/--seq/--dim",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="default bf16")
     p.add_argument(
         "--causal", action=argparse.BooleanOptionalAction, default=True,
@@ -352,6 +369,7 @@ def main(argv=None):
             setattr(args, key, value)
     if args.smoke:
         args.batch, args.heads, args.seq, args.dim, args.reps = 2, 2, "64,128", "16,32", 2
+        args.shapes = None
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     dtype = DTYPES[args.dtype]
     if device == "cpu" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
@@ -362,10 +380,9 @@ def main(argv=None):
         impls = {n: f for n, f in impls.items() if n in args.impls.split(",")}
 
     rows = []
-    configs = list(itertools.product(map(int, args.dim.split(",")), map(int, args.seq.split(","))))
     start = time.perf_counter()
-    for dim, seq in progress(configs, desc="configs"):
-        shape = (args.batch, seq, dim) if args.heads == 0 else (args.batch, args.heads, seq, dim)
+    for shape in progress(_shapes(args), desc="configs"):
+        batch, heads, seq, dim = shape[0], (shape[1] if len(shape) == 4 else 0), *shape[-2:]
         if args.time_budget and time.perf_counter() - start > args.time_budget:
             rows += [{"impl": name, "shape": "x".join(map(str, shape)), "dtype": args.dtype,
                       "causal": args.causal, **status(modes, "skipped (time budget)")}
@@ -382,7 +399,7 @@ def main(argv=None):
                 for mode in modes:
                     row[f"{mode} ms"] = res[mode]["median_ms"]
                     row[f"{mode} p20-p80"] = f"{res[mode]['p20_ms']:.3g}-{res[mode]['p80_ms']:.3g}"
-                    flops = attention_flops(args.batch, args.heads, seq, dim, args.causal, mode)
+                    flops = attention_flops(batch, heads, seq, dim, args.causal, mode)
                     row[f"{mode} TFLOP/s"] = flops / (res[mode]["median_ms"] * 1e-3) / 1e12
                 if "mem_before_bwd_MiB" in res:
                     row["mem before bwd MiB"] = res["mem_before_bwd_MiB"]
@@ -418,6 +435,15 @@ def main(argv=None):
             overhead_rows,
             ["impl", "host us/call (wall)", "host us/call (process CPU)"],
         )
+
+
+def _shapes(args) -> list[tuple[int, ...]]:
+    """The problems to time: ``--shapes``, else ``--dim`` x ``--seq`` at ``--batch``/``--heads``."""
+    if args.shapes:
+        return [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    dims, seqs = map(int, args.dim.split(",")), map(int, args.seq.split(","))
+    return [(args.batch, seq, dim) if args.heads == 0 else (args.batch, args.heads, seq, dim)
+            for dim, seq in itertools.product(dims, seqs)]  # fmt: skip
 
 
 def run_peers(args) -> None:

@@ -36,7 +36,7 @@ def test_make_batch(seed, batch, length, symbols, task):
 
 def test_demo_trains_two_ranks_and_replicas_agree(tmp_path, capfd):
     out = tmp_path / "demo.json"
-    # backend "torch": under the CPU test run's TRITON_INTERPRET=1, "auto" would interpret Triton.
+    # backend "torch": what "auto" picks for CPU tensors, named so a GPU run trains the same way.
     code = demo.main(
         ["--steps", "80", "--batch-size", "16", "--attention-backend", "torch",
          "--no-progress", "--out", str(out)]

@@ -41,12 +41,18 @@ def collect() -> dict[str, object]:
     kernel_device = torch.device("cuda" if cuda else "cpu")
     if triton_can_run_on(kernel_device):
         kernels = (
-            "yes, on CUDA" if cuda else "yes, through the Triton interpreter (TRITON_INTERPRET=1)"
+            "yes, on CUDA"
+            if not interpreter_active()
+            else "yes, through the Triton interpreter (TRITON_INTERPRET=1), with backend='triton' "
+            "only (slow; no bfloat16)"
         )
     elif not triton_installed():
         kernels = "no: triton is not installed"
     else:
-        kernels = "no: no CUDA device (set TRITON_INTERPRET=1 to interpret them on CPU)"
+        kernels = (
+            "no: no CUDA device (set TRITON_INTERPRET=1 and pass backend='triton' to interpret "
+            "them on CPU)"
+        )
     backends = [
         name
         for name, available in (

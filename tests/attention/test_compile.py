@@ -1,4 +1,5 @@
-"""torch.compile(fullgraph=True) with no graph break, and torch.library.opcheck on the custom ops."""
+"""torch.compile(fullgraph=True) with no graph break, on both backends, and torch.library.opcheck on
+the custom ops (the Triton backend's route under compile)."""
 
 from __future__ import annotations
 
@@ -9,31 +10,34 @@ from tests.attention.cases import Case
 from torch_flashsys import flash_attention
 from torch_flashsys.attention._backend import triton_can_run_on
 
-pytestmark = pytest.mark.skipif(
+needs_kernels = pytest.mark.skipif(
     not triton_can_run_on(torch.device("cpu")) and not torch.cuda.is_available(),
     reason="the custom ops wrap Triton kernels: needs CUDA or the Triton interpreter",
 )
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# "triton" on CPU runs the kernels through the interpreter (TRITON_INTERPRET=1, set by conftest).
+BACKENDS = [pytest.param("triton", marks=needs_kernels), "torch"]
 
 
 class TinyAttentionModel(torch.nn.Module):
-    def __init__(self, dim: int = 32, heads: int = 2):
+    def __init__(self, dim: int = 32, heads: int = 2, backend: str = "triton"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.backend = heads, backend
         self.qkv = torch.nn.Linear(dim, 3 * dim)
         self.proj = torch.nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = flash_attention(q, k, v, is_causal=True)
+        y = flash_attention(q, k, v, is_causal=True, backend=self.backend)
         return self.proj(y.transpose(1, 2).reshape(b, n, d))
 
 
+@pytest.mark.parametrize("attn_backend", BACKENDS)
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.gpu)])
-def test_model_compiles_fullgraph_and_matches_eager(backend):
+def test_model_compiles_fullgraph_and_matches_eager(backend, attn_backend):
     torch.manual_seed(0)
-    model = TinyAttentionModel().to(DEVICE)
+    model = TinyAttentionModel(backend=attn_backend).to(DEVICE)
     x = torch.randn(2, 19, 32, device=DEVICE)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -50,6 +54,28 @@ def test_model_compiles_fullgraph_and_matches_eager(backend):
     assert explanation.graph_break_count == 0
 
 
+@pytest.mark.parametrize("attn_backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_on_one_tensor_compiles_fullgraph(causal, attn_backend):
+    """Issue 25: flash_attention(x, x, x) under fullgraph raised "duplicate tensor input"."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 2, 19, 16, generator=gen).to(DEVICE).requires_grad_()
+    dout = torch.randn(2, 2, 19, 16, generator=gen).to(DEVICE)
+
+    def f(x):
+        return flash_attention(x, x, x, is_causal=causal, backend=attn_backend)
+
+    out_c = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    (grad_c,) = torch.autograd.grad(out_c, x, dout)
+    x64 = x.detach().double().requires_grad_()
+    ref = torch.nn.functional.scaled_dot_product_attention(x64, x64, x64, is_causal=causal)
+    (grad_ref,) = torch.autograd.grad(ref, x64, dout.double())
+    torch.testing.assert_close(out_c.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(grad_c.double(), grad_ref, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("causal", [False, True])
 def test_opcheck_custom_ops(causal):
     from torch_flashsys.attention._ops import attn_bwd, attn_fwd
@@ -67,6 +93,7 @@ def test_opcheck_custom_ops(causal):
     torch.library.opcheck(attn_bwd, (dout, *qkv, out, lse, torch.randn_like(lse), *extras))
 
 
+@needs_kernels
 def test_opcheck_custom_ops_with_score_modifications():
     """The ops' schema carries the mask, ALiBi slopes, dropout seed, window and softcap."""
     from torch_flashsys.attention._ops import attn_bwd, attn_fwd
@@ -86,8 +113,8 @@ def test_opcheck_custom_ops_with_score_modifications():
 class MaskedWindowedModel(TinyAttentionModel):
     """Key-padding mask, sliding window, softcap, ALiBi and (optionally) dropout in one call."""
 
-    def __init__(self, dropout_p: float = 0.0):
-        super().__init__()
+    def __init__(self, dropout_p: float = 0.0, backend: str = "triton"):
+        super().__init__(backend=backend)
         self.dropout_p = dropout_p
         self.register_buffer("slopes", torch.tensor([0.5, 0.25]))
 
@@ -96,15 +123,16 @@ class MaskedWindowedModel(TinyAttentionModel):
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = flash_attention(
             q, k, v, attn_mask=pad[:, None, None, :], dropout_p=self.dropout_p, is_causal=True,
-            window_size=(6, 0), softcap=5.0, alibi_slopes=self.slopes,
+            window_size=(6, 0), softcap=5.0, alibi_slopes=self.slopes, backend=self.backend,
         )  # fmt: skip
         return self.proj(y.transpose(1, 2).reshape(b, n, d))
 
 
+@pytest.mark.parametrize("attn_backend", BACKENDS)
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
-def test_score_modifications_compile_fullgraph(dropout_p):
+def test_score_modifications_compile_fullgraph(dropout_p, attn_backend):
     torch.manual_seed(0)
-    model = MaskedWindowedModel(dropout_p).to(DEVICE)
+    model = MaskedWindowedModel(dropout_p, attn_backend).to(DEVICE)
     x = torch.randn(2, 19, 32, device=DEVICE)
     pad = torch.ones(2, 19, dtype=torch.bool, device=DEVICE)
     pad[1, 12:] = False

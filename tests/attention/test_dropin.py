@@ -17,6 +17,7 @@ import torch_flashsys.attention as attention_pkg
 from tests.attention.cases import assert_close
 from tests.reference import attention_reference
 from torch_flashsys.attention import FlashAttention
+from torch_flashsys.attention._backend import triton_can_run_on
 from torch_flashsys.attention._dropin import (
     disable_sdpa_override,
     enable_sdpa_override,
@@ -299,9 +300,13 @@ def test_sdpa_override_routes_supported_calls(call, dtype):
     assert q.grad is not None and k.grad.shape == k.shape
 
 
+@pytest.mark.skipif(
+    not triton_can_run_on(torch.device("cpu")),
+    reason="Triton kernels cannot run on CPU here (no triton or TRITON_INTERPRET unset)",
+)
 def test_sdpa_override_positional_arguments_and_triton_backend(flash_calls):
     q = torch.randn(1, 2, 9, 16)
-    with sdpa_override():  # backend "auto": the Triton kernels, interpreted on CPU
+    with sdpa_override(backend="triton"):  # the kernels through the interpreter
         out = F.scaled_dot_product_attention(q, q, q, None, 0.0, True)
     assert flash_calls.call_count == 1
     torch.testing.assert_close(out, ORIGINAL_SDPA(q, q, q, is_causal=True), atol=2e-5, rtol=0)

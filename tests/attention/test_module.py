@@ -117,7 +117,7 @@ def test_matches_float64_mha(seed, batch, seq, heads_dim, bias, batch_first, unb
 
 def test_triton_backend_through_interpreter_matches_mha():
     mha = _mha(32, 2, seed=1)
-    fa = FlashAttention.from_mha(mha, causal=True)  # backend "auto": Triton (interpreted on CPU)
+    fa = FlashAttention.from_mha(mha, causal=True, backend="triton")  # interpreted on CPU
     x = torch.randn(2, 19, 32, requires_grad=True)
     mask = _causal_mask(19, torch.float32)
     ref = copy.deepcopy(mha).double()(x.double(), x.double(), x.double(), attn_mask=mask.double())[

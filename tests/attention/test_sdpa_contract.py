@@ -5,6 +5,7 @@ PyTorch backend's, on any device)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -147,3 +148,48 @@ def test_head_dim_zero_like_sdpa(scale, dims, backend):
     ref.backward(dout.double())
     for ours, r in ((q, q64), (k, k64), (v, v64)):
         assert ours.grad.shape == r.shape and max_err(ours.grad, r.grad) < 1e-6
+
+
+SCALES = {
+    "numpy float32": lambda: np.float32(0.3),
+    "numpy float64": lambda: np.float64(0.7),
+    "numpy int64": lambda: np.int64(1),
+    "python int": lambda: 2,
+    "0-d tensor": lambda: torch.tensor(0.5),
+    "0-d float16 tensor": lambda: torch.tensor(0.25, dtype=torch.float16),
+    "0-d int tensor": lambda: torch.tensor(1),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", sorted(SCALES))
+def test_scale_takes_what_sdpa_takes(backend, kind):
+    """Issue 25: numpy scalars and 0-d tensors raised TypeError; SDPA takes them."""
+    scale = SCALES[kind]()
+    g = torch.Generator().manual_seed(len(kind))
+    q, k, v = (torch.randn(2, 2, 13, 16, generator=g) for _ in range(3))
+    out = flash_attention(q, k, v, is_causal=True, scale=scale, backend=backend)
+    ref = _sdpa64(q, k, v, is_causal=True, scale=float(scale))
+    assert max_err(out, ref) < 2e-5
+    assert max_err(ref, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)) < 2e-5
+    same = flash_attention(q, k, v, is_causal=True, scale=float(scale), backend=backend)
+    assert torch.equal(out, same)
+
+
+@pytest.mark.parametrize(
+    ("scale", "match"),
+    [
+        (
+            torch.tensor([0.5]),
+            r"scale must be a finite real number .* got a tensor of shape \(1,\)",
+        ),
+        (torch.tensor(0.5, requires_grad=True), "scale gets no gradient"),
+        (torch.tensor(float("inf")), "scale must be a finite real number"),
+        (np.bool_(True), "scale must be a finite real number"),
+    ],
+)
+def test_scale_errors_name_the_argument(scale, match):
+    q = torch.randn(1, 1, 4, 16)
+    with pytest.raises(TypeError, match=match) as info:
+        flash_attention(q, q, q, scale=scale)
+    assert str(info.value).startswith("flash_attention: scale")

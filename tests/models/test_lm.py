@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.attention.cases import assert_close
+from torch_flashsys.attention._backend import triton_can_run_on
 from torch_flashsys.attention._checks import triton_head_dim_ok
 from torch_flashsys.models import (
     ATTENTION_CHOICES,
@@ -21,6 +22,7 @@ from torch_flashsys.models import (
 from torch_flashsys.models._layers import RMSNorm, RotaryEmbedding, naive_causal_attention
 
 VOCAB = 50
+CPU = torch.device("cpu")
 
 
 def _run(model: TransformerLM, tokens: torch.Tensor, dout: torch.Tensor):
@@ -36,7 +38,8 @@ def _run(model: TransformerLM, tokens: torch.Tensor, dout: torch.Tensor):
     seed=st.integers(0, 2**31 - 1),
     batch=st.integers(1, 2),
     seq=st.integers(1, 19),
-    flash_backend=st.sampled_from(["torch", "auto"]),  # auto on CPU: Triton interpreter
+    # "triton" on CPU: the kernels through the interpreter (TRITON_INTERPRET=1, set by conftest)
+    flash_backend=st.sampled_from(["torch", "triton"] if triton_can_run_on(CPU) else ["torch"]),
 )
 def test_attention_choices_match_float64(seed, batch, seq, flash_backend):
     torch.manual_seed(seed)

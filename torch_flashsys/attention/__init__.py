@@ -75,7 +75,8 @@ def flash_attention(
             (``torch.manual_seed`` reproduces a run), regenerated in the backward, never stored.
         is_causal: query ``i`` attends to keys ``j <= i`` (top-left aligned, as in
             ``scaled_dot_product_attention``, also when ``seq_q != seq_k``).
-        scale: multiplies the scores; default ``1 / sqrt(head_dim)``.
+        scale: multiplies the scores; default ``1 / sqrt(head_dim)``. Like SDPA, also an int, a
+            numpy scalar or a 0-d tensor (read on the host; no gradient).
         enable_gqa: allow ``kv_heads < heads`` (grouped-query / multi-query attention): query head
             ``h`` uses key/value head ``h // (heads // kv_heads)``.
         window_size: ``(left, right)``: query ``i`` attends keys ``i - left <= j <= i + right``
@@ -105,8 +106,9 @@ def flash_attention(
             Up to 128 query rows per key/value head (e.g. 1-16 new tokens) run a split-KV
             kernel that spreads the cache over the whole GPU. Forward only.
         backend: ``"triton"`` (Triton kernels: CUDA tensors, or CPU tensors under
-            ``TRITON_INTERPRET=1``), ``"torch"`` (pure-PyTorch tiled FlashAttention-2, any device), or
-            ``"auto"`` (Triton where it can run, else torch).
+            ``TRITON_INTERPRET=1`` through the slow interpreter, which raises for bfloat16),
+            ``"torch"`` (pure-PyTorch tiled FlashAttention-2, any device), or ``"auto"`` (Triton
+            for CUDA tensors unless ``TRITON_INTERPRET=1``; torch for CPU tensors and float64).
         return_lse: also return the logsumexp of the scaled, modified scores (before dropout),
             float32 (float64 for float64 inputs), shape ``query.shape[:-1]``; ``-inf`` for rows
             with no allowed key.
@@ -119,7 +121,8 @@ def flash_attention(
     allowed, e.g. ``torch.backends.cuda.matmul.allow_tf32 = True``, read at each call), and
     float64 through the PyTorch backend (``"auto"`` picks it; for ``torch.autograd.gradcheck``).
     Under ``torch.autocast``, query, key and value are first cast to the autocast dtype, as
-    ``scaled_dot_product_attention`` does.
+    ``scaled_dot_product_attention`` does. ``torch.compile(fullgraph=True)``, ``torch.func.grad``,
+    ``vjp`` and ``vmap`` work on both backends (limits: docs/attention.md).
     The Triton backend takes head dims 16..256 that are multiples of 8; head dim 0 gives SDPA's
     result (uniform weights over the allowed keys, or an empty output) on any backend.
 
@@ -191,6 +194,9 @@ def _run(query, key, value, ex, sm_scale: float, backend: str):
         return triton_attention(query, key, value, sm_scale, ex)
     from torch_flashsys.attention._torch_impl import TiledAttention
 
+    if torch.compiler.is_compiling():  # Dynamo refuses one tensor passed to a Function twice
+        key = key.view_as(key) if key is query else key
+        value = value.view_as(value) if value is query or value is key else value
     return TiledAttention.apply(query, key, value, sm_scale, ex)
 
 

@@ -37,7 +37,14 @@ def triton_can_run_on(device: torch.device) -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``backend="auto"`` to ``"triton"`` or ``"torch"`` for tensors on ``device``."""
+    """Map ``backend="auto"`` to ``"triton"`` or ``"torch"`` for tensors on ``device``.
+
+    ``"auto"`` picks the Triton kernels for CUDA tensors only, and only when they run compiled:
+    under ``TRITON_INTERPRET=1`` the interpreter would run them (about 1000x slower than the torch
+    path, and its bfloat16 ``tl.dot`` is wrong), so it runs only when asked for with
+    ``backend="triton"``.
+    """
     if backend == "auto":
-        return "triton" if triton_can_run_on(device) else "torch"
+        compiled = device.type == "cuda" and triton_installed() and not interpreter_active()
+        return "triton" if compiled else "torch"
     return backend

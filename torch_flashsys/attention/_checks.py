@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -74,11 +75,7 @@ def check_inputs(
     ):
         device = query.device
         # What the backend choice reads besides the tensors (tests patch these functions).
-        env = (
-            triton_installed()
-            if device.type == "cuda"
-            else (triton_installed(), interpreter_active())
-        )
+        env = (triton_installed(), interpreter_active())
         memo = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, device,
                 key.device, value.device, enable_gqa, backend, env)  # fmt: skip
         resolved = _VALID.get(memo)
@@ -131,10 +128,8 @@ def _check_inputs(
         _fail(TypeError, f"is_causal must be a bool, got {type(is_causal).__name__}")
     if not isinstance(enable_gqa, bool):
         _fail(TypeError, f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-    ):
-        _fail(TypeError, f"scale must be a finite float or None, got {scale!r}")
+    if scale is not None:
+        _check_scale(scale)
     if backend not in BACKENDS:
         _fail(ValueError, f"backend must be one of {BACKENDS}, got {backend!r}")
     if window_size is not None and (
@@ -247,6 +242,14 @@ def _check_inputs(
                 f"backend='triton' supports float16, bfloat16 and float32, got {query.dtype}; "
                 "use backend='torch' (or 'auto') for float64",
             )
+        if query.dtype == torch.bfloat16 and interpreter_active():
+            _fail(
+                TypeError,
+                "backend='triton' under the Triton interpreter (TRITON_INTERPRET=1) computes "
+                "wrong results for torch.bfloat16 (the interpreter's bfloat16 dot is broken); use "
+                "backend='torch' (or 'auto'), float16/float32, or CUDA tensors without "
+                "TRITON_INTERPRET",
+            )
         if not triton_installed():
             _fail(RuntimeError, "backend='triton' needs the triton package (pip install triton)")
         if query.device.type != "cuda" and not (
@@ -266,6 +269,23 @@ def _check_inputs(
                     "use backend='torch' for other head dims",
                 )
     return resolved
+
+
+def _check_scale(scale: object) -> None:
+    """A real number, as SDPA takes it: float, int, a numpy scalar or a 0-d tensor holding one."""
+    expected = "scale must be a finite real number (float, int, numpy scalar or 0-d tensor) or None"
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0:
+            _fail(TypeError, f"{expected}, got a tensor of shape {tuple(scale.shape)}")
+        if scale.requires_grad:
+            _fail(TypeError, "scale gets no gradient (as in SDPA): pass scale.detach()")
+        if scale.dtype == torch.bool or scale.is_complex():
+            _fail(TypeError, f"{expected}, got a 0-d tensor of dtype {scale.dtype}")
+        value = scale.item()
+    else:
+        value = scale
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        _fail(TypeError, f"{expected}, got {scale!r}")
 
 
 def _check_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:

@@ -21,6 +21,11 @@ from __future__ import annotations
 import torch
 
 from torch_flashsys.attention._extras import Extras
+from torch_flashsys.attention._functorch import (
+    check_backward_unmapped,
+    unwrap_dead,
+    vmap_rule,
+)
 from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._torch_impl import differentiable_backward
 from torch_flashsys.attention._triton_bwd import attention_backward
@@ -43,7 +48,9 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 def _forward(q, k, v, scale: float, ex: Extras):
     out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), scale, ex)
     if q.dim() == 3:  # back to 3-D; 4-D results already have the caller's shapes (no views)
-        return out.squeeze(0), lse.squeeze(0)
+        out, lse = out.squeeze(0), lse.squeeze(0)
+    if q.stride(-1) != 1:  # the kernels ran on a copy: the output still takes q's layout
+        out = empty_like_layout(q, v.shape[-1]).copy_(out)
     return out, lse
 
 
@@ -66,15 +73,23 @@ class _TritonAttention(torch.autograd.Function):
     """Eager path: the kernels launched from forward/backward with no dispatcher in between."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, ex: Extras):
-        out, lse = _forward(q, k, v, scale, ex)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(q, k, v, scale: float, ex: Extras):
+        return _forward(q, k, v, scale, ex)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # separate from forward: torch.func needs it
+        q, k, v, scale, ex = inputs
+        ctx.save_for_backward(q, k, v, *output)
         ctx.scale, ctx.ex = scale, ex
         ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
-        return out, lse
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_rule(_TritonAttention, info, in_dims, *args)
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        check_backward_unmapped(dout, dlse)
         if ctx.ex.seqused_k is not None:
             raise NotImplementedError(
                 "flash_attention: no backward with cache_seqlens (KV-cache decoding is forward "
@@ -86,11 +101,21 @@ class _TritonAttention(torch.autograd.Function):
             return dq, dk, dv, None, None
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
+        if _functorch_active():  # torch.func.grad: the op unwraps its tensors for the kernels
+            with torch.no_grad():  # (first order: the op has no autograd)
+                dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, *_op_args(ctx.scale, ctx.ex))
+        else:  # (torch.func.vjp's pullback runs after its transform: its wrappers are dead)
+            dout, q, k, v, out, lse, dlse = unwrap_dead(dout, q, k, v, out, lse, dlse)
+            dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
         return dq, dk, dv, None, None
 
 
 # The custom ops take the Extras spelled out (a custom op's schema holds tensors and scalars).
+def _op_args(scale: float, ex: Extras) -> tuple:
+    return (ex.mask, ex.alibi, ex.seed, scale, ex.left, ex.right, ex.softcap, ex.dropout_p,
+            ex.cu_q, ex.cu_k, ex.max_q, ex.max_k)  # fmt: skip
+
+
 def _extras(mask, alibi, seed, left, right, softcap, dropout_p, cu_q, cu_k, max_q, max_k):
     return Extras(mask, left, right, softcap, alibi, dropout_p, seed, cu_q, cu_k, max_q, max_k)
 
@@ -183,13 +208,10 @@ def triton_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable Triton attention; inputs already validated by ``flash_attention``."""
     if torch.compiler.is_compiling():
-        return attn_fwd(
-            q, k, v, ex.mask, ex.alibi, ex.seed, scale, ex.left, ex.right, ex.softcap, ex.dropout_p,
-            ex.cu_q, ex.cu_k, ex.max_q, ex.max_k,
-        )  # fmt: skip
+        return attn_fwd(q, k, v, *_op_args(scale, ex))
+    if _functorch_active():  # vmap/grad transforms: autograd.Function.apply's own path
+        return _TritonAttention.apply(q, k, v, scale, ex)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if _functorch_active():  # vmap/grad transforms: autograd.Function.apply's own path
-            return _TritonAttention.apply(q, k, v, scale, ex)
         # What Function.apply does outside functorch transforms, minus its Python overhead (a
         # closure, a signature check, a generator over the arguments): a few microseconds a call.
         return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), scale, ex)

@@ -18,6 +18,7 @@ import torch
 
 from torch_flashsys.attention._dropout import keep_scale, keep_threshold, keep_tile
 from torch_flashsys.attention._extras import PLAIN, Extras
+from torch_flashsys.attention._functorch import check_backward_unmapped, vmap_rule
 from torch_flashsys.attention._tensors import empty_like_layout
 
 BLOCK_M = 64  # query rows per tile
@@ -67,7 +68,7 @@ class _Tiles:
         self.slopes = None
         if ex.alibi is not None:
             self.slopes = ex.alibi.unflatten(1, (self.n_kv, group))[..., None, None]
-        self.seed = int(ex.seed.item()) if ex.seed is not None else 0
+        self.seed = ex.seed[0] if ex.seed is not None else 0  # a tensor: no sync, no graph break
         self.threshold = keep_threshold(ex.dropout_p)
         self.inv_keep = keep_scale(ex.dropout_p)
 
@@ -302,16 +303,24 @@ class TiledAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, ex: Extras):
+    def forward(q, k, v, scale: float, ex: Extras):
         with _no_autocast(q.device):
-            out, lse = tiled_forward(q, k, v, scale, ex)
-        ctx.save_for_backward(q, k, v, out, lse)
+            return tiled_forward(q, k, v, scale, ex)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # separate from forward: torch.func needs it
+        q, k, v, scale, ex = inputs
+        ctx.save_for_backward(q, k, v, *output)
         ctx.scale, ctx.ex = scale, ex
         ctx.set_materialize_grads(False)
-        return out, lse
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_rule(TiledAttention, info, in_dims, *args)
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        check_backward_unmapped(dout, dlse)
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = differentiable_backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
         return dq, dk, dv, None, None

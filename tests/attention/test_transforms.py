@@ -1,0 +1,128 @@
+"""torch.func transforms over flash_attention (issue 25): vmap, grad and vjp work on both backends,
+as they do for SDPA; what is not supported raises NotImplementedError (naming the transforms that
+work, except forward-mode AD, whose message is PyTorch's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_flashsys import flash_attention
+from torch_flashsys.attention._backend import triton_can_run_on
+
+needs_interpreter = pytest.mark.skipif(
+    not triton_can_run_on(torch.device("cpu")),
+    reason="Triton kernels cannot run on CPU here (no triton or TRITON_INTERPRET unset)",
+)
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+
+
+def _sdpa64(q, k, v, causal, gqa):
+    return F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=gqa
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=5)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    rank=st.sampled_from([3, 4]),
+    mapped=st.sampled_from(["qkv", "q", "kv"]),
+    dim=st.sampled_from([0, 1, -1]),
+    causal=st.booleans(),
+    group=st.sampled_from([1, 2]),
+)
+def test_vmap_matches_sdpa_float64(backend, seed, rank, mapped, dim, causal, group):
+    gen = torch.Generator().manual_seed(seed)
+    n, heads, seq, e = 3, 2 * group, 11, 16
+    lead = (2, heads) if rank == 4 else (heads,)
+
+    def make(h, is_mapped):
+        shape = [*lead[:-1], h, seq, e]
+        if is_mapped:
+            shape.insert(dim if dim >= 0 else len(shape) + 1 + dim, n)
+        return torch.randn(shape, generator=gen)
+
+    q = make(heads, "q" in mapped)
+    k, v = (make(heads // group, "k" in mapped) for _ in range(2))
+    dims = tuple(dim if name in mapped else None for name in "qkv")
+    fn = lambda q, k, v: flash_attention(
+        q, k, v, is_causal=causal, enable_gqa=group > 1, backend=backend
+    )
+    out = torch.func.vmap(fn, in_dims=dims)(q, k, v)
+    ref = torch.func.vmap(lambda q, k, v: _sdpa64(q, k, v, causal, group > 1), in_dims=dims)(
+        q, k, v
+    )
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_and_vjp_match_sdpa_float64(backend):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 13, 16, generator=gen) for _ in range(3))
+    w = torch.randn(2, 2, 13, 16, generator=gen)
+
+    def loss(f, q, k, v):
+        return (f(q, k, v) * w.to(q.dtype)).sum()
+
+    ours = lambda q, k, v: flash_attention(q, k, v, is_causal=True, backend=backend)
+    theirs = lambda q, k, v: _sdpa64(q, k, v, True, False)
+    grads = torch.func.grad(lambda *t: loss(ours, *t), argnums=(0, 1, 2))(q, k, v)
+    refs = torch.func.grad(lambda *t: loss(theirs, *t), argnums=(0, 1, 2))(
+        *(t.double() for t in (q, k, v))
+    )
+    for g, r in zip(grads, refs, strict=True):
+        torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)
+    out, pullback = torch.func.vjp(ours, q, k, v)
+    torch.testing.assert_close(out.double(), theirs(q, k, v), atol=2e-5, rtol=1e-4)
+    for g, r in zip(pullback(w), refs, strict=True):
+        torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_forward_then_backward_outside(backend):
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 2, 9, 16, generator=gen, requires_grad=True)
+    out = torch.func.vmap(lambda q: flash_attention(q, q, q, backend=backend))(q)
+    out.sum().backward()
+    q64 = q.detach().double().requires_grad_()
+    torch.func.vmap(lambda q: _sdpa64(q, q, q, False, False))(q64).sum().backward()
+    torch.testing.assert_close(q.grad.double(), q64.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unsupported_transforms_raise_naming_what_works(backend):
+    q = torch.randn(2, 9, 16)
+    fn = lambda q: flash_attention(q, q, q, backend=backend)
+    mask = torch.ones(9, 9, dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="forward mode AD"):  # PyTorch's own message
+        torch.func.jvp(fn, (q,), (torch.ones_like(q),))
+    calls = {
+        "jacrev": lambda: torch.func.jacrev(fn)(q[:, :2]),
+        "mask under vmap": lambda: torch.func.vmap(
+            lambda q: flash_attention(q, q, q, attn_mask=mask, backend=backend)
+        )(q[None].expand(2, -1, -1, -1)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(NotImplementedError, match=r"supported: torch\.func\.grad") as info:
+            call()
+        assert str(info.value).startswith("flash_attention: "), name
+
+
+@pytest.mark.gpu
+def test_vmap_and_grad_on_cuda_match_sdpa_float64():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 2, 4, 70, 64, generator=gen).cuda() for _ in range(3))
+    fn = lambda q, k, v: flash_attention(q, k, v, is_causal=True, backend="triton")
+    out = torch.func.vmap(fn)(q, k, v)
+    ref = torch.func.vmap(lambda q, k, v: _sdpa64(q, k, v, True, False))(q, k, v)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    grad = torch.func.grad(lambda q: fn(q[0], k[0], v[0]).sum())(q)
+    q64 = q.double().requires_grad_()
+    _sdpa64(q64[0], k[0], v[0], True, False).sum().backward()
+    torch.testing.assert_close(grad.double(), q64.grad, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,67 @@
+"""torch.func support shared by the attention autograd.Functions (Triton and the torch path).
+
+Both Functions define ``setup_context`` (what ``torch.func.grad``/``vjp`` need) and the ``vmap`` rule
+here: the mapped dimension is folded into the batch dimension and the Function runs once on the
+whole batch, so the kernels see ordinary tensors. Score modifications that carry tensors (a mask,
+ALiBi slopes, dropout's seed, a packed batch, a KV cache) are not mapped: they raise, as does a
+backward that runs under ``vmap`` (``jacrev``, ``vmap`` over ``grad``), with the list of what works.
+Forward-mode AD (``jvp``, ``jacfwd``, ``hessian``) is not implemented either: PyTorch's own
+``NotImplementedError`` says so (a ``jvp`` staticmethod that raised would make Dynamo refuse to
+trace the Functions).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_flashsys.attention._extras import Extras
+
+SUPPORTED = (
+    "supported: torch.func.grad, torch.func.vjp and torch.func.vmap of the forward (with "
+    "is_causal, scale, enable_gqa, window_size and softcap), and a backward outside vmap"
+)
+
+
+def _mapped_first(t: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
+    """The mapped dimension of ``t`` at the front (an expanded view when ``t`` is not mapped)."""
+    if dim is None:
+        return t.unsqueeze(0).expand(size, *t.shape)
+    return t.movedim(dim, 0)
+
+
+def vmap_rule(function, info, in_dims, q, k, v, scale: float, ex: Extras):
+    """``function.vmap``: one call on the batch with the mapped dimension folded into it."""
+    unmapped = [name for name, t in (("attn_mask", ex.mask), ("alibi_slopes", ex.alibi),
+                                     ("dropout_p > 0", ex.seed), ("cu_seqlens", ex.cu_q),
+                                     ("cache_seqlens", ex.seqused_k)) if t is not None]  # fmt: skip
+    if unmapped:
+        raise NotImplementedError(
+            f"flash_attention: torch.func.vmap does not support {', '.join(unmapped)}; {SUPPORTED}"
+        )
+    n = info.batch_size
+    q, k, v = (_mapped_first(t, d, n) for t, d in zip((q, k, v), in_dims[:3], strict=True))
+    if q.dim() == 4:  # a 3-D problem (heads, seq, dim): the mapped dimension is its batch
+        return function.apply(q, k, v, scale, ex), (0, 0)
+    out, lse = function.apply(*(t.flatten(0, 1) for t in (q, k, v)), scale, ex)
+    return (out.unflatten(0, (n, -1)), lse.unflatten(0, (n, -1))), (0, 0)
+
+
+def unwrap_dead(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The plain tensors under wrappers of transforms that have exited (``torch.func.vjp``'s
+    pullback runs after its transform); others as they are."""
+    if not any(t is not None and _is_wrapped(t) for t in tensors):  # the common case
+        return tensors
+    return tuple(t if t is None else _unwrap_if_dead(t) for t in tensors)
+
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def check_backward_unmapped(*grads: torch.Tensor | None) -> None:
+    """Raise when the backward runs under vmap (jacrev, vmap over grad): the kernels can't."""
+    if any(g is not None and torch._C._functorch.is_batchedtensor(g) for g in grads):
+        raise NotImplementedError(
+            "flash_attention: the backward cannot run under torch.func.vmap (torch.func.jacrev, "
+            f"hessian, vmap over grad or vjp); {SUPPORTED}"
+        )
