@@ -52,16 +52,18 @@ def test_decode_step_captured_in_a_cuda_graph(dtype):
 
 
 def test_training_step_captured_in_a_cuda_graph():
-    """Whole-step capture (PyTorch's recipe): projection, attention, loss, backward."""
+    """Whole-step capture (PyTorch's recipe): projection, attention, loss, backward. Replays
+    with new inputs give the eager step's gradients (same kernels) and float64's within bf16
+    tolerance."""
     torch.manual_seed(5)
     batch, heads, seq, dim = 2, 4, 384, 64
-    proj = torch.nn.Linear(dim, 3 * dim, device="cuda", dtype=torch.float16)
-    x = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.float16)
+    proj = torch.nn.Linear(dim, 3 * dim, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
 
     def step():
         q, k, v = proj(x).chunk(3, dim=-1)
         out = flash_attention(q, k, v, is_causal=True)
-        out.float().square().mean().backward()
+        out.float().square().sum().backward()
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -78,11 +80,18 @@ def test_training_step_captured_in_a_cuda_graph():
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.cuda.synchronize()
+        replayed = [proj.weight.grad.clone(), proj.bias.grad.clone()]
+        eager = torch.nn.Linear(dim, 3 * dim, device="cuda", dtype=torch.bfloat16)
+        eager.load_state_dict(proj.state_dict())
+        q, k, v = eager(x).chunk(3, dim=-1)
+        flash_attention(q, k, v, is_causal=True).float().square().sum().backward()
+        for got, want in zip(replayed, (eager.weight.grad, eager.bias.grad), strict=True):
+            assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
         w = proj.weight.detach().double().requires_grad_()
         b = proj.bias.detach().double().requires_grad_()
         q, k, v = torch.nn.functional.linear(x.double(), w, b).chunk(3, dim=-1)
         ref, _ = attention_reference(q, k, v, is_causal=True)
-        ref.square().mean().backward()
-        for got, want in ((proj.weight.grad, w.grad), (proj.bias.grad, b.grad)):
+        ref.square().sum().backward()
+        for got, want in zip(replayed, (w.grad, b.grad), strict=True):
             err = (got.double() - want).abs().max() / want.abs().max()
-            assert err < 2e-2, f"relative gradient error {err:.3g}"
+            assert err < 3e-2, f"relative gradient error {err:.3g} (bf16)"

@@ -161,8 +161,12 @@ def test_key_padding_and_window_long_sequence_on_cuda():
     check_features(case, torch.bfloat16, "triton", device="cuda")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("softcap", [1e4, 1e6])
+# float16 at 1e6: PyTorch's own float16 baseline (the tolerance rule's yardstick) overflows.
+@pytest.mark.parametrize(
+    ("softcap", "dtype"),
+    [(1e4, torch.float32), (1e4, torch.float16), (1e4, torch.bfloat16), (1e6, torch.float32),
+     (1e6, torch.bfloat16)],
+)  # fmt: skip
 def test_large_softcap_on_cuda(softcap, dtype):
     """A softcap far above the scores: the kernels' tanh (forward, dQ and dK/dV) must not cancel."""
     case = FeatureCase(2, 2, 2, 300, 333, 64, True, "none", None, softcap, "heads", 0.0, seed=24)
