@@ -1,4 +1,4 @@
-"""Sweep the attention kernels' tile configs on a GPU: which (BLOCK_M, BLOCK_N, warps, stages) wins
+r"""Sweep the attention kernels' tile configs on a GPU: which (BLOCK_M, BLOCK_N, warps, stages) wins
 per kernel, head dim, causality and length. The production config lists in
 ``torch_flashsys/attention/_triton_fwd.py`` / ``_triton_bwd.py`` come from its output.
 
