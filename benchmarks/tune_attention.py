@@ -1,6 +1,7 @@
 r"""Sweep the attention kernels' tile configs on a GPU: which (BLOCK_M, BLOCK_N, warps, stages) wins
-per kernel, head dim, causality and length. The production config lists in
-``torch_flashsys/attention/_triton_fwd.py`` / ``_triton_bwd.py`` come from its output.
+per kernel, head dim, causality and length. The package's tile table (``--table``, below) and the
+fallback config lists in ``torch_flashsys/attention/_triton_fwd.py`` / ``_triton_bwd.py`` come
+from its output.
 
 Compiles every candidate first in parallel worker processes (they fill Triton's on-disk cache, so
 the timing pass only loads binaries), then times each kernel alone with ``do_bench`` (median) and
