@@ -229,15 +229,23 @@ def test_cu_seqlens_dtype_is_part_of_the_launch_key(order):
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_cache_seqlens_below_seq_q_fails_on_the_device():
+@pytest.mark.parametrize("when", ["new tensor", "updated in place"])
+def test_cache_seqlens_below_seq_q_fails_on_the_device(when):
     """On CUDA, cache_seqlens < seq_q is caught by a device-side check (no synchronization):
-    the process fails at the next synchronization instead of returning rows of zeros."""
+    the process fails at the next synchronization instead of returning rows of zeros. The check
+    runs once per version of the tensor (every layer of a step passes the same one): an in-place
+    update is checked again."""
+    update = "lens[1] = 2\n" if when == "updated in place" else ""
+    first = "[40, 2]" if not update else "[40, 30]"
     code = (
         "import torch; from torch_flashsys import flash_attention\n"
         "q = torch.randn(2, 4, 3, 64, device='cuda', dtype=torch.bfloat16)\n"
         "k = torch.randn(2, 4, 64, 64, device='cuda', dtype=torch.bfloat16)\n"
-        "lens = torch.tensor([40, 2], device='cuda', dtype=torch.int32)\n"
+        f"lens = torch.tensor({first}, device='cuda', dtype=torch.int32)\n"
         "with torch.no_grad():\n"
+        "    flash_attention(q, k, k, cache_seqlens=lens, is_causal=True)\n"
+        "    torch.cuda.synchronize()\n"
+        f"    {update}"
         "    flash_attention(q, k, k, cache_seqlens=lens, is_causal=True)\n"
         "torch.cuda.synchronize()\n"
     )

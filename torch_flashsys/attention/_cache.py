@@ -5,10 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_flashsys.attention._extras import make_extras
 
 _NAME = "flash_attention"
+# CUDA cache_seqlens tensors already checked on the device: tensor -> (version, seq_q, capacity).
+# Weak keys: a new tensor (even at a reused address) is checked again, and so is an in-place
+# update (it bumps the version).
+_CHECKED = WeakIdKeyDictionary()
 
 
 def _fail(exc: type[Exception], msg: str) -> None:
@@ -40,8 +45,13 @@ def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.T
     seq_q = query.shape[2]
     bounds = f"[seq_q, capacity] = [{seq_q}, {capacity}]"
     if cache_seqlens.is_cuda:
-        ok = (cache_seqlens.min() >= seq_q) & (cache_seqlens.max() <= capacity)
-        torch._assert_async(ok, f"{_NAME}: cache_seqlens must lie in {bounds}")
+        # Every layer of a decode step passes the same tensor: check each version of it once.
+        stamp = (cache_seqlens._version, seq_q, capacity)
+        if torch.compiler.is_compiling() or _CHECKED.get(cache_seqlens) != stamp:
+            ok = (cache_seqlens.min() >= seq_q) & (cache_seqlens.max() <= capacity)
+            torch._assert_async(ok, f"{_NAME}: cache_seqlens must lie in {bounds}")
+            if not torch.compiler.is_compiling():
+                _CHECKED[cache_seqlens] = stamp
     elif batch and (int(cache_seqlens.min()) < seq_q or int(cache_seqlens.max()) > capacity):
         _fail(ValueError, f"cache_seqlens must lie in {bounds} (the queries are the last seq_q "
                           "positions of each sequence's valid keys; capacity is key's dim -2), "

@@ -22,8 +22,14 @@ import triton
 import triton.language as tl
 
 from torch_flashsys.attention._extras import Extras
-from torch_flashsys.attention._launch import LaunchCache, dot_precision
-from torch_flashsys.attention._triton_common import LOG2E, keep_scores, load_rows, mod_scores
+from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
+from torch_flashsys.attention._triton_common import (
+    LOG2E,
+    keep_scores,
+    load_rows,
+    mod_scores,
+    next_pow2,
+)
 
 _LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
 # Keys per step of a chunk, the launch's warps/stages and the programs per SM the chunks aim for
@@ -173,56 +179,74 @@ def decode_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H, seq_q, D) against a cache k/v (B, Hk, capacity, D[v]) with ``ex.seqused_k`` valid
     keys each: ``(out (B, H, seq_q, Dv), lse (B, H, seq_q) float32)``. 4-D views, last dim
-    contiguous."""
-    batch, n_heads, seq_q, head_dim = q.shape
-    n_kv_heads, capacity, dim_v = k.shape[1], k.shape[2], v.shape[-1]
-    group = n_heads // n_kv_heads
-    out = torch.empty((batch, n_heads, seq_q, dim_v), device=q.device, dtype=q.dtype)
+    contiguous. Everything the shapes, strides and flags determine is computed once per key (a
+    decode step runs once per layer and token: its host time is the step's floor)."""
+    batch, n_heads, seq_q, _ = q.shape
+    out = torch.empty((batch, n_heads, seq_q, v.shape[-1]), device=q.device, dtype=q.dtype)
     lse = torch.empty((batch, n_heads, seq_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
+    alibi = ex.alibi
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype,
+           ex.seqused_k.dtype, None if alibi is None else (alibi.stride(), alibi.dtype),
+           ex.left, ex.right, ex.softcap, scale, dot_precision(q.dtype), q.device)  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(q, k, v, scale, ex)
+        remember(_PLANS, key, plan)
+    split, combine, n_chunks, block_dv = plan
+    part_o = torch.empty((batch, n_heads, seq_q, n_chunks, block_dv), device=q.device,
+                         dtype=torch.float32)  # fmt: skip
+    part_l = torch.empty((batch, n_heads, seq_q, n_chunks), device=q.device, dtype=torch.float32)
+    tensors = (q, k, v, ex.seqused_k, lse if alibi is None else alibi, part_o, part_l)
+    _launch_split(split, split.grid, (*tensors, *split.ints), split.constexprs)
+    combine_args = (part_o, part_l, out, lse, *combine.ints)
+    _launch_combine(combine, combine.grid, combine_args, combine.constexprs)
+    return out, lse
+
+
+_PLANS: dict[tuple, tuple[Plan, Plan, int, int]] = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _plan(q, k, v, scale: float, ex: Extras) -> tuple[Plan, Plan, int, int]:
+    """(split launch plan, combine launch plan, key chunks per sequence, padded value dim)."""
+    batch, n_heads, seq_q, head_dim = q.shape
+    n_kv_heads, capacity, dim_v = k.shape[1], k.shape[2], v.shape[-1]
+    group = n_heads // n_kv_heads
     # Enough chunks to give every SM about two programs, no chunk shorter than one key tile.
     block_n = CONFIG["BLOCK_N"]
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 8
     programs = CONFIG["programs_per_sm"] * sms
-    n_chunks = max(
-        1, min(triton.cdiv(programs, batch * n_kv_heads), triton.cdiv(capacity, block_n))
-    )
-    chunk = triton.cdiv(triton.cdiv(capacity, n_chunks), block_n) * block_n
-    n_chunks = triton.cdiv(capacity, chunk)
-    block_dv = triton.next_power_of_2(dim_v)
-    part_o = torch.empty((batch, n_heads, seq_q, n_chunks, block_dv), device=q.device,
-                         dtype=torch.float32)  # fmt: skip
-    part_l = torch.empty((batch, n_heads, seq_q, n_chunks), device=q.device, dtype=torch.float32)
-    alibi = ex.alibi if ex.alibi is not None else lse
+    n_chunks = max(1, min(_cdiv(programs, batch * n_kv_heads), _cdiv(capacity, block_n)))
+    chunk = _cdiv(_cdiv(capacity, n_chunks), block_n) * block_n
+    n_chunks = _cdiv(capacity, chunk)
+    block_dv = next_pow2(dim_v)
     stride_ab, stride_ah = ex.alibi.stride() if ex.alibi is not None else (0, 0)
-    block_m = max(16, triton.next_power_of_2(group * seq_q))
-    split_args = (
-        q, k, v, ex.seqused_k, alibi, part_o, part_l,
+    split_ints = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], stride_ab, stride_ah,
         n_heads, n_kv_heads, group, seq_q, chunk, n_chunks, scale * LOG2E, scale,
         ex.left, ex.right, ex.softcap,
     )  # fmt: skip
     split_meta = {
-        "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim), "HEAD_DIM_V": dim_v,
+        "HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim), "HEAD_DIM_V": dim_v,
         "BLOCK_DV": block_dv, "HAS_LEFT": ex.left >= 0, "HAS_RIGHT": ex.right >= 0,
         "SOFTCAP": ex.softcap > 0, "ALIBI": ex.alibi is not None,
-        "PRECISION": dot_precision(q.dtype), "BLOCK_M": block_m, "BLOCK_N": block_n,
-        "num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"],
+        "PRECISION": dot_precision(q.dtype), "BLOCK_M": max(16, next_pow2(group * seq_q)),
+        "BLOCK_N": block_n, "num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"],
     }  # fmt: skip
-    # The launch key: the grid's sizes, every integer argument (Triton specializes on them) and
-    # the tensor dtypes.
-    ints = (batch, *(a for a in split_args[7:-3] if isinstance(a, int)))
-    dtypes = (q.dtype, k.dtype, v.dtype, ex.seqused_k.dtype, alibi.dtype)
-    _launch_split(
-        (ints, dtypes, tuple(split_meta.items())), lambda meta: (batch * n_kv_heads, n_chunks),
-        split_args, split_meta,
-    )  # fmt: skip
-    combine_args = (part_o, part_l, out, lse, *out.stride()[:3], n_heads, seq_q, n_chunks)
-    combine_meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv,
-                    "BLOCK_C": triton.next_power_of_2(n_chunks), "num_warps": 4}  # fmt: skip
-    _launch_combine(
-        (batch, combine_args[4:], out.dtype, tuple(combine_meta.items())),
-        lambda meta: (batch * n_heads * seq_q,), combine_args, combine_meta,
-    )  # fmt: skip
-    return out, lse
+    split_grid = (batch * n_kv_heads, n_chunks)
+    # out is allocated contiguous: its strides follow from its shape
+    out_strides = (n_heads * seq_q * dim_v, seq_q * dim_v, dim_v)
+    combine_meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv, "BLOCK_C": next_pow2(n_chunks),
+                    "num_warps": 4}  # fmt: skip
+    combine_grid = (batch * n_heads * seq_q,)
+    return (
+        Plan(lambda meta: split_grid, split_ints, split_meta),
+        Plan(lambda meta: combine_grid, (*out_strides, n_heads, seq_q, n_chunks), combine_meta),
+        n_chunks,
+        block_dv,
+    )
