@@ -235,7 +235,7 @@ def test_cache_seqlens_below_seq_q_fails_on_the_device(when):
     the process fails at the next synchronization instead of returning rows of zeros. The check
     runs once per version of the tensor (every layer of a step passes the same one): an in-place
     update is checked again."""
-    update = "lens[1] = 2\n" if when == "updated in place" else ""
+    update = "    lens[1] = 2\n" if when == "updated in place" else ""
     first = "[40, 2]" if not update else "[40, 30]"
     code = (
         "import torch; from torch_flashsys import flash_attention\n"
@@ -245,7 +245,7 @@ def test_cache_seqlens_below_seq_q_fails_on_the_device(when):
         "with torch.no_grad():\n"
         "    flash_attention(q, k, k, cache_seqlens=lens, is_causal=True)\n"
         "    torch.cuda.synchronize()\n"
-        f"    {update}"
+        f"{update}"
         "    flash_attention(q, k, k, cache_seqlens=lens, is_causal=True)\n"
         "torch.cuda.synchronize()\n"
     )
