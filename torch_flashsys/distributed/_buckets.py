@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from torch_flashsys.distributed import _release
 from torch_flashsys.distributed._comm_hook import GradBucket, hook_result
 
 _BROADCAST_CHUNK_BYTES = 250 * 2**20  # as torch DDP: large enough for few calls, bounded memory
@@ -145,6 +146,7 @@ class Bucket:
         self.future: torch.futures.Future | None = None  # a communication hook's
         self.hook_bucket: GradBucket | None = None
         self._comm: torch.Tensor | None = None  # what is being reduced (buffer or a copy)
+        self._sent: torch.Tensor | None = None  # the alias of _comm handed to the backend
         self._none_here: list[int] = []  # params with no gradient on this rank at launch
 
     def bind(self, buffer: torch.Tensor) -> None:
@@ -273,10 +275,13 @@ class Bucket:
             op = dist.ReduceOp.SUM
         if group.size() == 1:  # nothing to exchange: skip the collective and its host cost
             self.work = _LOCAL  # (a compressed copy still round-trips, as with more ranks)
-        elif self.owner is None:
-            self.work = all_reduce(group, self._comm, op)
+            return
+        # An alias only the Work holds once we drop it: exit waits for its release (_release).
+        self._sent = _release.alias(self._comm)
+        if self.owner is None:
+            self.work = all_reduce(group, self._sent, op)
         else:
-            self.work = reduce(group, self._comm, op, self.owner)
+            self.work = reduce(group, self._sent, op, self.owner)
 
     def launch_hook(
         self, run: Callable[[GradBucket], torch.futures.Future], index: int, count: int
@@ -304,6 +309,9 @@ class Bucket:
         elif self.work is not None:
             self.work.wait()
             self.work = None
+            if self._sent is not None:
+                _release.handed_back(self._sent)
+                self._sent = None
             if not self.keeps:
                 self._comm = None
                 self.release()
@@ -353,6 +361,7 @@ def broadcast_coalesced(
                 if chunk and (t is None or chunk_bytes + t.nbytes > _BROADCAST_CHUNK_BYTES):
                     flat = torch.cat([c.reshape(-1) for c in chunk])
                     dist.broadcast(flat, src, group=group)
+                    _release.handed_back(flat)  # dropped below; see _release
                     if not is_src:
                         for c, piece in zip(
                             chunk, flat.split([c.numel() for c in chunk]), strict=True

@@ -303,9 +303,11 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         ]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (e.g. layers unfrozen mid-training); its parameters are sharded too.
+        """Add a param group; its parameters are sharded too.
 
         A collective once the optimizer is built: call it on every rank with the same group.
+        Their gradients must be the same on every rank: a layer frozen when the model was wrapped
+        by BucketedDDP (or torch DDP) and unfrozen later is not synchronized by the wrapper.
         """
         if not isinstance(param_group, dict):
             raise TypeError(

@@ -1,0 +1,61 @@
+"""At interpreter exit, wait until the backend's threads have let go of our collectives' tensors.
+
+gloo runs each collective on one of its worker threads, which keeps its reference to the Work
+until just after it has woken the rank waiting for it. A Work holds the collective's tensors and
+the thread-local state captured when it was launched, which inside a backward includes a Python
+object (the ``contextvars`` context that ``torch.autograd.backward`` stashes). So when the worker
+thread is the last to let go (it was descheduled right after waking the waiter, which dropped its
+reference and went on), the destructor runs there and needs the GIL to release those Python
+objects. If the interpreter has begun finalizing by then (the script returned), CPython ends a
+thread that asks for the GIL with ``pthread_exit`` inside that ``noexcept`` destructor:
+``std::terminate``, SIGABRT, "terminate called without an active exception" after all the work
+is done. ``destroy_process_group()`` avoids it (it joins the worker threads). torch DDP's works
+go through the same code (its bucket tensors have no Python objects, but the captured state does).
+
+BucketedDDP therefore hands each collective an alias of its buffer that nothing else holds
+(:func:`alias`), drops it once the collective is waited for (:func:`handed_back`), and keeps only
+a weak reference: the alias dies when the Work is destroyed, after the Work's other Python
+objects (``ProcessGroupGloo::AsyncWork`` releases its captured state before its tensors). An
+``atexit`` hook, which runs before finalization begins, waits (GIL released, at most
+``_EXIT_WAIT_S``) until every such alias is gone, so no worker thread needs the GIL afterwards.
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+
+import torch
+
+_EXIT_WAIT_S = 5.0  # a descheduled worker thread needs milliseconds; never hold exit longer
+_POLL_S = 0.001
+
+_handed: list[weakref.ref] = []  # aliases of finished collectives, maybe still held by a backend
+_prune_at = 64  # prune dead references when the list reaches this length (amortized O(1))
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor object sharing ``tensor``'s memory, to hand to a collective."""
+    return tensor.view(tensor.shape)
+
+
+def handed_back(sent: torch.Tensor) -> None:
+    """``sent`` (an :func:`alias`) went to a collective that has been waited for; the caller
+    drops it now. Until the backend's thread destroys the Work, exit waits for it."""
+    global _prune_at
+    if len(_handed) >= _prune_at:
+        _handed[:] = [ref for ref in _handed if ref() is not None]
+        _prune_at = max(64, 2 * len(_handed))
+    _handed.append(weakref.ref(sent))
+
+
+def _held() -> bool:
+    return any(ref() is not None for ref in _handed)
+
+
+@atexit.register
+def _wait_for_backend_threads() -> None:
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while _held() and time.monotonic() < deadline:
+        time.sleep(_POLL_S)  # releases the GIL: the worker thread can finish its destructor
