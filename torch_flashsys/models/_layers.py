@@ -66,13 +66,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)  # (context, head_dim/2)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Rotate ``x``'s positions ``offset .. offset + seq - 1`` (offset: generation with a cache)."""
-        seq = x.shape[-2]
-        cos, sin = (
-            self.cos[offset : offset + seq].to(x.dtype),
-            self.sin[offset : offset + seq].to(x.dtype),
-        )
+    def forward(
+        self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rotate ``x``'s positions ``offset .. offset + seq - 1`` (offset: generation with a cache),
+        or ``positions`` ((seq,) or (batch, seq) int64: e.g. a context-parallel shard's global
+        positions)."""
+        if positions is None:
+            seq = x.shape[-2]
+            cos, sin = self.cos[offset : offset + seq], self.sin[offset : offset + seq]
+        else:  # (seq, dim/2), or (batch, 1, seq, dim/2) to broadcast over the heads
+            cos, sin = self.cos[positions], self.sin[positions]
+            if positions.dim() == 2:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -172,14 +179,19 @@ class CausalSelfAttention(nn.Module):
         _init_linear(self.out_proj)
 
     def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``cache``: generation; x holds the positions after those cached, which it appends."""
+        """``cache``: generation; x holds the positions after those cached, which it appends.
+        ``positions``: the tokens' positions for RoPE (default ``arange(seq)``)."""
         b, seq, d_model = x.shape
         qkv = self.qkv_proj(x).view(b, seq, 3, self.num_heads, d_model // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, heads, seq, head_dim)
         offset = 0 if cache is None else cache.length
-        q, k = rope(q, offset), rope(k, offset)
+        q, k = rope(q, offset, positions), rope(k, offset, positions)
         if cache is None:
             out = causal_attention(q, k, v, self.attention, self.flash_backend)
         else:
