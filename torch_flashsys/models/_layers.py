@@ -17,7 +17,8 @@ def _init_linear(layer: nn.Linear, std: float = 0.02) -> None:
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, computed in float32.
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, computed in float32
+    (float64 for float64 inputs).
 
     x: (..., d_model) -> (..., d_model), same dtype.
     """
@@ -28,9 +29,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        x32 = x.to(acc)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed * self.weight.to(acc)).to(x.dtype)
 
 
 class SwiGLU(nn.Module):

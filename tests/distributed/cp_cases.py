@@ -1,0 +1,234 @@
+"""Rank bodies for tests/distributed/test_context_parallel.py (context-parallel attention).
+
+Every body loops over many cases in one spawned world (spawning costs seconds). Shapes are tiny
+and float64 with ``backend="torch"``: the results must equal single-process ``flash_attention``
+on the whole sequence to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_flashsys import BucketedDDP, flash_attention
+from torch_flashsys.distributed import (
+    _cp_ring,
+    context_parallel_attention,
+    context_parallel_sdpa,
+    gather_sequence,
+    shard_position_ids,
+    shard_sequence,
+)
+from torch_flashsys.models import ModelConfig, TransformerLM
+
+F64 = torch.float64
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seed: int
+    batch: int
+    heads: int
+    kv_heads: int
+    chunk: int  # tokens per layout chunk: seq = chunk * world * (2 zigzag, 1 contiguous)
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    mode: str
+    layout: str
+    scale: float | None
+
+    def seq(self, world: int) -> int:
+        return self.chunk * world * (2 if self.layout == "zigzag" else 1)
+
+
+def _full_inputs(case: Case, world: int):
+    g = torch.Generator().manual_seed(case.seed)
+    seq = case.seq(world)
+
+    def rnd(h, d):
+        return torch.randn(case.batch, h, seq, d, generator=g, dtype=F64)
+
+    q, k = rnd(case.heads, case.head_dim), rnd(case.kv_heads, case.head_dim)
+    v = rnd(case.kv_heads, case.head_dim_v)
+    return q, k, v, rnd(case.heads, case.head_dim_v)
+
+
+def _count_flops(counts: list[int]):
+    """Wrap the ring's block forward to add each block's score count to ``counts[0]``."""
+    original = _cp_ring.block_forward
+
+    def counting(q, k, v, scale, causal, backend):
+        rows, cols = q.shape[-2], k.shape[-2]
+        counts[0] += rows * (rows + 1) // 2 if causal else rows * cols
+        return original(q, k, v, scale, causal, backend)
+
+    return original, counting
+
+
+def equivalence(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
+    """Each case: sharded fwd + bwd == flash_attention on the whole sequence; the score counts
+    of the causal zigzag ring cases (for the balance test)."""
+    flops = []
+    for case in cases:
+        q, k, v, dout = _full_inputs(case, world)
+        gqa = case.kv_heads != case.heads
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = flash_attention(*full, is_causal=case.causal, scale=case.scale, enable_gqa=gqa,
+                               backend="torch")  # fmt: skip
+        want.backward(dout)
+        local = [shard_sequence(t, dim=2, layout=case.layout).requires_grad_() for t in (q, k, v)]
+        counts = [0]
+        original, counting = _count_flops(counts)
+        _cp_ring.block_forward = counting
+        try:
+            out = context_parallel_attention(
+                *local, mode=case.mode, is_causal=case.causal, scale=case.scale, enable_gqa=gqa,
+                layout=case.layout, backend="torch",
+            )  # fmt: skip
+        finally:
+            _cp_ring.block_forward = original
+        out.backward(shard_sequence(dout, dim=2, layout=case.layout))
+        pairs = [("out", out, want)] + [
+            (f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", local, full, strict=True)
+        ]
+        for name, got, ref in pairs:
+            whole = gather_sequence(got.detach(), dim=2, layout=case.layout)
+            torch.testing.assert_close(
+                whole, ref, **TOL, msg=lambda m, n=name, c=case: f"{c} {n}: {m}"
+            )
+        if case.mode == "ring" and case.causal:
+            flops.append((case.layout, case.chunk, counts[0]))
+    return {"flops": flops, "helpers": _helpers(rank, world)}
+
+
+def _helpers(rank: int, world: int) -> dict[str, Any]:
+    """shard/gather round trips and the position ids, against the layouts' definitions."""
+    out = {}
+    for layout in ("zigzag", "contiguous"):
+        n = world * (2 if layout == "zigzag" else 1)
+        x = torch.arange(3 * 5 * n).view(3, 5 * n)
+        shard = shard_sequence(x, layout=layout)
+        chunks = x.chunk(n, dim=1)
+        ids = [rank, 2 * world - 1 - rank] if layout == "zigzag" else [rank]
+        assert torch.equal(shard, torch.cat([chunks[i] for i in ids], 1)), layout
+        assert torch.equal(gather_sequence(shard, layout=layout), x), layout
+        pos = shard_position_ids(5 * n, layout=layout)
+        assert torch.equal(pos, shard_sequence(torch.arange(5 * n), dim=0, layout=layout))
+        out[layout] = pos.tolist()
+    # a group of one rank: exactly flash_attention (same function object result, no copy)
+    singles = [dist.new_group([r]) for r in range(world)]
+    q = torch.randn(1, 2, 6, 8, dtype=F64, requires_grad=True)
+    got = context_parallel_attention(q, q, q, singles[rank], is_causal=True, backend="torch")
+    want = flash_attention(q, q, q, is_causal=True, backend="torch")
+    assert torch.equal(got, want) and type(got.grad_fn) is type(want.grad_fn)
+    return out
+
+
+# ------------------------------------------------------------------------------ bad inputs
+
+
+def _attempt(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bad_inputs(rank: int, world: int) -> dict[str, str]:
+    """Each scenario's error on this rank (every rank must raise; none may hang)."""
+    t = torch.randn(1, 3, 4, 8, dtype=F64)
+    g = torch.randn(1, 4, 4, 8, dtype=F64)
+    mine = torch.randn(1, 2, 4 + 2 * rank, 8, dtype=F64)  # a different length on every rank
+
+    def cpa(*args, **kw):
+        return context_parallel_attention(*args, backend="torch", **kw)
+
+    return {
+        "ulysses_heads": _attempt(lambda: cpa(t, t, t, mode="ulysses")),
+        "ulysses_kv_heads": _attempt(
+            lambda: cpa(g, t[:, :1], t[:, :1], mode="ulysses", enable_gqa=True)
+        ),
+        "odd_zigzag": _attempt(lambda: cpa(t[:, :, :3], t[:, :, :3], t[:, :, :3], is_causal=True)),
+        "mismatched_shards": _attempt(lambda: cpa(mine, mine, mine, is_causal=True)),
+        "mismatched_mode": _attempt(lambda: cpa(g, g, g, mode="ring" if rank else "ulysses")),
+        "not_a_tensor_on_one_rank": _attempt(lambda: cpa(g, g, g if rank else None)),
+        "kv_length": _attempt(lambda: cpa(g, g[:, :, :2], g[:, :, :2])),
+        "gqa_flag": _attempt(lambda: cpa(g, t[:, :1], t[:, :1])),
+        "shard_length": _attempt(lambda: shard_sequence(torch.zeros(1, 6 * world - 1))),
+        "bad_mode": _attempt(lambda: cpa(g, g, g, mode="star")),
+        "gather_mismatch": _attempt(lambda: gather_sequence(mine)),
+        "sdpa_mask": _attempt(lambda: _sdpa_with_mask(g)),
+        "after_errors_still_works": _attempt(lambda: cpa(g, g, g, is_causal=True)),
+    }
+
+
+def _sdpa_with_mask(x: torch.Tensor) -> None:
+    with context_parallel_sdpa():
+        torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=torch.ones(4, 4) > 0)
+
+
+# ---------------------------------------------------------- DDP x CP on a 2-D layout (4 ranks)
+
+SEQ, VOCAB, STEPS = 16, 40, 2
+
+
+class _WithLoss(torch.nn.Module):
+    """The LM with its loss as ``forward`` (a data-parallel wrapper must see the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        cfg = ModelConfig.from_size("tiny", context_length=SEQ, vocab_size=VOCAB, attention="sdpa")
+        self.lm = TransformerLM(cfg).to(F64)
+
+    def forward(self, tokens, targets, position_ids=None):
+        return self.lm.loss(tokens, targets, position_ids=position_ids)
+
+
+def _data(seed: int, step: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1009 + step)
+    return torch.randint(0, VOCAB, (dp, SEQ + 1), generator=g)  # inputs and shifted targets
+
+
+def _train(model, opt, loss_fn, batches) -> dict[str, Any]:
+    """Train; the first step's gradients and the final parameters."""
+    grads = None
+    for seqs in batches:
+        opt.zero_grad()
+        loss_fn(model, seqs).backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return {"grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def ddp_x_cp(rank: int, world: int, seed: int, mode: str, cp: int) -> dict[str, Any]:
+    """dp = world / cp data-parallel replicas, each sequence split over a cp group; BucketedDDP
+    over all ranks (the flattened data x context group) against single-process training."""
+    dp = world // cp
+    cp_groups = [dist.new_group(list(range(d * cp, d * cp + cp))) for d in range(dp)]
+    my_dp, cp_group = rank // cp, cp_groups[rank // cp]
+    batches = [_data(seed, s, dp) for s in range(STEPS)]
+
+    def cp_loss(model, seqs):
+        seq = seqs[my_dp : my_dp + 1]
+        tokens, targets = (shard_sequence(t, cp_group) for t in (seq[:, :-1], seq[:, 1:]))
+        positions = shard_position_ids(SEQ, cp_group)
+        with context_parallel_sdpa(cp_group, mode=mode, backend="torch"):
+            return model(tokens, targets, positions)  # this shard's mean
+
+    ddp = BucketedDDP(_WithLoss(), bucket_size_mb=0.01)
+    got = _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.5), cp_loss, batches)
+    ref = _WithLoss()
+    want = _train(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.5),
+        lambda m, seqs: m(seqs[:, :-1], seqs[:, 1:]), batches,
+    )  # fmt: skip
+    got = {key: {n.removeprefix("module."): t for n, t in d.items()} for key, d in got.items()}
+    return {"got": got, "want": want}
