@@ -232,3 +232,65 @@ def ddp_x_cp(rank: int, world: int, seed: int, mode: str, cp: int) -> dict[str, 
     )  # fmt: skip
     got = {key: {n.removeprefix("module."): t for n, t in d.items()} for key, d in got.items()}
     return {"got": got, "want": want}
+
+
+# --------------------------------------------------------- DTensor inputs sharded on the heads
+
+
+def dtensor_heads(rank: int, world: int) -> dict[str, Any]:
+    """flash_attention on head-sharded DTensors (eager, and the custom op's sharding rule through
+    the Triton interpreter) == the plain call; bad layouts raise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(7)
+    errors = {}
+    for dtype, backend, heads, kv in ((F64, "torch", 4, 2), (torch.float32, "triton", 2, 2)):
+        q = torch.randn(2, heads, 16, 16, generator=g, dtype=dtype)
+        k, v = (torch.randn(2, kv, 16, 16, generator=g, dtype=dtype) for _ in range(2))
+        dout = torch.randn(2, heads, 16, 16, generator=g, dtype=dtype)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        kw = {"is_causal": True, "enable_gqa": heads != kv, "backend": backend}
+        want, want_lse = flash_attention(*ref, return_lse=True, **kw)
+        want.backward(dout)
+        dts = [distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (q, k, v)]
+        out, lse = flash_attention(*dts, return_lse=True, **kw)
+        assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+        out.backward(distribute_tensor(dout, mesh, [Shard(1)]))
+        tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == F64 else {"rtol": 1e-5, "atol": 1e-5}
+        torch.testing.assert_close(out.full_tensor(), want, **tol)
+        torch.testing.assert_close(lse.full_tensor(), want_lse, **tol)
+        for d, r in zip(dts, ref, strict=True):
+            torch.testing.assert_close(d.grad.full_tensor(), r.grad, **tol)
+        if backend == "triton":  # the custom op on DTensors: the registered sharding rule
+            from torch_flashsys.attention._extras import CAUSAL as C
+
+            o, o_lse = torch.ops.torch_flashsys.attn_fwd(
+                *(t.detach() for t in dts), None, None, None, 0.25, C.left, C.right, 0.0, 0.0,
+                None, None, 0, 0,
+            )  # fmt: skip
+            assert o.placements == (Shard(1),), o.placements
+            plain = torch.ops.torch_flashsys.attn_fwd(
+                q, k, v, None, None, None, 0.25, C.left, C.right, 0.0, 0.0, None, None, 0, 0
+            )
+            torch.testing.assert_close(o.full_tensor(), plain[0], **tol)
+            torch.testing.assert_close(o_lse.full_tensor(), plain[1], **tol)
+    q = torch.randn(1, 3, 8, 8, dtype=F64)
+    seq_sharded = distribute_tensor(torch.randn(1, 2, 8, 8, dtype=F64), mesh, [Shard(2)])
+    heads_sharded = distribute_tensor(torch.randn(1, 2, 8, 8, dtype=F64), mesh, [Shard(1)])
+    bad = {
+        "sequence_sharded": lambda: flash_attention(seq_sharded, seq_sharded, seq_sharded),
+        "mixed": lambda: flash_attention(heads_sharded, q[:, :2], q[:, :2]),
+        "uneven_heads": lambda: flash_attention(*[distribute_tensor(q, mesh, [Shard(1)])] * 3),
+        "mask": lambda: flash_attention(
+            heads_sharded, heads_sharded, heads_sharded, attn_mask=torch.ones(8, 8) > 0
+        ),
+    }
+    for name, fn in bad.items():
+        errors[name] = _attempt(fn)
+    rep = distribute_tensor(torch.randn(1, 2, 8, 8, dtype=F64), mesh, [Replicate()])
+    out = flash_attention(rep, rep, rep, backend="torch")
+    assert out.placements == (Replicate(),)
+    torch.testing.assert_close(out.full_tensor(), flash_attention(*[rep.full_tensor()] * 3))
+    return errors

@@ -121,3 +121,17 @@ def test_ddp_x_context_parallel_matches_single_process_training(seed, mode):
         assert_close_tree(r["got"], r["want"], f"rank {rank}", rtol=1e-9, atol=1e-12)
     head = [r["got"]["params"]["lm.lm_head.weight"] for r in results]
     assert all(torch.equal(h, head[0]) for h in head), "replicas diverged"
+
+
+def test_dtensor_head_sharded_inputs_match_the_plain_call():
+    results = run_distributed(cp_cases.dtensor_heads, 2, timeout=TIMEOUT)
+    expected = {
+        "sequence_sharded": "ValueError: flash_attention: DTensor inputs must be sharded on the "
+        "head dimension (Shard(1))",
+        "mixed": "ValueError: flash_attention: query is a DTensor, so key and value must be",
+        "uneven_heads": "ValueError: flash_attention: the 3 heads of query do not divide evenly",
+        "mask": "NotImplementedError: flash_attention: with DTensor inputs, attn_mask is not",
+    }
+    for rank, errors in enumerate(results):
+        for name, start in expected.items():
+            assert errors[name].startswith(start), f"rank {rank} {name}: {errors[name]}"
