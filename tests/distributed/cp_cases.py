@@ -181,14 +181,18 @@ SEQ, VOCAB, STEPS = 16, 40, 2
 class _WithLoss(torch.nn.Module):
     """The LM with its loss as ``forward`` (a data-parallel wrapper must see the forward)."""
 
-    def __init__(self) -> None:
+    def __init__(self, long_context_options: bool = False) -> None:
         super().__init__()
         torch.manual_seed(1234)
-        cfg = ModelConfig.from_size("tiny", context_length=SEQ, vocab_size=VOCAB, attention="sdpa")
+        cfg = ModelConfig.from_size(
+            "tiny", context_length=SEQ, vocab_size=VOCAB, attention="sdpa",
+            activation_checkpointing=long_context_options,
+        )  # fmt: skip
         self.lm = TransformerLM(cfg).to(F64)
+        self.chunk = 3 if long_context_options else None
 
     def forward(self, tokens, targets, position_ids=None):
-        return self.lm.loss(tokens, targets, position_ids=position_ids)
+        return self.lm.loss(tokens, targets, position_ids=position_ids, chunk_size=self.chunk)
 
 
 def _data(seed: int, step: int, dp: int) -> torch.Tensor:
@@ -223,7 +227,8 @@ def ddp_x_cp(rank: int, world: int, seed: int, mode: str, cp: int) -> dict[str, 
         with context_parallel_sdpa(cp_group, mode=mode, backend="torch"):
             return model(tokens, targets, positions)  # this shard's mean
 
-    ddp = BucketedDDP(_WithLoss(), bucket_size_mb=0.01)
+    # the CP model recomputes its blocks in the backward, outside the context_parallel_sdpa block
+    ddp = BucketedDDP(_WithLoss(long_context_options=True), bucket_size_mb=0.01)
     got = _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.5), cp_loss, batches)
     ref = _WithLoss()
     want = _train(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -187,7 +189,8 @@ class TransformerLM(nn.Module):
         recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             if recompute and caches is None:
-                x = checkpoint(layer, x, self.rope, None, position_ids, use_reentrant=False)
+                x = checkpoint(layer, x, self.rope, None, position_ids, use_reentrant=False,
+                               context_fn=_recompute_with_this_sdpa)  # fmt: skip
             else:
                 x = layer(x, self.rope, None if caches is None else caches[i], position_ids)
         return x
@@ -249,6 +252,24 @@ class TransformerLM(nn.Module):
             out = torch.cat([out, nxt], dim=1)
             step_input = nxt
         return out
+
+
+def _recompute_with_this_sdpa():
+    """Checkpoint contexts: the recomputation in the backward calls the
+    ``F.scaled_dot_product_attention`` this forward called (an ``sdpa_override`` or
+    ``context_parallel_sdpa`` block may have ended before the backward; recomputing with another
+    attention would give wrong gradients, e.g. local-only attention under context parallelism)."""
+    return contextlib.nullcontext(), _sdpa_set_to(F.scaled_dot_product_attention)
+
+
+@contextlib.contextmanager
+def _sdpa_set_to(fn):
+    previous = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = fn
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
 
 
 def _chunk_loss(hidden, targets, weight, ignore_index: int) -> torch.Tensor:
