@@ -135,3 +135,25 @@ def test_dtensor_head_sharded_inputs_match_the_plain_call():
     for rank, errors in enumerate(results):
         for name, start in expected.items():
             assert errors[name].startswith(start), f"rank {rank} {name}: {errors[name]}"
+
+
+@pytest.mark.gpu
+def test_world_size_one_is_flash_attention_on_cuda():
+    """One rank (NCCL): exactly flash_attention with the Triton kernels, no copy."""
+    results = run_distributed(_cuda_world_one, 1, timeout=TIMEOUT, backend="nccl")
+    assert results == [True]
+
+
+def _cuda_world_one(rank: int, world: int) -> bool:
+    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
+    from torch_flashsys import flash_attention
+    from torch_flashsys.distributed import context_parallel_attention
+
+    got = context_parallel_attention(q, q, q, is_causal=True)
+    return bool(torch.equal(got, flash_attention(q, q, q, is_causal=True)))
+
+
+@pytest.mark.multigpu
+def test_nccl_ring_and_ulysses_on_two_gpus():
+    results = run_distributed(cp_cases.nccl_equivalence, 2, timeout=TIMEOUT, backend="nccl")
+    assert results[0].keys() == results[1].keys() and len(results[0]) == 32
