@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torch_flashsys import BucketedDDP, flash_attention
+from torch_flashsys import BucketedDDP, flash_attention, sdpa_override
 from torch_flashsys.distributed import (
     _cp_ring,
     context_parallel_attention,
@@ -126,7 +126,29 @@ def _helpers(rank: int, world: int) -> dict[str, Any]:
     got = context_parallel_attention(q, q, q, singles[rank], is_causal=True, backend="torch")
     want = flash_attention(q, q, q, is_causal=True, backend="torch")
     assert torch.equal(got, want) and type(got.grad_fn) is type(want.grad_fn)
+    _nests_with_sdpa_override(world)
     return out
+
+
+def _nests_with_sdpa_override(world: int) -> None:
+    """context_parallel_sdpa inside sdpa_override (and the reverse): calls inside the inner block
+    take its route, and each block restores what it found."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    full = torch.randn(1, 2, 4 * world, 8, dtype=F64, generator=torch.Generator().manual_seed(5))
+    local = shard_sequence(full, dim=2)
+    want = shard_sequence(flash_attention(full, full, full, is_causal=True), dim=2)
+    with sdpa_override(backend="torch"):
+        override = torch.nn.functional.scaled_dot_product_attention
+        with context_parallel_sdpa(backend="torch"):
+            got = torch.nn.functional.scaled_dot_product_attention(
+                local, local, local, is_causal=True
+            )
+            torch.testing.assert_close(got, want, **TOL)
+        assert torch.nn.functional.scaled_dot_product_attention is override
+    with context_parallel_sdpa(backend="torch"), sdpa_override(backend="torch"):
+        local_only = torch.nn.functional.scaled_dot_product_attention(local, local, local)
+        torch.testing.assert_close(local_only, flash_attention(local, local, local), **TOL)
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
 
 
 # ------------------------------------------------------------------------------ bad inputs

@@ -14,7 +14,7 @@ from tests.distributed.harness import run_distributed
 from tests.distributed.test_ddp import ONE_RUN, SEEDS, WORLD_SIZES, assert_close_tree
 from torch_flashsys.distributed._cp_layout import ring_flops
 
-TIMEOUT = 240.0  # a hang is reported after this long instead of blocking the suite
+TIMEOUT = 120.0  # a hang is reported after this long instead of blocking the suite
 
 
 @st.composite

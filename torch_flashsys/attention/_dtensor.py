@@ -25,8 +25,10 @@ _NAME = "flash_attention"
 def is_dtensor(t: object) -> bool:
     if t.__class__ is torch.Tensor or not isinstance(t, torch.Tensor):
         return False
-    from torch.distributed.tensor import DTensor
-
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support
+        return False
     return isinstance(t, DTensor)
 
 
