@@ -177,6 +177,9 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
             lambda: cpa(g, t[:, :1], t[:, :1], mode="ulysses", enable_gqa=True)
         ),
         "odd_zigzag": _attempt(lambda: cpa(t[:, :, :3], t[:, :, :3], t[:, :, :3], is_causal=True)),
+        "odd_zigzag_ulysses": _attempt(
+            lambda: cpa(g[:, :, :3], g[:, :, :3], g[:, :, :3], is_causal=True, mode="ulysses")
+        ),
         "mismatched_shards": _attempt(lambda: cpa(mine, mine, mine, is_causal=True)),
         "mismatched_mode": _attempt(lambda: cpa(g, g, g, mode="ring" if rank else "ulysses")),
         "not_a_tensor_on_one_rank": _attempt(lambda: cpa(g, g, g if rank else None)),
@@ -357,5 +360,8 @@ def nccl_equivalence(rank: int, world: int) -> dict[str, float]:
                     own = (single.detach().double() - exact).abs().max().item()
                     key = f"{dtype} {mode} causal={causal} {name}"
                     errors[key] = err
-                    assert err <= 3 * own + 1e-5, f"{key}: {err:.3g} vs flash_attention's {own:.3g}"
+                    floor = 1e-5 if dtype == torch.float32 else 1e-3
+                    assert err <= 3 * own + floor, (
+                        f"{key}: {err:.3g} vs flash_attention's {own:.3g}"
+                    )
     return errors

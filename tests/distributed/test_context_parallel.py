@@ -90,6 +90,7 @@ def test_bad_inputs_raise_on_every_rank():
         "ulysses_heads": "ValueError: context_parallel_attention: mode='ulysses' needs heads (3)",
         "ulysses_kv_heads": "ValueError: context_parallel_attention: mode='ulysses' needs heads",
         "odd_zigzag": "ValueError: context_parallel_attention: layout='zigzag' shards",
+        "odd_zigzag_ulysses": "ValueError: context_parallel_attention: layout='zigzag' shards",
         "mismatched_shards": "RuntimeError: context_parallel_attention: the attention call "
         "differs across ranks",
         "mismatched_mode": "RuntimeError: context_parallel_attention: the attention call differs",

@@ -198,7 +198,7 @@ def _check_shards(q, k, v, world: int, mode: str, is_causal: bool, layout: str, 
             f"{_NAME}: mode='ulysses' needs heads ({heads}) and kv_heads ({kv_heads}) divisible "
             f"by the group size {world}; use mode='ring'"
         )
-    if is_causal and mode == "ring" and layout == "zigzag" and q.shape[2] % 2:
+    if is_causal and layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(
             f"{_NAME}: layout='zigzag' shards hold two equal chunks, so the local sequence "
             f"length must be even, got {q.shape[2]}"
