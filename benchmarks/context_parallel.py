@@ -75,13 +75,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds per context search; it stops early with the bracket (110)")  # fmt: skip
     p.add_argument("--skip-search", action="store_true", help="attention timings only")
     p.add_argument("--pg-timeout", type=float, default=300.0, help="process group timeout, s (300)")
+    p.add_argument("--simulate-oom-above", type=int, default=None,
+                   help="testing: contexts above this many tokens count as out of memory")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny LM on CPU (gloo), seconds")
     p.add_argument("--out", default=None, help="write the rows to a .json or .csv file")
     args = p.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     args.lm = LLAMA_1B
     if args.smoke:
-        args.lm, args.start, args.max_context, args.granularity = SMOKE_LM, 32, 128, 32
+        args.lm, args.start, args.max_context, args.granularity = SMOKE_LM, 32, 256, 16
+        args.simulate_oom_above = args.simulate_oom_above or 100  # exercises the bisection
         args.loss_chunk, args.attn_seqs, args.reps, args.nproc = 16, "64", 2, 2
     if args.nproc is None:
         args.nproc = min(2, torch.cuda.device_count()) if args.device == "cuda" else 2
@@ -110,7 +113,12 @@ class _LossLM(torch.nn.Module):
         return self.lm.loss(tokens, targets, position_ids=positions, chunk_size=self.chunk)
 
 
-def _trainer(args, device: torch.device, mode: str):
+def _trainer(args, device: torch.device, mode: str, warm_context: int):
+    """A step function on a fresh model, after one step at ``warm_context`` (so AdamW's state and
+    the gradient buckets exist: later probes see the steady state's memory)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = _LossLM(args, device)
     world = dist.get_world_size()
@@ -119,6 +127,8 @@ def _trainer(args, device: torch.device, mode: str):
     amp = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
 
     def step(context: int) -> None:
+        if args.simulate_oom_above is not None and context > args.simulate_oom_above:
+            raise torch.cuda.OutOfMemoryError(f"simulated: {context} > --simulate-oom-above")
         seq = torch.randint(0, args.lm["vocab_size"], (1, context + 1), device=device)
         tokens, targets = (shard_sequence(t) for t in (seq[:, :-1], seq[:, 1:]))
         positions = shard_position_ids(context, device=device) if world > 1 else None
@@ -128,6 +138,7 @@ def _trainer(args, device: torch.device, mode: str):
         opt.step()
         opt.zero_grad()
 
+    step(warm_context)
     return step, (model, opt)
 
 
@@ -159,17 +170,19 @@ def _try(step, context: int, device: torch.device) -> tuple[bool, float, float]:
 
 def longest_context(args, device: torch.device, mode: str) -> dict:
     """Doubling from --start until a failure (or the ceiling), then bisection to --granularity."""
-    step, keep = _trainer(args, device, mode)
     world, deadline = dist.get_world_size(), time.monotonic() + args.time_budget
     unit = args.granularity * 2 * world  # zigzag: a multiple of 2 x world
+    step, keep = _trainer(args, device, mode, unit)
     lo, hi, best = 0, None, (0.0, 0.0)
     context = max(unit, args.start // unit * unit)
     while time.monotonic() < deadline:
         ok, peak, seconds = _try(step, context, device)
         if ok:
             lo, best = context, (peak, seconds)
-        else:
+        else:  # a step that failed half-way leaves gradients (and BucketedDDP) mid-step
             hi = context
+            del step, keep
+            step, keep = _trainer(args, device, mode, unit)
         if hi is None:
             if context >= args.max_context:
                 break
