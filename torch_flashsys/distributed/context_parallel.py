@@ -271,9 +271,10 @@ def context_parallel_attention(
     sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     if mode == "ulysses":
 
-        def attend(q, k, v, causal):  # fmt: skip
-            return flash_attention(q, k, v, is_causal=causal, scale=sm_scale,
-                                   enable_gqa=enable_gqa, backend=resolved)  # fmt: skip
+        def attend(q, k, v, causal):
+            return flash_attention(
+                q, k, v, is_causal=causal, scale=sm_scale, enable_gqa=enable_gqa, backend=resolved
+            )
 
         return ulysses_attention(query, key, value, group, layout, is_causal, attend)
     query, key, value = _autocast(query, key, value)
