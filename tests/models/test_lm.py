@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -220,3 +221,106 @@ def test_generate_errors():
         model.generate(torch.zeros(1, 10, dtype=torch.long), 7)
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), -1)
+
+
+# ---------------------------------------------- long-context options: position ids, checkpointing,
+# chunked loss (float64, against the plain model)
+
+
+def _f64_model(**overrides) -> TransformerLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_size("tiny", context_length=32, vocab_size=50, attention="sdpa")
+    return TransformerLM(dataclasses.replace(cfg, **overrides)).double()
+
+
+def _grads(model: TransformerLM) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@given(seed=st.integers(0, 2**31 - 1), seq=st.integers(2, 32), batch=st.integers(1, 3))
+@settings(max_examples=5, deadline=None)
+def test_position_ids_select_the_rotary_positions(seed, seq, batch):
+    """arange positions change nothing; any subset of positions rotates exactly as those rows of
+    the full sequence (what a context-parallel shard needs)."""
+    model = _f64_model()
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50, (batch, seq), generator=g)
+    full = model(tokens)
+    torch.testing.assert_close(model(tokens, position_ids=torch.arange(seq)), full, rtol=0, atol=0)
+    per_row = torch.arange(seq).expand(batch, seq)
+    torch.testing.assert_close(model(tokens, position_ids=per_row), full, rtol=0, atol=0)
+    x = torch.randn(batch, 4, seq, 8, generator=g, dtype=torch.float64)
+    picks = torch.randperm(seq, generator=g)[: max(1, seq // 2)]
+    rows = torch.stack([picks.roll(i) for i in range(batch)])  # a different subset order per row
+    rope = RotaryEmbedding(8, 32)
+    want = torch.stack([rope(x)[b, :, rows[b]] for b in range(batch)])
+    got = rope(torch.stack([x[b, :, rows[b]] for b in range(batch)]), positions=rows)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(rope(x[:, :, picks], positions=picks), rope(x)[:, :, picks])
+
+
+def test_position_ids_shape_error():
+    model = _f64_model()
+    with pytest.raises(ValueError, match="position_ids must be"):
+        model(torch.zeros(1, 8, dtype=torch.long), position_ids=torch.arange(7))
+
+
+@given(seed=st.integers(0, 2**31 - 1), chunk=st.sampled_from([None, 1, 3, 7, 64]))
+@settings(max_examples=6, deadline=None)
+def test_chunked_loss_and_checkpointing_match_plain_training(seed, chunk):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50, (2, 12), generator=g)
+    targets = torch.randint(0, 50, (2, 12), generator=g)
+    targets[0, :3] = -100  # ignored positions count in neither the sum nor the mean
+    plain = _f64_model()
+    want = torch.nn.functional.cross_entropy(plain(tokens).flatten(0, 1), targets.flatten())
+    want.backward()
+    for ckpt in (False, True):
+        model = _f64_model(activation_checkpointing=ckpt)
+        got = model.loss(tokens, targets, chunk_size=chunk)
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for name, grad in _grads(plain).items():
+            torch.testing.assert_close(
+                _grads(model)[name], grad, rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}"
+            )
+    summed = plain.loss(tokens, targets, chunk_size=chunk, reduction="sum")
+    torch.testing.assert_close(summed, want * (targets != -100).sum(), rtol=1e-12, atol=1e-12)
+
+
+def test_checkpointing_stores_fewer_activations():
+    """Saved tensors of the autograd graph: per-block checkpointing keeps only block inputs."""
+
+    def saved_bytes(model: TransformerLM) -> int:
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.loss(torch.zeros(1, 32, dtype=torch.long), torch.zeros(1, 32, dtype=torch.long))
+        return total
+
+    assert saved_bytes(_f64_model(activation_checkpointing=True)) < 0.5 * saved_bytes(_f64_model())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"reduction": "none"}, "reduction must be"),
+        ({"chunk_size": 0}, "chunk_size must be"),
+        ({"targets": torch.zeros(1, 7, dtype=torch.long)}, "targets must have the shape"),
+    ],
+)
+def test_loss_errors(kwargs, match):
+    model = _f64_model()
+    args = {"targets": torch.zeros(1, 8, dtype=torch.long), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        model.loss(torch.zeros(1, 8, dtype=torch.long), **args)
+
+
+def test_activation_checkpointing_must_be_bool():
+    with pytest.raises(TypeError, match="activation_checkpointing must be a bool"):
+        ModelConfig.from_size("tiny", activation_checkpointing="yes")

@@ -117,6 +117,13 @@ def flash_attention(
         ``out`` with the shape (last dimension ``head_dim_v``), dtype and memory layout of
         ``query``; ``(out, lse)`` when ``return_lse``.
 
+    DTensor inputs (tensor parallelism, e.g. after ``parallelize_module`` with column-parallel
+    q/k/v projections) sharded on the head dimension (``Shard(heads_dim)``, or replicated) run on
+    each rank's local heads with no communication and return DTensors with the same placements;
+    other layouts raise ``ValueError`` (redistribute first), and masks, ALiBi, packed batches and
+    KV caches raise ``NotImplementedError`` with DTensors. With dropout the random numbers
+    depend on the local head index, so they differ from a plain call's (same distribution).
+
     Dtypes are float16, bfloat16 and float32 (float32 dots are full precision unless TF32 is
     allowed, e.g. ``torch.backends.cuda.matmul.allow_tf32 = True``, read at each call), and
     float64 through the PyTorch backend (``"auto"`` picks it; for ``torch.autograd.gradcheck``).
@@ -134,6 +141,12 @@ def flash_attention(
         >>> pad = torch.ones(2, 1, 1, 128, dtype=torch.bool); pad[1, ..., 100:] = False
         >>> out = flash_attention(q, k, v, attn_mask=pad, window_size=(32, 0), backend="torch")
     """
+    if query.__class__ is not torch.Tensor and _is_dtensor(query):
+        return _dtensor_call(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+            softcap, alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            cache_seqlens, backend, return_lse,
+        )  # fmt: skip
     if isinstance(query, torch.Tensor) and query.is_nested:
         from torch_flashsys.attention._varlen import nested_attention
 
@@ -178,6 +191,28 @@ def flash_attention(
     out = out.reshape(*query.shape[:-1], value.shape[-1])
     lse = lse.reshape(query.shape[:-1])
     return (out, lse) if return_lse else out
+
+
+def _dtensor_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                  window_size, softcap, alibi_slopes, cu_q, cu_k, max_q, max_k, cache_seqlens,
+                  backend, return_lse):  # fmt: skip
+    """DTensor inputs sharded on the head dimension: flash_attention on the local heads."""
+    from torch_flashsys.attention._dtensor import dtensor_attention
+
+    kwargs = {"dropout_p": dropout_p, "is_causal": is_causal, "scale": scale,
+              "enable_gqa": enable_gqa, "window_size": window_size, "softcap": softcap,
+              "backend": backend, "return_lse": True}  # fmt: skip
+    extra = {"attn_mask": attn_mask, "alibi_slopes": alibi_slopes, "cu_seqlens_q": cu_q,
+             "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
+             "cache_seqlens": cache_seqlens}  # fmt: skip
+    out, lse = dtensor_attention(query, key, value, flash_attention, kwargs, extra)
+    return (out, lse) if return_lse else out
+
+
+def _is_dtensor(t: object) -> bool:
+    from torch_flashsys.attention._dtensor import is_dtensor
+
+    return is_dtensor(t)
 
 
 def _attend(query, key, value, attn_mask, mods, sm_scale: float, backend: str):

@@ -39,6 +39,9 @@ class ModelConfig:
         flash_backend: the ``backend`` passed to ``flash_attention`` when ``attention="flash"``.
         rope_theta: RoPE base frequency.
         norm_eps: RMSNorm epsilon.
+        activation_checkpointing: recompute each block's activations in the backward instead of
+            storing them (``torch.utils.checkpoint``, non-reentrant) while training: only the
+            blocks' inputs stay alive, at the cost of a second forward of every block.
 
     Example:
         >>> cfg = ModelConfig.from_size("small", context_length=512, attention="sdpa")
@@ -56,12 +59,18 @@ class ModelConfig:
     flash_backend: str = "auto"
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("d_model", "d_ff", "num_layers", "num_heads", "vocab_size", "context_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig: {name} must be a positive int, got {value!r}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise TypeError(
+                f"ModelConfig: activation_checkpointing must be a bool, got "
+                f"{self.activation_checkpointing!r}"
+            )
         if self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"ModelConfig: d_model ({self.d_model}) must be a multiple of num_heads "

@@ -17,7 +17,8 @@ def _init_linear(layer: nn.Linear, std: float = 0.02) -> None:
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, computed in float32.
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dimension, computed in float32
+    (float64 for float64 inputs).
 
     x: (..., d_model) -> (..., d_model), same dtype.
     """
@@ -28,9 +29,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        x32 = x.to(acc)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed * self.weight.to(acc)).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -66,13 +68,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)  # (context, head_dim/2)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Rotate ``x``'s positions ``offset .. offset + seq - 1`` (offset: generation with a cache)."""
-        seq = x.shape[-2]
-        cos, sin = (
-            self.cos[offset : offset + seq].to(x.dtype),
-            self.sin[offset : offset + seq].to(x.dtype),
-        )
+    def forward(
+        self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rotate ``x``'s positions ``offset .. offset + seq - 1`` (offset: generation with a cache),
+        or ``positions`` ((seq,) or (batch, seq) int64: e.g. a context-parallel shard's global
+        positions)."""
+        if positions is None:
+            seq = x.shape[-2]
+            cos, sin = self.cos[offset : offset + seq], self.sin[offset : offset + seq]
+        else:  # (seq, dim/2), or (batch, 1, seq, dim/2) to broadcast over the heads
+            cos, sin = self.cos[positions], self.sin[positions]
+            if positions.dim() == 2:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
@@ -172,14 +181,19 @@ class CausalSelfAttention(nn.Module):
         _init_linear(self.out_proj)
 
     def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``cache``: generation; x holds the positions after those cached, which it appends."""
+        """``cache``: generation; x holds the positions after those cached, which it appends.
+        ``positions``: the tokens' positions for RoPE (default ``arange(seq)``)."""
         b, seq, d_model = x.shape
         qkv = self.qkv_proj(x).view(b, seq, 3, self.num_heads, d_model // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, heads, seq, head_dim)
         offset = 0 if cache is None else cache.length
-        q, k = rope(q, offset), rope(k, offset)
+        q, k = rope(q, offset, positions), rope(k, offset, positions)
         if cache is None:
             out = causal_attention(q, k, v, self.attention, self.flash_backend)
         else:

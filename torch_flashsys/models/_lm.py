@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from torch_flashsys.attention._kvcache import KVCache
 from torch_flashsys.models._config import ATTENTION_CHOICES, ModelConfig
@@ -30,9 +34,13 @@ class TransformerBlock(nn.Module):
         self.ffn = SwiGLU(config.d_model, config.d_ff, **kw)
 
     def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, cache)
+        x = x + self.attn(self.norm1(x), rope, cache, positions)
         return x + self.ffn(self.norm2(x))
 
 
@@ -95,9 +103,67 @@ class TransformerLM(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.token_embeddings.weight.numel() if exclude_embeddings else n
 
-    def forward(self, tokens: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        caches: list[KVCache] | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``caches`` (one per layer, :meth:`new_caches`): generation; ``tokens`` are the positions
-        after those cached, and their keys/values are appended."""
+        after those cached, and their keys/values are appended. ``position_ids``: (seq,) or
+        (batch, seq) int64 positions for RoPE, each ``< context_length`` (default ``arange(seq)``;
+        under context parallelism pass :func:`~torch_flashsys.distributed.shard_position_ids`)."""
+        return self.lm_head(self.final_norm(self._trunk(tokens, caches, position_ids)))
+
+    def loss(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        chunk_size: int | None = None,
+        reduction: str = "mean",
+        ignore_index: int = -100,
+    ) -> torch.Tensor:
+        """Cross-entropy of the next-token logits against ``targets`` (batch, seq) int64, as
+        ``F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten(), ...)``.
+
+        ``chunk_size``: compute the logits ``chunk_size`` positions at a time, each chunk's
+        logits recomputed in the backward (checkpointed), so the (batch, seq, vocab) logits never
+        exist at once: at long contexts they outgrow the whole model's activations.
+        ``reduction``: ``"mean"`` (over targets that are not ``ignore_index``) or ``"sum"``.
+        """
+        if reduction not in ("mean", "sum"):
+            raise ValueError(
+                f"TransformerLM.loss: reduction must be 'mean' or 'sum', got {reduction!r}"
+            )
+        if targets.shape != tokens.shape:
+            raise ValueError(
+                f"TransformerLM.loss: targets must have the shape of tokens "
+                f"{tuple(tokens.shape)}, got {tuple(targets.shape)}"
+            )
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(
+                f"TransformerLM.loss: chunk_size must be a positive int or None, got {chunk_size!r}"
+            )
+        hidden = self.final_norm(self._trunk(tokens, None, position_ids))
+        step = chunk_size or tokens.shape[1]
+        total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else None)
+        for i in range(0, tokens.shape[1], step):
+            args = (hidden[:, i : i + step], targets[:, i : i + step], self.lm_head.weight)
+            if chunk_size is not None and torch.is_grad_enabled():
+                part = checkpoint(_chunk_loss, *args, ignore_index, use_reentrant=False)
+            else:
+                part = _chunk_loss(*args, ignore_index)
+            total = total + part
+        if reduction == "sum":
+            return total
+        return total / (targets != ignore_index).sum()
+
+    def _trunk(self, tokens, caches, position_ids) -> torch.Tensor:
+        """Embeddings and blocks: the hidden states before the final norm."""
         if tokens.dim() != 2:
             raise ValueError(
                 f"TransformerLM.forward: tokens must be 2-D (batch, seq), got shape "
@@ -114,10 +180,20 @@ class TransformerLM(nn.Module):
                 f"TransformerLM.forward: caches must hold one KVCache per layer "
                 f"({len(self.layers)}), got {len(caches)}"
             )
+        if position_ids is not None and position_ids.shape[-1] != tokens.shape[1]:
+            raise ValueError(
+                f"TransformerLM.forward: position_ids must be (seq,) or (batch, seq) with seq = "
+                f"{tokens.shape[1]}, got shape {tuple(position_ids.shape)}"
+            )
         x = self.token_embeddings(tokens)
+        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rope, None if caches is None else caches[i])
-        return self.lm_head(self.final_norm(x))
+            if recompute and caches is None:
+                x = checkpoint(layer, x, self.rope, None, position_ids, use_reentrant=False,
+                               context_fn=_recompute_with_this_sdpa)  # fmt: skip
+            else:
+                x = layer(x, self.rope, None if caches is None else caches[i], position_ids)
+        return x
 
     def new_caches(self, batch: int, capacity: int | None = None) -> list[KVCache]:
         """Empty per-layer KV caches for generation (capacity: the context length by default),
@@ -178,6 +254,33 @@ class TransformerLM(nn.Module):
         return out
 
 
+def _recompute_with_this_sdpa():
+    """Checkpoint contexts: the recomputation in the backward calls the
+    ``F.scaled_dot_product_attention`` this forward called (an ``sdpa_override`` or
+    ``context_parallel_sdpa`` block may have ended before the backward; recomputing with another
+    attention would give wrong gradients, e.g. local-only attention under context parallelism)."""
+    return contextlib.nullcontext(), _sdpa_set_to(F.scaled_dot_product_attention)
+
+
+@contextlib.contextmanager
+def _sdpa_set_to(fn):
+    previous = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = fn
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
+
+
+def _chunk_loss(hidden, targets, weight, ignore_index: int) -> torch.Tensor:
+    """Summed cross-entropy of one chunk; the logits in float32 (float64 for float64 weights)."""
+    logits = F.linear(hidden, weight)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    return F.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+
+
 def _sample(logits, temperature: float, top_k: int | None, generator) -> torch.Tensor:
     """(batch, vocab) logits -> (batch, 1) next tokens."""
     if temperature <= 0:
@@ -197,6 +300,7 @@ def build_model(
     vocab_size: int = 10_000,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
 ) -> TransformerLM:
     """A :class:`TransformerLM` of a named size (a key of :data:`MODEL_SIZES`).
 
@@ -206,6 +310,7 @@ def build_model(
         torch.Size([1, 64, 128])
     """
     config = ModelConfig.from_size(
-        size, context_length=context_length, attention=attention, vocab_size=vocab_size
-    )
+        size, context_length=context_length, attention=attention, vocab_size=vocab_size,
+        activation_checkpointing=activation_checkpointing,
+    )  # fmt: skip
     return TransformerLM(config, device=device, dtype=dtype)

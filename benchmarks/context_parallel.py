@@ -1,0 +1,298 @@
+"""Context parallelism: the longest trainable context of a LLaMA-1B-shaped LM, and attention time
+per rank against single-GPU flash_attention.
+
+Part 1, longest context: a training step (batch 1, bf16 autocast, AdamW, per-block activation
+checkpointing, chunked loss) at a context found by binary search between a size that trains and
+one that runs out of memory, on 1 GPU (flash attention) and, with --nproc >= 2, with the
+sequence split over the ranks (context_parallel_sdpa, zigzag layout, BucketedDDP averaging the
+gradients). Reported: the longest context that trained, the shortest that failed, peak memory
+and the step time at the longest.
+Part 2, attention: fwd + bwd of causal attention (batch 1, 32 heads of 64, bf16) over the whole
+sequence: flash_attention on one GPU, context_parallel_attention with a one-rank group (the
+world-size-1 path: must cost nothing extra), and per rank with --nproc ranks (ring, ulysses).
+
+    python benchmarks/context_parallel.py --smoke            # CPU, gloo, 2 processes, seconds
+    python benchmarks/context_parallel.py --nproc 1          # one GPU (~4 min on an H100)
+    python benchmarks/context_parallel.py --nproc 2          # + 2-GPU context parallelism (NCCL)
+
+A rank that runs out of memory in the middle of a ring step leaves the others waiting: the
+process group's timeout (--pg-timeout) turns that into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks._harness import (
+    free_port,
+    is_oom,
+    percentiles,
+    print_report,
+    set_spawn_env,
+    write_results,
+)
+from torch_flashsys import BucketedDDP, flash_attention
+from torch_flashsys.distributed import (
+    context_parallel_attention,
+    context_parallel_sdpa,
+    shard_position_ids,
+    shard_sequence,
+)
+from torch_flashsys.models import ModelConfig, TransformerLM
+
+GIB = 2**30
+# LLaMA-1B-shaped (LLaMA 3.2 1B's width, depth and FFN; 32 heads of 64, no GQA; 32k vocabulary)
+LLAMA_1B = {"d_model": 2048, "d_ff": 8192, "num_layers": 16, "num_heads": 32, "vocab_size": 32000}
+SMOKE_LM = {"d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "vocab_size": 128}
+COLUMNS = ["part", "gpus", "mode", "context", "failed_at", "peak_gib", "step_s", "attn_ms",
+           "single_gpu_ms", "speedup"]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--nproc", type=int, default=None, help="ranks for part 2 (default: GPUs, max 2)"
+    )
+    p.add_argument("--modes", default="ring,ulysses", help="context-parallel modes (ring,ulysses)")
+    p.add_argument("--start", type=int, default=8192, help="first context tried (8192)")
+    p.add_argument("--max-context", type=int, default=262144, help="search ceiling (262144)")
+    p.add_argument("--granularity", type=int, default=4096, help="search resolution (4096)")
+    p.add_argument("--loss-chunk", type=int, default=4096, help="chunked-loss positions (4096)")
+    p.add_argument("--attn-seqs", default="16384,65536", help="attention sequence lengths")
+    p.add_argument("--reps", type=int, default=5, help="timed attention repetitions (5)")
+    p.add_argument("--time-budget", type=float, default=110.0,
+                   help="seconds per context search; it stops early with the bracket (110)")  # fmt: skip
+    p.add_argument("--skip-search", action="store_true", help="attention timings only")
+    p.add_argument("--pg-timeout", type=float, default=300.0, help="process group timeout, s (300)")
+    p.add_argument("--simulate-oom-above", type=int, default=None,
+                   help="testing: contexts above this many tokens count as out of memory")  # fmt: skip
+    p.add_argument("--smoke", action="store_true", help="tiny LM on CPU (gloo), seconds")
+    p.add_argument("--out", default=None, help="write the rows to a .json or .csv file")
+    args = p.parse_args(argv)
+    args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    args.lm = LLAMA_1B
+    if args.smoke:
+        args.lm, args.start, args.max_context, args.granularity = SMOKE_LM, 32, 256, 16
+        args.simulate_oom_above = args.simulate_oom_above or 100  # exercises the bisection
+        args.loss_chunk, args.attn_seqs, args.reps, args.nproc = 16, "64", 2, 2
+    if args.nproc is None:
+        args.nproc = min(2, torch.cuda.device_count()) if args.device == "cuda" else 2
+    args.modes = args.modes.split(",")
+    args.attn_seqs = [int(s) for s in args.attn_seqs.split(",")]
+    if min(args.start, args.granularity, args.loss_chunk, args.reps, args.nproc) < 1:
+        p.error("--start, --granularity, --loss-chunk, --reps and --nproc must be >= 1")
+    return args
+
+
+# ----------------------------------------------------------------- part 1: longest context
+
+
+class _LossLM(torch.nn.Module):
+    """The LM with its chunked loss as forward (BucketedDDP must see the forward)."""
+
+    def __init__(self, args, device) -> None:
+        super().__init__()
+        attention = "sdpa" if dist.get_world_size() > 1 else "flash"
+        cfg = ModelConfig(**args.lm, context_length=args.max_context, attention=attention,
+                          activation_checkpointing=True)  # fmt: skip
+        self.lm = TransformerLM(cfg, device=device)
+        self.chunk = args.loss_chunk
+
+    def forward(self, tokens, targets, positions):
+        return self.lm.loss(tokens, targets, position_ids=positions, chunk_size=self.chunk)
+
+
+def _trainer(args, device: torch.device, mode: str, warm_context: int):
+    """A step function on a fresh model, after one step at ``warm_context`` (so AdamW's state and
+    the gradient buckets exist: later probes see the steady state's memory)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = _LossLM(args, device)
+    world = dist.get_world_size()
+    module = BucketedDDP(model) if world > 1 else model
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-5)
+    amp = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
+
+    def step(context: int) -> None:
+        if args.simulate_oom_above is not None and context > args.simulate_oom_above:
+            raise torch.cuda.OutOfMemoryError(f"simulated: {context} > --simulate-oom-above")
+        seq = torch.randint(0, args.lm["vocab_size"], (1, context + 1), device=device)
+        tokens, targets = (shard_sequence(t) for t in (seq[:, :-1], seq[:, 1:]))
+        positions = shard_position_ids(context, device=device) if world > 1 else None
+        with amp, context_parallel_sdpa(mode=mode):
+            loss = module(tokens, targets, positions)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(warm_context)
+    return step, (model, opt)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _try(step, context: int, device: torch.device) -> tuple[bool, float, float]:
+    """(trained on every rank, peak GiB, seconds)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0, ok = time.perf_counter(), True
+    try:
+        step(context)
+        _sync(device)
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        ok = False
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
+    flag = torch.tensor([0.0 if ok else 1.0, peak], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag[0].item() == 0.0, flag[1].item(), seconds
+
+
+def longest_context(args, device: torch.device, mode: str) -> dict:
+    """Doubling from --start until a failure (or the ceiling), then bisection to --granularity."""
+    world, deadline = dist.get_world_size(), time.monotonic() + args.time_budget
+    unit = args.granularity * 2 * world  # zigzag: a multiple of 2 x world
+    step, keep = _trainer(args, device, mode, unit)
+    lo, hi, best = 0, None, (0.0, 0.0)
+    context = max(unit, args.start // unit * unit)
+    while time.monotonic() < deadline:
+        ok, peak, seconds = _try(step, context, device)
+        if ok:
+            lo, best = context, (peak, seconds)
+        else:  # a step that failed half-way leaves gradients (and BucketedDDP) mid-step
+            hi = context
+            del step, keep
+            step, keep = _trainer(args, device, mode, unit)
+        if hi is None:
+            if context >= args.max_context:
+                break
+            context = min(2 * context, args.max_context // unit * unit)
+        else:
+            if hi - lo <= unit:
+                break
+            context = (lo + hi) // 2 // unit * unit or unit
+    del step, keep
+    return {"part": "longest context", "gpus": world, "mode": mode if world > 1 else "-",
+            "context": lo, "failed_at": hi if hi is not None else f"> {args.max_context}",
+            "peak_gib": best[0], "step_s": best[1]}  # fmt: skip
+
+
+# ----------------------------------------------------------------- part 2: attention time
+
+
+def _attention_ms(fn, args, device: torch.device) -> float:
+    times = []
+    for i in range(args.reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i:  # the first call compiles / warms up
+            times.append((time.perf_counter() - t0) * 1e3)
+    stats = torch.tensor([percentiles(times)["median_ms"]], device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank's
+    return stats.item()
+
+
+def _qkv(seq: int, device: torch.device, local: bool):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    full = [torch.randn(1, 32, seq, 64, device=device, dtype=dtype, generator=g) for _ in range(3)]
+    ts = [shard_sequence(t, dim=2) for t in full] if local else full
+    return [t.contiguous().requires_grad_() for t in ts]
+
+
+def attention_rows(args, device: torch.device, single_ms: dict[int, float]) -> list[dict]:
+    world, rows = dist.get_world_size(), []
+    for seq in args.attn_seqs:
+        if world == 1:
+            q, k, v = _qkv(seq, device, local=False)
+
+            def full(q=q, k=k, v=v):
+                flash_attention(q, k, v, is_causal=True).sum().backward()
+
+            ms = _attention_ms(full, args, device)
+            single_ms[seq] = ms
+            rows.append({"part": "attention", "gpus": 1, "mode": "flash_attention",
+                         "context": seq, "attn_ms": ms, "single_gpu_ms": ms, "speedup": 1.0})  # fmt: skip
+        for mode in args.modes:
+            q, k, v = _qkv(seq, device, local=True)
+
+            def fwd_bwd(q=q, k=k, v=v, mode=mode):
+                context_parallel_attention(q, k, v, mode=mode, is_causal=True).sum().backward()
+
+            ms = _attention_ms(fwd_bwd, args, device)
+            base = single_ms.get(seq)
+            rows.append({"part": "attention", "gpus": world, "mode": mode, "context": seq,
+                         "attn_ms": ms, "single_gpu_ms": base,
+                         "speedup": base / ms if base else None})  # fmt: skip
+            if world == 1:
+                break  # every mode is flash_attention at world size 1
+    return rows
+
+
+# ----------------------------------------------------------------- driver
+
+
+def _run(rank: int, world: int, port: int, args, single_ms: dict, queue) -> None:
+    set_spawn_env(rank, world, port)
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=args.pg_timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    try:
+        rows = []
+        if not args.skip_search:
+            modes = args.modes if world > 1 else ["ring"]
+            rows += [longest_context(args, device, m) for m in modes]
+        rows += attention_rows(args, device, single_ms)
+        if rank == 0:
+            queue.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    queue = mp.get_context("spawn").SimpleQueue()
+    single_ms: dict[int, float] = {}
+    _run(0, 1, free_port(), args, single_ms, queue)  # part 1 and 2 on one device, in-process
+    rows = queue.get()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # leave GPU 0 to the ranks (this process keeps its context)
+    if args.nproc > 1:
+        ctx = mp.get_context("spawn")
+        queue = ctx.SimpleQueue()
+        mp.start_processes(_run, args=(args.nproc, free_port(), args, single_ms, queue),
+                           nprocs=args.nproc, start_method="spawn")  # fmt: skip
+        rows += queue.get()
+    write_results(args.out, rows)
+    print_report("Context parallelism: longest trainable context, attention time per rank",
+                 rows, COLUMNS)  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()

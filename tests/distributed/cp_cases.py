@@ -1,0 +1,367 @@
+"""Rank bodies for tests/distributed/test_context_parallel.py (context-parallel attention).
+
+Every body loops over many cases in one spawned world (spawning costs seconds). Shapes are tiny
+and float64 with ``backend="torch"``: the results must equal single-process ``flash_attention``
+on the whole sequence to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torch_flashsys import BucketedDDP, flash_attention, sdpa_override
+from torch_flashsys.distributed import (
+    _cp_ring,
+    context_parallel_attention,
+    context_parallel_sdpa,
+    gather_sequence,
+    shard_position_ids,
+    shard_sequence,
+)
+from torch_flashsys.models import ModelConfig, TransformerLM
+
+F64 = torch.float64
+TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seed: int
+    batch: int
+    heads: int
+    kv_heads: int
+    chunk: int  # tokens per layout chunk: seq = chunk * world * (2 zigzag, 1 contiguous)
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    mode: str
+    layout: str
+    scale: float | None
+
+    def seq(self, world: int) -> int:
+        return self.chunk * world * (2 if self.layout == "zigzag" else 1)
+
+
+def _full_inputs(case: Case, world: int):
+    g = torch.Generator().manual_seed(case.seed)
+    seq = case.seq(world)
+
+    def rnd(h, d):
+        return torch.randn(case.batch, h, seq, d, generator=g, dtype=F64)
+
+    q, k = rnd(case.heads, case.head_dim), rnd(case.kv_heads, case.head_dim)
+    v = rnd(case.kv_heads, case.head_dim_v)
+    return q, k, v, rnd(case.heads, case.head_dim_v)
+
+
+def _count_flops(counts: list[int]):
+    """Wrap the ring's block forward to add each block's score count to ``counts[0]``."""
+    original = _cp_ring.block_forward
+
+    def counting(q, k, v, scale, causal, backend):
+        rows, cols = q.shape[-2], k.shape[-2]
+        counts[0] += rows * (rows + 1) // 2 if causal else rows * cols
+        return original(q, k, v, scale, causal, backend)
+
+    return original, counting
+
+
+def equivalence(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
+    """Each case: sharded fwd + bwd == flash_attention on the whole sequence; the score counts
+    of the causal zigzag ring cases (for the balance test)."""
+    flops = []
+    for case in cases:
+        q, k, v, dout = _full_inputs(case, world)
+        gqa = case.kv_heads != case.heads
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = flash_attention(*full, is_causal=case.causal, scale=case.scale, enable_gqa=gqa,
+                               backend="torch")  # fmt: skip
+        want.backward(dout)
+        local = [shard_sequence(t, dim=2, layout=case.layout).requires_grad_() for t in (q, k, v)]
+        counts = [0]
+        original, counting = _count_flops(counts)
+        _cp_ring.block_forward = counting
+        try:
+            out = context_parallel_attention(
+                *local, mode=case.mode, is_causal=case.causal, scale=case.scale, enable_gqa=gqa,
+                layout=case.layout, backend="torch",
+            )  # fmt: skip
+        finally:
+            _cp_ring.block_forward = original
+        out.backward(shard_sequence(dout, dim=2, layout=case.layout))
+        pairs = [("out", out, want)] + [
+            (f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", local, full, strict=True)
+        ]
+        for name, got, ref in pairs:
+            whole = gather_sequence(got.detach(), dim=2, layout=case.layout)
+            torch.testing.assert_close(
+                whole, ref, **TOL, msg=lambda m, n=name, c=case: f"{c} {n}: {m}"
+            )
+        if case.mode == "ring" and case.causal:
+            flops.append((case.layout, case.chunk, counts[0]))
+    return {"flops": flops, "helpers": _helpers(rank, world)}
+
+
+def _helpers(rank: int, world: int) -> dict[str, Any]:
+    """shard/gather round trips and the position ids, against the layouts' definitions."""
+    out = {}
+    for layout in ("zigzag", "contiguous"):
+        n = world * (2 if layout == "zigzag" else 1)
+        x = torch.arange(3 * 5 * n).view(3, 5 * n)
+        shard = shard_sequence(x, layout=layout)
+        chunks = x.chunk(n, dim=1)
+        ids = [rank, 2 * world - 1 - rank] if layout == "zigzag" else [rank]
+        assert torch.equal(shard, torch.cat([chunks[i] for i in ids], 1)), layout
+        assert torch.equal(gather_sequence(shard, layout=layout), x), layout
+        pos = shard_position_ids(5 * n, layout=layout)
+        assert torch.equal(pos, shard_sequence(torch.arange(5 * n), dim=0, layout=layout))
+        out[layout] = pos.tolist()
+    # a group of one rank: exactly flash_attention (same function object result, no copy)
+    singles = [dist.new_group([r]) for r in range(world)]
+    q = torch.randn(1, 2, 6, 8, dtype=F64, requires_grad=True)
+    got = context_parallel_attention(q, q, q, singles[rank], is_causal=True, backend="torch")
+    want = flash_attention(q, q, q, is_causal=True, backend="torch")
+    assert torch.equal(got, want) and type(got.grad_fn) is type(want.grad_fn)
+    _nests_with_sdpa_override(world)
+    return out
+
+
+def _nests_with_sdpa_override(world: int) -> None:
+    """context_parallel_sdpa inside sdpa_override (and the reverse): calls inside the inner block
+    take its route, and each block restores what it found."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    full = torch.randn(1, 2, 4 * world, 8, dtype=F64, generator=torch.Generator().manual_seed(5))
+    local = shard_sequence(full, dim=2)
+    want = shard_sequence(flash_attention(full, full, full, is_causal=True), dim=2)
+    with sdpa_override(backend="torch"):
+        override = torch.nn.functional.scaled_dot_product_attention
+        with context_parallel_sdpa(backend="torch"):
+            got = torch.nn.functional.scaled_dot_product_attention(
+                local, local, local, is_causal=True
+            )
+            torch.testing.assert_close(got, want, **TOL)
+        assert torch.nn.functional.scaled_dot_product_attention is override
+    with context_parallel_sdpa(backend="torch"), sdpa_override(backend="torch"):
+        local_only = torch.nn.functional.scaled_dot_product_attention(local, local, local)
+        torch.testing.assert_close(local_only, flash_attention(local, local, local), **TOL)
+    assert torch.nn.functional.scaled_dot_product_attention is sdpa
+
+
+# ------------------------------------------------------------------------------ bad inputs
+
+
+def _attempt(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bad_inputs(rank: int, world: int) -> dict[str, str]:
+    """Each scenario's error on this rank (every rank must raise; none may hang)."""
+    t = torch.randn(1, 3, 4, 8, dtype=F64)
+    g = torch.randn(1, 4, 4, 8, dtype=F64)
+    mine = torch.randn(1, 2, 4 + 2 * rank, 8, dtype=F64)  # a different length on every rank
+
+    def cpa(*args, **kw):
+        return context_parallel_attention(*args, backend="torch", **kw)
+
+    return {
+        "ulysses_heads": _attempt(lambda: cpa(t, t, t, mode="ulysses")),
+        "ulysses_kv_heads": _attempt(
+            lambda: cpa(g, t[:, :1], t[:, :1], mode="ulysses", enable_gqa=True)
+        ),
+        "odd_zigzag": _attempt(lambda: cpa(t[:, :, :3], t[:, :, :3], t[:, :, :3], is_causal=True)),
+        "odd_zigzag_ulysses": _attempt(
+            lambda: cpa(g[:, :, :3], g[:, :, :3], g[:, :, :3], is_causal=True, mode="ulysses")
+        ),
+        "mismatched_shards": _attempt(lambda: cpa(mine, mine, mine, is_causal=True)),
+        "mismatched_mode": _attempt(lambda: cpa(g, g, g, mode="ring" if rank else "ulysses")),
+        "not_a_tensor_on_one_rank": _attempt(lambda: cpa(g, g, g if rank else None)),
+        "kv_length": _attempt(lambda: cpa(g, g[:, :, :2], g[:, :, :2])),
+        "gqa_flag": _attempt(lambda: cpa(g, t[:, :1], t[:, :1])),
+        "shard_length": _attempt(lambda: shard_sequence(torch.zeros(1, 6 * world - 1))),
+        "bad_mode": _attempt(lambda: cpa(g, g, g, mode="star")),
+        "gather_mismatch": _attempt(lambda: gather_sequence(mine)),
+        "sdpa_mask": _attempt(lambda: _sdpa_with_mask(g)),
+        "after_errors_still_works": _attempt(lambda: cpa(g, g, g, is_causal=True)),
+    }
+
+
+def _sdpa_with_mask(x: torch.Tensor) -> None:
+    with context_parallel_sdpa():
+        torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=torch.ones(4, 4) > 0)
+
+
+# ---------------------------------------------------------- DDP x CP on a 2-D layout (4 ranks)
+
+SEQ, VOCAB, STEPS = 16, 40, 2
+
+
+class _WithLoss(torch.nn.Module):
+    """The LM with its loss as ``forward`` (a data-parallel wrapper must see the forward)."""
+
+    def __init__(self, long_context_options: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        cfg = ModelConfig.from_size(
+            "tiny", context_length=SEQ, vocab_size=VOCAB, attention="sdpa",
+            activation_checkpointing=long_context_options,
+        )  # fmt: skip
+        self.lm = TransformerLM(cfg).to(F64)
+        self.chunk = 3 if long_context_options else None
+
+    def forward(self, tokens, targets, position_ids=None):
+        return self.lm.loss(tokens, targets, position_ids=position_ids, chunk_size=self.chunk)
+
+
+def _data(seed: int, step: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1009 + step)
+    return torch.randint(0, VOCAB, (dp, SEQ + 1), generator=g)  # inputs and shifted targets
+
+
+def _train(model, opt, loss_fn, batches) -> dict[str, Any]:
+    """Train; the first step's gradients and the final parameters."""
+    grads = None
+    for seqs in batches:
+        opt.zero_grad()
+        loss_fn(model, seqs).backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+    return {"grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def ddp_x_cp(rank: int, world: int, seed: int, mode: str, cp: int) -> dict[str, Any]:
+    """dp = world / cp data-parallel replicas, each sequence split over a cp group; BucketedDDP
+    over all ranks (the flattened data x context group) against single-process training."""
+    dp = world // cp
+    cp_groups = [dist.new_group(list(range(d * cp, d * cp + cp))) for d in range(dp)]
+    my_dp, cp_group = rank // cp, cp_groups[rank // cp]
+    batches = [_data(seed, s, dp) for s in range(STEPS)]
+
+    def cp_loss(model, seqs):
+        seq = seqs[my_dp : my_dp + 1]
+        tokens, targets = (shard_sequence(t, cp_group) for t in (seq[:, :-1], seq[:, 1:]))
+        positions = shard_position_ids(SEQ, cp_group)
+        with context_parallel_sdpa(cp_group, mode=mode, backend="torch"):
+            return model(tokens, targets, positions)  # this shard's mean
+
+    # the CP model recomputes its blocks in the backward, outside the context_parallel_sdpa block
+    ddp = BucketedDDP(_WithLoss(long_context_options=True), bucket_size_mb=0.01)
+    got = _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.5), cp_loss, batches)
+    ref = _WithLoss()
+    want = _train(
+        ref, torch.optim.SGD(ref.parameters(), lr=0.5),
+        lambda m, seqs: m(seqs[:, :-1], seqs[:, 1:]), batches,
+    )  # fmt: skip
+    got = {key: {n.removeprefix("module."): t for n, t in d.items()} for key, d in got.items()}
+    return {"got": got, "want": want}
+
+
+# --------------------------------------------------------- DTensor inputs sharded on the heads
+
+
+def dtensor_heads(rank: int, world: int) -> dict[str, Any]:
+    """flash_attention on head-sharded DTensors (eager, and the custom op's sharding rule through
+    the Triton interpreter) == the plain call; bad layouts raise."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(7)
+    errors = {}
+    for dtype, backend, heads, kv in ((F64, "torch", 4, 2), (torch.float32, "triton", 2, 2)):
+        q = torch.randn(2, heads, 16, 16, generator=g, dtype=dtype)
+        k, v = (torch.randn(2, kv, 16, 16, generator=g, dtype=dtype) for _ in range(2))
+        dout = torch.randn(2, heads, 16, 16, generator=g, dtype=dtype)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        kw = {"is_causal": True, "enable_gqa": heads != kv, "backend": backend}
+        want, want_lse = flash_attention(*ref, return_lse=True, **kw)
+        want.backward(dout)
+        dts = [distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (q, k, v)]
+        out, lse = flash_attention(*dts, return_lse=True, **kw)
+        assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+        out.backward(distribute_tensor(dout, mesh, [Shard(1)]))
+        tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == F64 else {"rtol": 1e-5, "atol": 1e-5}
+        torch.testing.assert_close(out.full_tensor(), want, **tol)
+        torch.testing.assert_close(lse.full_tensor(), want_lse, **tol)
+        for d, r in zip(dts, ref, strict=True):
+            torch.testing.assert_close(d.grad.full_tensor(), r.grad, **tol)
+        if backend == "triton":  # the custom op on DTensors: the registered sharding rule
+            from torch_flashsys.attention._extras import CAUSAL as C
+
+            o, o_lse = torch.ops.torch_flashsys.attn_fwd(
+                *(t.detach() for t in dts), None, None, None, 0.25, C.left, C.right, 0.0, 0.0,
+                None, None, 0, 0,
+            )  # fmt: skip
+            assert o.placements == (Shard(1),), o.placements
+            plain = torch.ops.torch_flashsys.attn_fwd(
+                q, k, v, None, None, None, 0.25, C.left, C.right, 0.0, 0.0, None, None, 0, 0
+            )
+            torch.testing.assert_close(o.full_tensor(), plain[0], **tol)
+            torch.testing.assert_close(o_lse.full_tensor(), plain[1], **tol)
+    q = torch.randn(1, 3, 8, 8, dtype=F64)
+    seq_sharded = distribute_tensor(torch.randn(1, 2, 8, 8, dtype=F64), mesh, [Shard(2)])
+    heads_sharded = distribute_tensor(torch.randn(1, 2, 8, 8, dtype=F64), mesh, [Shard(1)])
+    bad = {
+        "sequence_sharded": lambda: flash_attention(seq_sharded, seq_sharded, seq_sharded),
+        "mixed": lambda: flash_attention(heads_sharded, q[:, :2], q[:, :2]),
+        "uneven_heads": lambda: flash_attention(*[distribute_tensor(q, mesh, [Shard(1)])] * 3),
+        "mask": lambda: flash_attention(
+            heads_sharded, heads_sharded, heads_sharded, attn_mask=torch.ones(8, 8) > 0
+        ),
+    }
+    for name, fn in bad.items():
+        errors[name] = _attempt(fn)
+    rep = distribute_tensor(torch.randn(1, 2, 8, 8, dtype=F64), mesh, [Replicate()])
+    out = flash_attention(rep, rep, rep, backend="torch")
+    assert out.placements == (Replicate(),)
+    torch.testing.assert_close(out.full_tensor(), flash_attention(*[rep.full_tensor()] * 3))
+    return errors
+
+
+# -------------------------------------------------------------- NCCL, Triton kernels (GPU only)
+
+
+def nccl_equivalence(rank: int, world: int) -> dict[str, float]:
+    """Ring and Ulysses on CUDA (Triton kernels, NCCL) against flash_attention on the whole
+    sequence: float32 to 1e-4 and bfloat16 to a few times bf16's own error (float64 reference)."""
+    torch.cuda.set_device(rank)
+    errors = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode in ("ring", "ulysses"):
+            for causal in (False, True):
+                g = torch.Generator(device="cuda").manual_seed(3)
+                shape = (2, 4 * world, 256 * world, 64)
+                q, k, v, dout = (torch.randn(shape, device="cuda", generator=g) for _ in range(4))
+                ref64 = [t.double().requires_grad_() for t in (q, k, v)]
+                want64 = flash_attention(*ref64, is_causal=causal, backend="torch")
+                want64.backward(dout.double())
+                ref = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+                want = flash_attention(*ref, is_causal=causal)  # Triton on CUDA
+                want.backward(dout.to(dtype))
+                local = [shard_sequence(t.to(dtype), dim=2).requires_grad_() for t in (q, k, v)]
+                out = context_parallel_attention(*local, mode=mode, is_causal=causal)
+                out.backward(shard_sequence(dout.to(dtype), dim=2))
+                pairs = [(out, want, want64)] + [
+                    (a.grad, b.grad, c.grad) for a, b, c in zip(local, ref, ref64, strict=True)
+                ]
+                for name, (got, single, exact) in zip(
+                    ("out", "dq", "dk", "dv"), pairs, strict=True
+                ):
+                    whole = gather_sequence(got.detach(), dim=2).double()
+                    err = (whole - exact).abs().max().item()
+                    own = (single.detach().double() - exact).abs().max().item()
+                    key = f"{dtype} {mode} causal={causal} {name}"
+                    errors[key] = err
+                    floor = 1e-5 if dtype == torch.float32 else 1e-3
+                    assert err <= 3 * own + floor, (
+                        f"{key}: {err:.3g} vs flash_attention's {own:.3g}"
+                    )
+    return errors
