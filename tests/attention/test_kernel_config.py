@@ -193,3 +193,20 @@ def test_opt_in_autotuning_tunes_once_then_reads_the_disk_cache(tmp_path):
     assert runs[1]["benchmarked"] == [False] * 3  # the second process read the results
     assert runs[0]["sums"] == runs[1]["sums"]
     assert list(tmp_path.rglob("*.autotune.json"))
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_modified_kernels_take_a_table_tile_only_if_it_fits(kernel):
+    """The sweep timed the plain kernels; dropout or a mask needs more shared memory (a d 128
+    dropout kernel with the table's tile asked for 240 KiB of 227), so their tile must pass the
+    estimate: the table's if it does, else the first fitting default."""
+    shapes, footprint = KERNELS[kernel]
+    fits = lambda t: 2 * footprint(t[0], t[1], 128, t[3]) <= 0.75 * H100_SMEM
+    for causal in (False, True):
+        with fake_gpu("sm90") as device:
+            plain = _pick(kernel, device, 128, causal=causal, n=1024)
+            got = kc.pick_tile(
+                kernel, device, 128, 128, 2, "tf32", causal, 1024, shapes, footprint, False
+            )
+        want = plain if fits(plain) else next(t for t in shapes[128] if fits(t))
+        assert got == want and fits(got)

@@ -100,14 +100,17 @@ def pick_tile(
     seq_len: int,
     defaults: dict[int, Sequence[Tile]],
     footprint: Callable[[int, int, int, int], int],
+    as_measured: bool = True,
 ) -> Tile:
-    """The tile ``kernel`` runs with: the table's entry for this problem (16-bit inputs: as
-    measured; float32: if it fits), else the first fitting config of
-    ``defaults[dim_class(head_dim)]``.
+    """The tile ``kernel`` runs with: the table's entry for this problem (as measured: 16-bit
+    inputs and the plain kernel the sweep timed; otherwise only if it fits), else the first
+    fitting config of ``defaults[dim_class(head_dim)]``.
 
     ``footprint(block_m, block_n, block_d, stages)`` estimates shared memory in elements, with
     a quarter of the device's capacity spare for layout conversions. It is conservative: the
-    tables hold tiles it would reject that were measured to run (and to be faster).
+    tables hold tiles it would reject that were measured to run (and to be faster), but a score
+    modification or dropout needs more (e.g. d 128 with dropout: 240 KiB of 227 KiB), so those
+    kernels take a table tile only when the estimate passes.
     """
     if device.type != "cuda":
         return INTERPRETER_TILE
@@ -121,7 +124,7 @@ def pick_tile(
         lengths = _table_lengths(arch, kernel, klass, causal)
         if lengths:
             key = table_key(kernel, head_dim, causal, nearest_length(lengths, seq_len))
-            if elem_size <= 2:  # measured on this architecture in 16 bits: known to fit and run
+            if elem_size <= 2 and as_measured:  # the kernel the sweep ran: known to fit
                 return load_table(arch)[key]
             candidates.append(load_table(arch)[key])
         candidates.extend(defaults[klass])

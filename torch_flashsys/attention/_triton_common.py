@@ -382,6 +382,13 @@ def plan_tile(
         return {}
     tile = pick_tile(
         kernel, q.device, head_dim, block_d, q.element_size(), precision, flags.HAS_RIGHT,
-        seq_len, shapes, footprint,
+        seq_len, shapes, footprint, flags == _SWEPT[flags.HAS_RIGHT],
     )  # fmt: skip
     return tile_meta(tile)
+
+
+# The kernels the tile sweep timed (benchmarks/tune_attention.py): plain causal and not.
+_SWEPT = {
+    causal: Flags(False, causal, 0, False, False, False, False, False, False, False, False)
+    for causal in (False, True)
+}
