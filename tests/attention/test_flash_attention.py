@@ -102,9 +102,21 @@ def test_output_keeps_query_layout_and_autograd_node_saves_inputs(backend):
 @pytest.mark.parametrize("dim_v", [32, 48])
 def test_output_keeps_the_layout_of_a_query_whose_last_dimension_is_strided(backend, dim_v):
     """Issue 25: the Triton backend returned a contiguous output for such a query."""
+    _check_strided_query_layout(backend, dim_v, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim_v", [32, 48])
+def test_output_keeps_the_layout_of_a_strided_query_on_cuda(dim_v):
+    _check_strided_query_layout("triton", dim_v, "cuda")
+
+
+def _check_strided_query_layout(backend: str, dim_v: int, device: str) -> None:
     g = torch.Generator().manual_seed(dim_v)
-    q = torch.randn(2, 3, 32, 21, generator=g).transpose(-1, -2).requires_grad_()  # (2, 3, 21, 32)
+    q = torch.randn(2, 3, 32, 21, generator=g).transpose(-1, -2)  # (2, 3, 21, 32), strided last
+    q = q.to(device).requires_grad_()
     k, v = torch.randn(2, 3, 21, 32, generator=g), torch.randn(2, 3, 21, dim_v, generator=g)
+    k, v = k.to(device), v.to(device)
     out = flash_attention(q, k, v, is_causal=True, backend=backend)
     expected = torch.empty(2, 3, dim_v, 21).transpose(-1, -2) if dim_v == 32 else None
     if expected is not None:
