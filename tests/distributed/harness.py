@@ -34,6 +34,10 @@ def _free_port() -> int:
 
 
 def _entry(rank, fn, world_size, port, out_dir, args, backend):
+    # The rank's stderr goes to a file the parent shows when the process dies (an abort at exit
+    # prints only there: "terminate called ...", "Fatal Python error: ...").
+    err = os.open(os.path.join(out_dir, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(err, 2)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
@@ -48,6 +52,14 @@ def _entry(rank, fn, world_size, port, out_dir, args, backend):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _stderr_tails(out_dir: str, chars: int = 2000) -> str:
+    tails = []
+    for name in sorted(n for n in os.listdir(out_dir) if n.endswith(".err")):
+        with open(os.path.join(out_dir, name), errors="replace") as f:
+            tails.append(f"--- {name}\n{f.read()[-chars:]}")
+    return "\n".join(tails)
 
 
 class RankError(RuntimeError):
@@ -76,12 +88,15 @@ def run_distributed(
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"distributed run of {fn.__name__} hung (> {timeout} s)")
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise TimeoutError(f"distributed run of {fn.__name__} hung (> {timeout} s)")
+        except mp.ProcessExitedException as exc:
+            raise RuntimeError(f"{exc}; stderr of the ranks:\n{_stderr_tails(out_dir)}") from exc
         results, errors, tbs = [], {}, {}
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pt")

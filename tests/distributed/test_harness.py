@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -13,3 +14,19 @@ def _sum_ranks(rank, world_size):
 def test_harness_runs_gloo_collectives():
     world = 2
     assert run_distributed(_sum_ranks, world) == [float(sum(range(world)))] * world
+
+
+def _abort_at_exit(rank, world_size):
+    import atexit
+    import os
+    import sys
+
+    if rank == 1:  # dies after its result is written, as an abort during finalization does
+        atexit.register(lambda: (sys.stderr.write(f"rank {rank} aborts at exit\n"), os.abort()))
+    return rank
+
+
+def test_harness_shows_the_stderr_of_a_rank_that_dies():
+    with pytest.raises(RuntimeError, match="rank 1 aborts at exit") as info:
+        run_distributed(_abort_at_exit, 2)
+    assert "SIGABRT" in str(info.value)
