@@ -144,7 +144,7 @@ def snapshot(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def grads_are_bucket_views(ddp: BucketedDDP) -> bool:
-    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp._buckets}
+    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp._reducer.buckets}
     return all(
         p.grad.untyped_storage().data_ptr() in storages
         for p in ddp.module.parameters()
@@ -296,7 +296,7 @@ def behaviours(rank: int, world: int, seed: int) -> dict:
     ddp = BucketedDDP(build("frozen", seed, rank), 0)
     launched = []
     for p in (ddp.module.a.weight, ddp.module.a.bias):  # the last two to get their gradients
-        p.register_post_accumulate_grad_hook(lambda p: launched.append(ddp._bw.next_bucket))
+        p.register_post_accumulate_grad_hook(lambda p: launched.append(ddp._reducer.bw.next_bucket))
     args, target = shard("frozen", seed, 0, rank)
     _buckets.all_reduce = counting_all_reduce
     try:
@@ -307,7 +307,7 @@ def behaviours(rank: int, world: int, seed: int) -> dict:
         out["comm/sync"] = len(calls)
     finally:
         _buckets.all_reduce = real_all_reduce
-    out["comm/buckets"] = len(ddp._buckets)
+    out["comm/buckets"] = len(ddp._reducer.buckets)
     out["comm/launched_in_hooks"] = max(launched[2:])  # of the synchronizing backward
 
     # A dropped wrapper is freed (its buffers too) and its hooks go with it
@@ -611,7 +611,7 @@ class _CountBucketCopies(TorchDispatchMode):
 
 
 def _bucket_storages(ddp: BucketedDDP) -> set[int]:
-    return {s.untyped_storage().data_ptr() for s, _, _ in ddp._storages}
+    return {s.untyped_storage().data_ptr() for s, _, _ in ddp._reducer.storages}
 
 
 def train_loop(
