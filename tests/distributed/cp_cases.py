@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.distributed.common import attempt
 from torch_flashsys import BucketedDDP, flash_attention, sdpa_override
 from torch_flashsys.distributed import (
     _cp_ring,
@@ -154,14 +155,6 @@ def _nests_with_sdpa_override(world: int) -> None:
 # ------------------------------------------------------------------------------ bad inputs
 
 
-def _attempt(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def bad_inputs(rank: int, world: int) -> dict[str, str]:
     """Each scenario's error on this rank (every rank must raise; none may hang)."""
     t = torch.randn(1, 3, 4, 8, dtype=F64)
@@ -172,24 +165,24 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
         return context_parallel_attention(*args, backend="torch", **kw)
 
     return {
-        "ulysses_heads": _attempt(lambda: cpa(t, t, t, mode="ulysses")),
-        "ulysses_kv_heads": _attempt(
+        "ulysses_heads": attempt(lambda: cpa(t, t, t, mode="ulysses")),
+        "ulysses_kv_heads": attempt(
             lambda: cpa(g, t[:, :1], t[:, :1], mode="ulysses", enable_gqa=True)
         ),
-        "odd_zigzag": _attempt(lambda: cpa(t[:, :, :3], t[:, :, :3], t[:, :, :3], is_causal=True)),
-        "odd_zigzag_ulysses": _attempt(
+        "odd_zigzag": attempt(lambda: cpa(t[:, :, :3], t[:, :, :3], t[:, :, :3], is_causal=True)),
+        "odd_zigzag_ulysses": attempt(
             lambda: cpa(g[:, :, :3], g[:, :, :3], g[:, :, :3], is_causal=True, mode="ulysses")
         ),
-        "mismatched_shards": _attempt(lambda: cpa(mine, mine, mine, is_causal=True)),
-        "mismatched_mode": _attempt(lambda: cpa(g, g, g, mode="ring" if rank else "ulysses")),
-        "not_a_tensor_on_one_rank": _attempt(lambda: cpa(g, g, g if rank else None)),
-        "kv_length": _attempt(lambda: cpa(g, g[:, :, :2], g[:, :, :2])),
-        "gqa_flag": _attempt(lambda: cpa(g, t[:, :1], t[:, :1])),
-        "shard_length": _attempt(lambda: shard_sequence(torch.zeros(1, 6 * world - 1))),
-        "bad_mode": _attempt(lambda: cpa(g, g, g, mode="star")),
-        "gather_mismatch": _attempt(lambda: gather_sequence(mine)),
-        "sdpa_mask": _attempt(lambda: _sdpa_with_mask(g)),
-        "after_errors_still_works": _attempt(lambda: cpa(g, g, g, is_causal=True)),
+        "mismatched_shards": attempt(lambda: cpa(mine, mine, mine, is_causal=True)),
+        "mismatched_mode": attempt(lambda: cpa(g, g, g, mode="ring" if rank else "ulysses")),
+        "not_a_tensor_on_one_rank": attempt(lambda: cpa(g, g, g if rank else None)),
+        "kv_length": attempt(lambda: cpa(g, g[:, :, :2], g[:, :, :2])),
+        "gqa_flag": attempt(lambda: cpa(g, t[:, :1], t[:, :1])),
+        "shard_length": attempt(lambda: shard_sequence(torch.zeros(1, 6 * world - 1))),
+        "bad_mode": attempt(lambda: cpa(g, g, g, mode="star")),
+        "gather_mismatch": attempt(lambda: gather_sequence(mine)),
+        "sdpa_mask": attempt(lambda: _sdpa_with_mask(g)),
+        "after_errors_still_works": attempt(lambda: cpa(g, g, g, is_causal=True)),
     }
 
 
@@ -318,7 +311,7 @@ def dtensor_heads(rank: int, world: int) -> dict[str, Any]:
         ),
     }
     for name, fn in bad.items():
-        errors[name] = _attempt(fn)
+        errors[name] = attempt(fn)
     rep = distribute_tensor(torch.randn(1, 2, 8, 8, dtype=F64), mesh, [Replicate()])
     out = flash_attention(rep, rep, rep, backend="torch")
     assert out.placements == (Replicate(),)

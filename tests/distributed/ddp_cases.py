@@ -21,6 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.distributed.common import Batches, Wrap
 from torch_flashsys.distributed import BucketedDDP, _buckets
 
 F64 = torch.float64
@@ -144,7 +145,7 @@ def snapshot(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def grads_are_bucket_views(ddp: BucketedDDP) -> bool:
-    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp._buckets}
+    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp._reducer.buckets}
     return all(
         p.grad.untyped_storage().data_ptr() in storages
         for p in ddp.module.parameters()
@@ -156,8 +157,8 @@ def train(
     kind: str,
     seed: int,
     init_rank: int,
-    wrap: Callable[[nn.Module], nn.Module],
-    batches: list[list[tuple[tuple, torch.Tensor]]],
+    wrap: Wrap,
+    batches: Batches,
     zero_grad_to_none: bool = True,
     unsynced: int = 0,
     device: str = "cpu",
@@ -181,6 +182,12 @@ def train(
     return out
 
 
+def _torch_ddp(kind: str) -> Wrap:
+    """torch DDP for model ``kind`` (``branches`` leaves parameters unused: it needs
+    find_unused_parameters)."""
+    return lambda m: TorchDDP(m, find_unused_parameters=kind == "branches")
+
+
 def _torch_ddp_local_buffers(module: nn.Module) -> TorchDDP:
     with warnings.catch_warnings():  # torch 2.13 deprecates the name (forward_sync_buffers)
         warnings.simplefilter("ignore", FutureWarning)
@@ -196,12 +203,11 @@ def equivalence(rank: int, world: int, seed: int, bucket_sizes: list, steps: int
         if kind != "norm" and rank == 0:  # BatchNorm statistics are per shard: no full-batch twin
             full = [[full_batch(kind, seed, s, range(world))] for s in range(steps)]
             res["single"] = train(kind, seed, 0, lambda m: m, full)
-        unused = kind == "branches"  # torch DDP needs find_unused_parameters for this model
         res["torch"] = train(
             kind,
             seed,
             rank,
-            lambda m, unused=unused: TorchDDP(m, find_unused_parameters=unused),
+            _torch_ddp(kind),
             mine,
         )
         for bs in bucket_sizes:
@@ -296,7 +302,7 @@ def behaviours(rank: int, world: int, seed: int) -> dict:
     ddp = BucketedDDP(build("frozen", seed, rank), 0)
     launched = []
     for p in (ddp.module.a.weight, ddp.module.a.bias):  # the last two to get their gradients
-        p.register_post_accumulate_grad_hook(lambda p: launched.append(ddp._bw.next_bucket))
+        p.register_post_accumulate_grad_hook(lambda p: launched.append(ddp._reducer.bw.next_bucket))
     args, target = shard("frozen", seed, 0, rank)
     _buckets.all_reduce = counting_all_reduce
     try:
@@ -307,7 +313,7 @@ def behaviours(rank: int, world: int, seed: int) -> dict:
         out["comm/sync"] = len(calls)
     finally:
         _buckets.all_reduce = real_all_reduce
-    out["comm/buckets"] = len(ddp._buckets)
+    out["comm/buckets"] = len(ddp._reducer.buckets)
     out["comm/launched_in_hooks"] = max(launched[2:])  # of the synchronizing backward
 
     # A dropped wrapper is freed (its buffers too) and its hooks go with it
@@ -351,51 +357,44 @@ def _last(rank: int, world: int) -> bool:
     return rank == world - 1
 
 
+def _linear(kwargs: dict) -> Callable[[int, int], tuple[nn.Module, dict]]:
+    """A case building a fresh ``nn.Linear(4, 4)`` with the same ``kwargs`` on every rank."""
+    return lambda r, w: (nn.Linear(4, 4), dict(kwargs))
+
+
 # Constructor error table: case -> (inputs builder (rank, world) -> (module, kwargs), error, text).
 # Every case must raise on every rank, never hang; mismatches name the first difference.
 ERROR_CASES: dict[str, tuple[Callable[[int, int], tuple[Any, dict]], type, str]] = {
     "bucket_size_negative": (
-        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": -1.0}),
+        _linear({"bucket_size_mb": -1.0}),
         ValueError,
         "bucket_size_mb must be finite and >= 0",
     ),
-    "bucket_size_nan": (
-        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": float("nan")}),
-        ValueError,
-        "got nan",
-    ),
-    "bucket_size_inf": (
-        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": float("inf")}),
-        ValueError,
-        "got inf",
-    ),
+    "bucket_size_nan": (_linear({"bucket_size_mb": float("nan")}), ValueError, "got nan"),
+    "bucket_size_inf": (_linear({"bucket_size_mb": float("inf")}), ValueError, "got inf"),
     "bucket_size_str": (
-        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": "25"}),
+        _linear({"bucket_size_mb": "25"}),
         TypeError,
         "bucket_size_mb must be a number or None, got str",
     ),
-    "bucket_size_bool": (
-        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": True}),
-        TypeError,
-        "got bool",
-    ),
+    "bucket_size_bool": (_linear({"bucket_size_mb": True}), TypeError, "got bool"),
     "compression_unknown": (
-        lambda r, w: (nn.Linear(4, 4), {"grad_compression": "int8"}),
+        _linear({"grad_compression": "int8"}),
         ValueError,
         "must be None, 'bf16' or 'fp16', got 'int8'",
     ),
     "compression_dtype": (
-        lambda r, w: (nn.Linear(4, 4), {"grad_compression": torch.bfloat16}),
+        _linear({"grad_compression": torch.bfloat16}),
         ValueError,
         "got torch.bfloat16",
     ),
     "broadcast_buffers_str": (
-        lambda r, w: (nn.Linear(4, 4), {"broadcast_buffers": "yes"}),
+        _linear({"broadcast_buffers": "yes"}),
         TypeError,
         "broadcast_buffers must be a bool or None, got str",
     ),
     "process_group_str": (
-        lambda r, w: (nn.Linear(4, 4), {"process_group": "world"}),
+        _linear({"process_group": "world"}),
         TypeError,
         "ProcessGroup or None, got str",
     ),
@@ -467,57 +466,49 @@ ERROR_CASES: dict[str, tuple[Callable[[int, int], tuple[Any, dict]], type, str]]
         "output_device must be None for a module on the CPU",
     ),
     "bucket_cap_and_size": (
-        lambda r, w: (nn.Linear(4, 4), {"bucket_size_mb": 10.0, "bucket_cap_mb": 10}),
+        _linear({"bucket_size_mb": 10.0, "bucket_cap_mb": 10}),
         TypeError,
         "bucket_cap_mb is torch DDP's name for bucket_size_mb; pass one of them",
     ),
     "bucket_cap_negative": (
-        lambda r, w: (nn.Linear(4, 4), {"bucket_cap_mb": -1}),
+        _linear({"bucket_cap_mb": -1}),
         ValueError,
         "bucket_cap_mb must be finite and >= 0",
     ),
-    "init_sync_str": (
-        lambda r, w: (nn.Linear(4, 4), {"init_sync": "no"}),
-        TypeError,
-        "init_sync must be a bool, got str",
-    ),
+    "init_sync_str": (_linear({"init_sync": "no"}), TypeError, "init_sync must be a bool, got str"),
     "static_graph_str": (
-        lambda r, w: (nn.Linear(4, 4), {"static_graph": "yes"}),
+        _linear({"static_graph": "yes"}),
         TypeError,
         "static_graph must be a bool, got str",
     ),
-    "dim_str": (
-        lambda r, w: (nn.Linear(4, 4), {"dim": "0"}),
-        TypeError,
-        "dim must be an int, got str",
-    ),
+    "dim_str": (_linear({"dim": "0"}), TypeError, "dim must be an int, got str"),
     "forward_sync_buffers_str": (
-        lambda r, w: (nn.Linear(4, 4), {"forward_sync_buffers": "no"}),
+        _linear({"forward_sync_buffers": "no"}),
         TypeError,
         "forward_sync_buffers must be a bool or None, got str",
     ),
     "mixed_precision": (
-        lambda r, w: (nn.Linear(4, 4), {"mixed_precision": object()}),
+        _linear({"mixed_precision": object()}),
         NotImplementedError,
         "mixed_precision is not supported",
     ),
     "delay_all_reduce": (
-        lambda r, w: (nn.Linear(4, 4), {"delay_all_reduce_named_params": []}),
+        _linear({"delay_all_reduce_named_params": []}),
         NotImplementedError,
         "delay_all_reduce_named_params is not supported",
     ),
     "param_to_hook_all_reduce": (
-        lambda r, w: (nn.Linear(4, 4), {"param_to_hook_all_reduce": nn.Parameter(torch.ones(1))}),
+        _linear({"param_to_hook_all_reduce": nn.Parameter(torch.ones(1))}),
         NotImplementedError,
         "param_to_hook_all_reduce is not supported",
     ),
     "device_mesh": (
-        lambda r, w: (nn.Linear(4, 4), {"device_mesh": object()}),
+        _linear({"device_mesh": object()}),
         NotImplementedError,
         "process_group=device_mesh.get_group(0)",
     ),
     "bucket_cap_mb_list": (
-        lambda r, w: (nn.Linear(4, 4), {"bucket_cap_mb_list": [1, 25]}),
+        _linear({"bucket_cap_mb_list": [1, 25]}),
         NotImplementedError,
         "bucket_cap_mb_list is not supported",
     ),
@@ -546,12 +537,11 @@ def nccl_equivalence(rank: int, world: int, seed: int) -> dict:
     device, out = f"cuda:{rank}", {}
     for kind in ("tied", "branches", "mixed"):
         mine = [[shard(kind, seed, s, rank)] for s in range(3)]
-        unused = kind == "branches"
         out[f"{kind}/torch"] = train(
             kind,
             seed,
             rank,
-            lambda m, unused=unused: TorchDDP(m, find_unused_parameters=unused),
+            _torch_ddp(kind),
             mine,
             device=device,
         )
@@ -560,7 +550,7 @@ def nccl_equivalence(rank: int, world: int, seed: int) -> dict:
             out[f"{kind}/ours[{bs}]"] = train(kind, seed, rank, wrap, mine, device=device)
         # torch DDP's own call on a GPU, unchanged
         call = {"device_ids": [rank], "output_device": rank, "bucket_cap_mb": 0.0005}
-        call |= {"find_unused_parameters": unused, "gradient_as_bucket_view": True}
+        call |= {"find_unused_parameters": kind == "branches", "gradient_as_bucket_view": True}
         wrap = lambda m, call=call: BucketedDDP(m, **call)
         out[f"{kind}/ours[torch_call]"] = train(kind, seed, rank, wrap, mine, device=device)
     # device_ids given: inputs on the CPU are moved to the module's device, as torch DDP does
@@ -611,15 +601,15 @@ class _CountBucketCopies(TorchDispatchMode):
 
 
 def _bucket_storages(ddp: BucketedDDP) -> set[int]:
-    return {s.untyped_storage().data_ptr() for s, _, _ in ddp._storages}
+    return {s.untyped_storage().data_ptr() for s, _, _ in ddp._reducer.storages}
 
 
 def train_loop(
     kind: str,
     seed: int,
     init_rank: int,
-    wrap: Callable[[nn.Module], nn.Module],
-    batches: list[list[tuple[tuple, torch.Tensor]]],
+    wrap: Wrap,
+    batches: Batches,
     pattern: str,
     device: str = "cpu",
 ) -> dict[str, Any]:
@@ -681,12 +671,11 @@ def default_loop(rank: int, world: int, seed: int, bucket_mb: float | None) -> d
                     for s in range(steps)
                 ]
                 res["single"] = train_loop(kind, seed, 0, _identity, full, pattern, device)
-            unused = kind == "branches"
             res["torch"] = train_loop(
                 kind,
                 seed,
                 rank,
-                lambda m, unused=unused: TorchDDP(m, find_unused_parameters=unused),
+                _torch_ddp(kind),
                 mine,
                 pattern,
                 device,

@@ -22,6 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from tests.distributed import ddp_cases
+from tests.distributed.common import attempt
 from torch_flashsys import BucketedDDP, ShardedOptimizer
 
 F64 = torch.float64
@@ -146,14 +147,6 @@ def equivalence(rank: int, world: int, seed: int) -> dict[str, Any]:
     return out
 
 
-def _attempt(fn: Callable[[], Any]) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _backward(ddp: BucketedDDP, seed: int = 0) -> None:
     (args, target) = ddp_cases.shard("frozen", seed, 0, dist.get_rank())
     (ddp(*args) - target).pow(2).mean().backward()
@@ -169,27 +162,27 @@ def errors(rank: int, world: int) -> dict[str, str]:
 
     ddp = BucketedDDP(model())
     ddp.register_comm_hook(None, hook)
-    out["twice"] = _attempt(lambda: ddp.register_comm_hook(None, hook))
-    out["compression"] = _attempt(
+    out["twice"] = attempt(lambda: ddp.register_comm_hook(None, hook))
+    out["compression"] = attempt(
         lambda: BucketedDDP(model(), grad_compression="bf16").register_comm_hook(None, hook)
     )
-    out["not_callable"] = _attempt(lambda: BucketedDDP(model()).register_comm_hook(None, "hook"))
-    out["arity"] = _attempt(lambda: BucketedDDP(model()).register_comm_hook(None, lambda b: b))
+    out["not_callable"] = attempt(lambda: BucketedDDP(model()).register_comm_hook(None, "hook"))
+    out["arity"] = attempt(lambda: BucketedDDP(model()).register_comm_hook(None, lambda b: b))
     late = BucketedDDP(model())
     _backward(late)
-    out["after_backward"] = _attempt(lambda: late.register_comm_hook(None, hook))
+    out["after_backward"] = attempt(lambda: late.register_comm_hook(None, hook))
     zero2 = BucketedDDP(model())
     ShardedOptimizer(zero2.parameters(), torch.optim.SGD, shard_gradients=True, lr=0.1)
-    out["zero2_after"] = _attempt(lambda: zero2.register_comm_hook(None, hook))
+    out["zero2_after"] = attempt(lambda: zero2.register_comm_hook(None, hook))
     hooked = BucketedDDP(model())
     hooked.register_comm_hook(None, hook)
-    out["zero2_before"] = _attempt(
+    out["zero2_before"] = attempt(
         lambda: ShardedOptimizer(hooked.parameters(), torch.optim.SGD, shard_gradients=True, lr=1)
     )
     sub = dist.new_group(list(range(world)))
     in_sub = BucketedDDP(model(), process_group=sub)
-    out["subgroup_none"] = _attempt(lambda: in_sub.register_comm_hook(None, hook))
-    out["other_group"] = _attempt(
+    out["subgroup_none"] = attempt(lambda: in_sub.register_comm_hook(None, hook))
+    out["other_group"] = attempt(
         lambda: in_sub.register_comm_hook(_powersgd_state(dist.group.WORLD), hook)
     )
     in_sub.register_comm_hook(sub, hook)  # the right group: fine
@@ -197,19 +190,19 @@ def errors(rank: int, world: int) -> dict[str, str]:
     mixed = BucketedDDP(model())
     if rank == 0:
         mixed.register_comm_hook(None, functools.partial(hook))
-    out["mismatch"] = _attempt(lambda: _backward(mixed))
+    out["mismatch"] = attempt(lambda: _backward(mixed))
     if rank != 0:  # fixed on the other ranks: the wrapper is still usable
         mixed.register_comm_hook(None, functools.partial(hook))
-    out["after_mismatch"] = _attempt(lambda: _backward(mixed))
+    out["after_mismatch"] = attempt(lambda: _backward(mixed))
     # A backward that raises half-way (on every rank alike): under no_sync nothing was
     # communicated and training goes on; a synchronizing one leaves the next forward refusing.
     for name, sync in (("unfinished_no_sync", False), ("unfinished_sync", True)):
         ddp = BucketedDDP(model(), 0)
         handle = ddp.module.a.weight.register_hook(_raise_in_backward)
         with contextlib.nullcontext() if sync else ddp.no_sync():
-            caught = _attempt(lambda ddp=ddp: _backward(ddp))
+            caught = attempt(lambda ddp=ddp: _backward(ddp))
         handle.remove()
-        out[name] = f"{caught} / then: {_attempt(lambda ddp=ddp: _backward(ddp))}"
+        out[name] = f"{caught} / then: {attempt(lambda ddp=ddp: _backward(ddp))}"
     probe = torch.tensor([1.0])
     dist.all_reduce(probe)
     out["probe"] = str(probe.item())

@@ -21,6 +21,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from tests.distributed import sparse_cases
+from tests.distributed.common import attempt
 from torch_flashsys import BucketedDDP, ShardedOptimizer
 
 F64 = torch.float64
@@ -245,22 +246,14 @@ def uneven(rank: int, world: int, seed: int) -> dict[str, Any]:
     out["disabled_calls"] = len(calls)
     ddp = BucketedDDP(JoinNet(), 0)
     out["bad_arguments"] = [
-        _attempt(lambda: ddp.join(divide_by_initial_world_size=1)),
-        _attempt(lambda: ddp.join(enable="yes")),
-        _attempt(lambda: Join([ddp], divide_by_initial_world_size=None)),
-        _attempt(lambda: run_uneven(seed, rank, world, ours(0), _adamw, _model_join(rank == 0))),
+        attempt(lambda: ddp.join(divide_by_initial_world_size=1)),
+        attempt(lambda: ddp.join(enable="yes")),
+        attempt(lambda: Join([ddp], divide_by_initial_world_size=None)),
+        attempt(lambda: run_uneven(seed, rank, world, ours(0), _adamw, _model_join(rank == 0))),
     ]
     out["wrong_order"] = wrong_order(rank)
     out["model_left_out"] = model_left_out(rank)
     return out
-
-
-def _attempt(fn: Callable[[], Any]) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def wrong_order(rank: int) -> str:

@@ -14,13 +14,13 @@ parameter), so they are compared with single-process training only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from tests.distributed.common import Batches, Wrap
 from torch_flashsys import BucketedDDP, ShardedOptimizer
 
 F64 = torch.float64
@@ -90,8 +90,8 @@ def train(
     kind: str,
     seed: int,
     init_seed: int,
-    wrap: Callable[[nn.Module], nn.Module],
-    batches: list[list[tuple[tuple, torch.Tensor]]],
+    wrap: Wrap,
+    batches: Batches,
     sharded: str | None = None,
     device: str = "cpu",
 ) -> dict[str, Any]:

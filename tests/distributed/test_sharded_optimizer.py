@@ -11,30 +11,21 @@ import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
+from tests.distributed.common import MODEL_FIELDS, spawning
 from tests.distributed.harness import run_distributed
 from tests.distributed.zero_cases import run_training_cases, run_with_ddp
 from tests.distributed.zero_errors import CASES, run_error_cases
 from torch_flashsys import ShardedOptimizer
 
-SPAWNING = settings(
-    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
-)
+SPAWNING = spawning(4)
 
 cases = st.fixed_dictionaries(
     {
-        "seed": st.integers(0, 2**20),
-        "optimizer": st.sampled_from(["sgd", "adam", "adamw"]),
-        "vocab": st.integers(2, 11),
-        "d": st.integers(1, 7),
-        "widths": st.lists(st.integers(1, 9), min_size=0, max_size=3),
-        "tied": st.booleans(),
-        "frozen": st.booleans(),
+        **MODEL_FIELDS,
         "float64": st.booleans(),
-        "scalar": st.booleans(),
-        "groups": st.integers(1, 3),
         "steps": st.integers(2, 4),
         "closure": st.booleans(),
         "scheduler": st.booleans(),

@@ -8,27 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from tests.distributed import zero2_cases
+from tests.distributed.common import MODEL_FIELDS, spawning
 from tests.distributed.harness import run_distributed
 
-SPAWNING = settings(
-    max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
-)
+SPAWNING = spawning(2)
 
 cases = st.fixed_dictionaries(
     {
-        "seed": st.integers(0, 2**20),
-        "optimizer": st.sampled_from(["sgd", "adam", "adamw"]),
-        "vocab": st.integers(2, 11),
-        "d": st.integers(1, 7),
-        "widths": st.lists(st.integers(1, 9), min_size=0, max_size=3),
-        "tied": st.booleans(),
-        "frozen": st.booleans(),
-        "scalar": st.booleans(),
-        "groups": st.integers(1, 3),
+        **MODEL_FIELDS,
         "steps": st.integers(2, 3),
         "dtype": st.sampled_from(["float64", "mixed"]),
         "bucket_mb": st.sampled_from([None, 0, 0.0002, 25.0]),

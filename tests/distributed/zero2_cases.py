@@ -54,18 +54,24 @@ def _grad_bytes(params: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def _sharded(case: dict, rank: int, shard_gradients: bool) -> tuple[BucketedDDP, ShardedOptimizer]:
-    torch.manual_seed(rank)
-    model = _model(case, case["seed"] + rank)  # BucketedDDP broadcasts rank 0's parameters
+def _wrap(
+    model: ZeroNet, case: dict, shard_gradients: bool
+) -> tuple[BucketedDDP, ShardedOptimizer]:
+    """``model`` in a BucketedDDP, and the case's optimizer sharded over its param groups."""
     ddp = BucketedDDP(model, bucket_size_mb=case["bucket_mb"])
-    cls = OPTIMIZERS[case["optimizer"]]
     opt = ShardedOptimizer(
         param_groups(model, case),
-        cls,
+        OPTIMIZERS[case["optimizer"]],
         shard_gradients=shard_gradients,
         **hyperparameters(case, -1),
     )
     return ddp, opt
+
+
+def _sharded(case: dict, rank: int, shard_gradients: bool) -> tuple[BucketedDDP, ShardedOptimizer]:
+    torch.manual_seed(rank)
+    # BucketedDDP broadcasts rank 0's parameters
+    return _wrap(_model(case, case["seed"] + rank), case, shard_gradients)
 
 
 def train_zero2_case(rank: int, world: int, case: dict) -> dict:
@@ -111,10 +117,10 @@ def train_zero2_case(rank: int, world: int, case: dict) -> dict:
                 elif p2.grad is not None:
                     same &= torch.allclose(p2.grad, p1.grad, rtol=1e-6, atol=1e-7)
         out["owned_equal"].append(same)
-        out["released"].append(all(b.buffer is None for b in ddp2._buckets if not b.keeps))
-        out["kept"].append(sum(s.nbytes for s, _, _ in ddp2._storages))
+        out["released"].append(all(b.buffer is None for b in ddp2._reducer.buckets if not b.keeps))
+        out["kept"].append(sum(s.nbytes for s, _, _ in ddp2._reducer.storages))
         # each kept bucket after the first of its storage may start up to 63 bytes further on
-        out["pad_bytes"] = 64 * sum(len(buckets) - 1 for _, buckets, _ in ddp2._storages)
+        out["pad_bytes"] = 64 * sum(len(buckets) - 1 for _, buckets, _ in ddp2._reducer.storages)
         if case["clip"] is not None:
             norms = [
                 opt.clip_grad_norm_(MAX_NORM, case["clip"]).item() for _, opt in (zero2, zero1)
@@ -165,16 +171,11 @@ def run_world_one(rank: int, world: int, case: dict) -> dict:
     for shard_gradients in (False, True):
         model = _model(case, case["seed"])
         ptrs = [p.data_ptr() for p in model.parameters()]
-        ddp = BucketedDDP(model, bucket_size_mb=case["bucket_mb"])
-        cls = OPTIMIZERS[case["optimizer"]]
-        opt = ShardedOptimizer(
-            param_groups(model, case),
-            cls,
-            shard_gradients=shard_gradients,
-            **hyperparameters(case, -1),
-        )
+        ddp, opt = _wrap(model, case, shard_gradients)
         reference = _model(case, case["seed"])
-        plain = cls(param_groups(reference, case), **hyperparameters(case, -1))
+        plain = OPTIMIZERS[case["optimizer"]](
+            param_groups(reference, case), **hyperparameters(case, -1)
+        )
         out[f"no_copies[{shard_gradients}]"] = ptrs == [p.data_ptr() for p in model.parameters()]
         for step in range(case["steps"]):
             tokens = batch(case, step, 4)

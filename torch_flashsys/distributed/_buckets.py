@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from torch_flashsys.distributed import _release
+import torch_flashsys.distributed._release as _release
 from torch_flashsys.distributed._comm_hook import GradBucket, hook_result
 
 _BROADCAST_CHUNK_BYTES = 250 * 2**20  # as torch DDP: large enough for few calls, bounded memory

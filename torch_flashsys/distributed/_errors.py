@@ -14,7 +14,12 @@ BucketedDDP and ShardedOptimizer re-raise it with both (``from`` the original)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 _HINT = (
     "If another rank raised, was killed or stopped communicating, this is the consequence, not "
@@ -50,3 +55,16 @@ def collective_error(
     except Exception:
         error = RuntimeError(message)
     return error if isinstance(error, Exception) else RuntimeError(message)
+
+
+def guarded(
+    caller: str, what: str | Callable[[], str], group: dist.ProcessGroup | None, fn: Callable[[], T]
+) -> T:
+    """``fn()``; a failure is re-raised as :func:`collective_error` naming ``what`` (a string,
+    or a function making it, called only on failure)."""
+    try:
+        return fn()
+    except Exception as exc:
+        raise collective_error(
+            caller, what if isinstance(what, str) else what(), group, exc
+        ) from exc

@@ -1,5 +1,8 @@
-"""Uneven inputs: the ``torch.distributed.algorithms.Join`` hooks of BucketedDDP and
-ShardedOptimizer, and the small collectives they share.
+"""Uneven inputs: the ``torch.distributed.algorithms.Join`` protocol shared by BucketedDDP and
+ShardedOptimizer. A leaf: what each hook does lives beside its owner (``BucketedDDP._join_shadow``
+/ ``_join_final_sync`` in ``ddp.py``, ``ShardedOptimizer._join_shadow_step`` in
+``sharded_optimizer.py``), as torch keeps ``_DDPJoinHook`` beside DDP; here are the hook class
+they fill in, the collectives they share, and the ``join_device`` of both.
 
 Inside ``with Join([model, optimizer]):`` (or ``model.join()``), each rank still training announces
 every forward with one all-reduce of ``[syncs, broadcasts buffers, 1 at its own rank]``; a rank that
@@ -16,17 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
 from torch_flashsys.distributed._verify import collective_device
-
-if TYPE_CHECKING:
-    from torch_flashsys.distributed.ddp import BucketedDDP
-    from torch_flashsys.distributed.sharded_optimizer import ShardedOptimizer
 
 
 class JoinState(NamedTuple):
@@ -79,33 +78,30 @@ def disabled() -> _JoinConfig:
     return _JoinConfig.construct_disabled_join_config()
 
 
-class DDPJoinHook(JoinHook):
-    """BucketedDDP's: shadow each forward and backward of the ranks still training."""
+class OwnerJoinHook(JoinHook):
+    """A joinable's ``Join`` hook, made of two of its owner's own steps (so the hook's behaviour
+    lives beside its owner, as torch's ``_DDPJoinHook`` beside DDP, and this leaf knows no owner):
+    ``main()`` on a joined rank, once per collective step of the ranks still training;
+    ``post(is_last_joiner)`` once every rank has joined."""
 
-    def __init__(self, ddp: BucketedDDP, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, main: Callable[[], None], post: Callable[[bool], None]) -> None:
         super().__init__()
-        self.ddp = ddp
-        ddp._divide_by_initial = divide_by_initial_world_size
+        self.main, self.post = main, post
 
     def main_hook(self) -> None:
-        self.ddp._join_shadow()
+        self.main()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        self.ddp._join_final_sync(is_last_joiner)
+        self.post(is_last_joiner)
 
 
-class OptimizerJoinHook(JoinHook):
-    """ShardedOptimizer's: shadow each step (a joined rank still updates and sends its shard)."""
+class GroupJoinable(Joinable):
+    """A ``Joinable`` whose ``Join`` collectives go over its ``join_process_group``."""
 
-    def __init__(self, optimizer: ShardedOptimizer) -> None:
-        super().__init__()
-        self.optimizer = optimizer
-
-    def main_hook(self) -> None:
-        self.optimizer._join_shadow_step()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.optimizer._join_config = disabled()
+    @property
+    def join_device(self) -> torch.device:
+        """Device of the ``Join`` context's own collectives (CUDA under NCCL)."""
+        return collective_device(self.join_process_group)
 
 
 def _numbers(value: Any) -> list[float] | None:

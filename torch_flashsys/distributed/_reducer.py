@@ -1,4 +1,4 @@
-"""The backward machinery of :class:`BucketedDDP`: buckets, per-parameter hooks, reductions.
+"""The gradient reducer of :class:`BucketedDDP`: buckets, per-parameter hooks, reductions.
 
 One post-accumulate-grad hook per parameter marks its gradient ready; the first hook of a
 backward queues the end-of-backward callback on the autograd engine and points ``None`` grads at
@@ -6,33 +6,61 @@ their (zeroed) bucket views; a bucket whose last gradient is ready starts its re
 in bucket order so every rank issues the same collectives in the same order; the callback
 starts the rest (unused parameters), reduces the sparse gradients and waits for everything::
 
-    hook(param i) -> _on_grad_ready(i) -> bucket ready? -> _launch(b) -> Bucket.launch / launch_hook
+    hook(param i) -> on_grad_ready(i) -> bucket ready? -> _launch(b) -> Bucket.launch / launch_hook
     end of backward -> _end_backward -> _finish_locked: launch the rest, sparse, wait, expose
 
-:class:`GradientReducer` is a mixin of BucketedDDP, whose constructor sets the attributes it
-uses (``_params``, ``_names``, ``_is_sparse``, ``_owners``, ``_limit``, ``_group``, ``_world``,
-``_divisor``, ``_comm_dtype``, ``_reduce_avg``, ``_comm_hook``, ``_comm_checked``, ``_sparse``,
-``_prepoint``, ``_grad_sync``, ``_lock``, ``_bw``) and then calls ``_build_buckets()``.
+BucketedDDP holds one :class:`GradientReducer`, built from explicit inputs (its trainable
+parameters and their names, which of them get sparse gradients, the bucket size, the process
+group, the compression dtype) and driven through its public methods and attributes. ZeRO-2
+(``_zero2``) finds the reducer of a parameter with :func:`reducer_of` and makes it reduce each
+gradient to its owner only (:meth:`GradientReducer.shard_gradients`).
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import functools
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import _JoinConfig
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torch_flashsys.distributed._buckets import Bucket, assign_buckets
 from torch_flashsys.distributed._comm_hook import hook_name
-from torch_flashsys.distributed._errors import collective_error
+from torch_flashsys.distributed._errors import guarded
+from torch_flashsys.distributed._sparse import SparseReduction
 from torch_flashsys.distributed._verify import collective_device, verify_same_across_ranks
 
 _AHEAD = 2  # ZeRO-2: other ranks' buckets given a buffer before their first gradient arrives
 _IN_FLIGHT = 2  # ZeRO-2: reductions of other ranks' buckets left running before we wait
 _ALIGN_BYTES = 64  # each bucket's buffer starts at a multiple of 64 bytes of its storage
+
+# Parameter -> the live reducer that synchronizes its gradient (weakly), so that a second
+# BucketedDDP over it is refused and ShardedOptimizer(..., shard_gradients=True) finds it.
+_REDUCERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def reducer_of(param: torch.Tensor) -> GradientReducer | None:
+    """The live reducer (of a BucketedDDP) that synchronizes ``param``'s gradient, if any."""
+    ref = _REDUCERS.get(param)
+    return None if ref is None else ref()
+
+
+def _grad_ready(ref: weakref.ref, i: int, param: torch.Tensor) -> None:
+    reducer = ref()
+    if reducer is not None:
+        reducer.on_grad_ready(i)
+
+
+def remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _nonfinite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -59,35 +87,98 @@ class BackwardState:
 
 
 class GradientReducer:
-    """Buckets and the backward machinery of BucketedDDP (see the module docstring)."""
+    """Buckets and the backward machinery of one BucketedDDP (see the module docstring).
 
-    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+    params/names: the trainable parameters and their names; is_sparse: which of them get sparse
+    gradients (reduced at the end of the backward, outside the buckets); bucket_bytes: the
+    gradient bytes at which a bucket closes (``None``: one bucket per dtype); process_group: the
+    group to average over (``None``: the world); comm_dtype: the dtype the buckets are reduced
+    in (``None``: their own). Registers one hook per parameter, removed with the reducer.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        is_sparse: Sequence[bool],
+        bucket_bytes: int | None,
+        process_group: dist.ProcessGroup | None,
+        comm_dtype: torch.dtype | None,
+    ) -> None:
+        self.params, self.names, self.is_sparse = list(params), list(names), list(is_sparse)
+        self.process_group = process_group
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(process_group)
+        self._limit = bucket_bytes
+        self._comm_dtype = comm_dtype
+        # NCCL averages inside the collective, saving a pass over the gradients; gloo cannot.
+        self._reduce_avg = dist.get_backend(process_group) == "nccl"
+        sparse = [i for i, flag in enumerate(self.is_sparse) if flag]
+        group = self.group  # the sparse reduction's errors (not self.guard: no reference cycle)
+        self._sparse = (
+            SparseReduction(
+                [self.params[i] for i in sparse],
+                [self.names[i] for i in sparse],
+                lambda what, fn: guarded("BucketedDDP", what, group, fn),
+            )
+            if sparse
+            else None
+        )
+        # Pointing grads at their views before AccumulateGrad runs is safe when one autograd
+        # thread does all the accumulation: one device (the supported setup, as in torch DDP).
+        self.prepoint = len({p.device for p in self.params}) == 1
+        self.owners: list[int] | None = None  # ZeRO-2: owner group rank of each parameter
+        self.lock = threading.Lock()  # hooks of CUDA backwards run on autograd's device threads
+        self.grad_sync = True  # decided by the last forward, as in torch DDP
+        self.bw = BackwardState()
+        self.comm_hook: tuple[Any, Callable[..., torch.futures.Future]] | None = None
+        self.comm_checked = False  # hooks compared across ranks (first synchronizing backward)
+        self.divisor = self.world  # the sum is divided by this (join(): maybe fewer ranks)
+        # The wrapper's Join configuration (set by Join through it), and whether, on a joined
+        # rank, the last shadowed forward synchronized: what a ShardedOptimizer's join hook reads.
+        self.join_config = _JoinConfig.construct_disabled_join_config()
+        self.join_synced = True
+        self._build_buckets()
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        """One post-accumulate-grad hook per parameter. The hooks hold the reducer weakly: the
+        param -> hook edge lives in C++, where Python's cycle collector cannot see it, so a
+        strong one would keep a dropped wrapper's reducer (and its buffers) alive forever. When
+        the reducer goes, its hooks go too."""
+        this = weakref.ref(self)
+        handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, i))
+            for i, p in enumerate(self.params)
+        ]
+        weakref.finalize(self, remove_hooks, handles)
+        for p in self.params:
+            _REDUCERS[p] = this
+
+    def guard(self, what: str | Callable[[], str], fn: Callable[[], Any]) -> Any:
         """``fn()``; a failure is re-raised naming this rank and ``what`` (see ``_errors``)."""
-        try:
-            return fn()
-        except Exception as exc:
-            raise collective_error("BucketedDDP", what, self._group, exc) from exc
+        return guarded("BucketedDDP", what, self.group, fn)
 
     # Buckets: built at construction, rebuilt per owner when a ShardedOptimizer shards gradients.
 
     def _build_buckets(self) -> None:
-        owners, rank = self._owners, dist.get_rank(self.process_group)
-        dense = [i for i, sparse in enumerate(self._is_sparse) if not sparse]
+        owners, rank = self.owners, dist.get_rank(self.process_group)
+        dense = [i for i, sparse in enumerate(self.is_sparse) if not sparse]
         assignment = assign_buckets(
-            [self._params[i] for i in dense],
+            [self.params[i] for i in dense],
             self._limit,
             None if owners is None else [owners[i] for i in dense],
         )
-        self._buckets = []
+        self.buckets = []
         # parameter index -> (bucket, position); None: sparse (reduced at the end of backward)
-        self._slots: list[tuple[int, int] | None] = [None] * len(self._params)
+        self._slots: list[tuple[int, int] | None] = [None] * len(self.params)
         for b, positions in enumerate(assignment):
             idx = [dense[j] for j in positions]
             owner = None if owners is None else owners[idx[0]]
-            self._buckets.append(
+            self.buckets.append(
                 Bucket(
-                    [self._params[i] for i in idx],
-                    [self._names[i] for i in idx],
+                    [self.params[i] for i in idx],
+                    [self.names[i] for i in idx],
                     owner=owner,
                     keeps=owner is None or owner == rank,
                 )
@@ -95,9 +186,9 @@ class GradientReducer:
             for k, i in enumerate(idx):
                 self._slots[i] = (b, k)
         # Buckets this rank keeps share one storage per (device, dtype): one memset clears them.
-        self._storages: list[tuple[torch.Tensor, list[Bucket], torch.Tensor]] = []
+        self.storages: list[tuple[torch.Tensor, list[Bucket], torch.Tensor]] = []
         kinds: dict[tuple[torch.device, torch.dtype], list[Bucket]] = {}
-        for bucket in self._buckets:
+        for bucket in self.buckets:
             if bucket.keeps:
                 kinds.setdefault((bucket.device, bucket.dtype), []).append(bucket)
         for (device, dtype), buckets in kinds.items():
@@ -114,37 +205,37 @@ class GradientReducer:
                 bucket.bind(storage[offset : offset + bucket.size])
                 flag_index += range(offset + bucket.total, offset + bucket.size)
             index = torch.tensor(flag_index, dtype=torch.long, device=device)
-            self._storages.append((storage, buckets, index))
-        self._remote = [b for b, bucket in enumerate(self._buckets) if not bucket.keeps]
+            self.storages.append((storage, buckets, index))
+        self._remote = [b for b, bucket in enumerate(self.buckets) if not bucket.keeps]
         self._in_flight: collections.deque[int] = collections.deque()
-        sparse = [i for i, flag in enumerate(self._is_sparse) if flag]
+        sparse = [i for i, flag in enumerate(self.is_sparse) if flag]
         self._sparse_keep = None if owners is None else [owners[i] == rank for i in sparse]
 
-    def _shard_gradients(self, owners: Sequence[int]) -> None:
+    def shard_gradients(self, owners: Sequence[int]) -> None:
         """ZeRO-2 (called by ``ShardedOptimizer(..., shard_gradients=True)``): reduce each
         parameter's gradient to its owner only; ``owners[i]`` is the group rank owning
-        ``self._params[i]``. Buckets are rebuilt per owner; gradients of parameters owned by
+        ``self.params[i]``. Buckets are rebuilt per owner; gradients of parameters owned by
         other ranks are ``None`` after each synchronizing backward."""
-        with self._lock:
-            if self._bw.in_backward:
+        with self.lock:
+            if self.bw.in_backward:
                 raise RuntimeError(
                     "BucketedDDP: cannot shard gradients during a backward; build the "
                     "ShardedOptimizer between training steps"
                 )
-            self._owners = list(owners)
+            self.owners = list(owners)
             self._build_buckets()
 
     # Backward machinery: hook per parameter -> launch ready buckets in order -> wait at the end.
 
-    def _on_grad_ready(self, i: int) -> None:
-        slot, bw = self._slots[i], self._bw
-        with self._lock:
+    def on_grad_ready(self, i: int) -> None:
+        slot, bw = self._slots[i], self.bw
+        with self.lock:
             if not bw.in_backward:
                 self._start_backward()
             if slot is None:  # a sparse gradient: reduced at the end of the backward
                 return
             b, k = slot
-            bucket = self._buckets[b]
+            bucket = self.buckets[b]
             if not bw.syncing:
                 if bucket.buffer is not None:
                     bucket.adopt_grad(k)
@@ -163,23 +254,23 @@ class GradientReducer:
                 bucket.ready[k] = True
                 bucket.pending -= 1
                 if not bucket.pending and b == bw.next_bucket:
-                    buckets, n = self._buckets, len(self._buckets)
+                    buckets, n = self.buckets, len(self.buckets)
                     while bw.next_bucket < n and not buckets[bw.next_bucket].pending:
                         self._launch(bw.next_bucket)
 
     def _start_backward(self) -> None:
         """First hook of a backward: end-of-backward callback, per-backward state, and every
         ``None`` grad pointed at its zeroed bucket view so that the backward adds in place."""
-        if self._grad_sync and not self._comm_checked:
+        if self.grad_sync and not self.comm_checked:
             self._check_comm_hooks()  # before any state changes: a mismatch leaves it as it was
-        bw = self._bw
-        bw.in_backward, bw.syncing = True, self._grad_sync
+        bw = self.bw
+        bw.in_backward, bw.syncing = True, self.grad_sync
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if bw.syncing:
-            for bucket in self._buckets:
+            for bucket in self.buckets:
                 bucket.reset()
             bw.next_bucket, bw.remote_next = 0, 0
-        if self._prepoint:
+        if self.prepoint:
             self._prepare()
             if bw.syncing and self._remote:
                 self._allocate_ahead(-1)
@@ -187,19 +278,19 @@ class GradientReducer:
     def _check_comm_hooks(self) -> None:
         """Once, at the first synchronizing backward (or its shadow under ``join()``): every rank
         must reduce the same way, else the buckets' collectives would not match."""
-        hook = "none" if self._comm_hook is None else hook_name(self._comm_hook[1])
-        if self._comm_hook is not None:
-            hook += f" with a state of type {type(self._comm_hook[0]).__qualname__}"
+        hook = "none" if self.comm_hook is None else hook_name(self.comm_hook[1])
+        if self.comm_hook is not None:
+            hook += f" with a state of type {type(self.comm_hook[0]).__qualname__}"
         verify_same_across_ranks(
             "BucketedDDP",
             [("communication hook (register_comm_hook)", hook)],
             self.process_group,
             what="the communication hook",
         )
-        self._comm_checked = True
+        self.comm_checked = True
 
     def _prepare(self) -> None:
-        for storage, buckets, flag_index in self._storages:
+        for storage, buckets, flag_index in self.storages:
             holding = [bucket.holds_views() for bucket in buckets]
             if not any(holding):  # the default loop, after zero_grad(): one memset
                 storage.zero_()
@@ -221,101 +312,92 @@ class GradientReducer:
     def _allocate_ahead(self, b: int) -> None:
         """ZeRO-2: give other ranks' buckets up to ``_AHEAD`` past bucket ``b`` a buffer (and
         bucket ``b`` itself if it is one of them and has none)."""
-        bucket = self._buckets[b] if b >= 0 else None
+        bucket = self.buckets[b] if b >= 0 else None
         if bucket is not None and not bucket.keeps and bucket.buffer is None:
-            bucket.allocate(point=self._prepoint)
+            bucket.allocate(point=self.prepoint)
         target = min(len(self._remote), bisect.bisect_right(self._remote, b) + _AHEAD)
-        while self._bw.remote_next < target:
-            ahead = self._buckets[self._remote[self._bw.remote_next]]
-            if ahead.buffer is None and not ahead.busy and self._prepoint:
+        while self.bw.remote_next < target:
+            ahead = self.buckets[self._remote[self.bw.remote_next]]
+            if ahead.buffer is None and not ahead.busy and self.prepoint:
                 ahead.allocate()
-            self._bw.remote_next += 1
+            self.bw.remote_next += 1
 
     def _describe_bucket(self, b: int) -> str:
-        bucket, n = self._buckets[b], len(self._buckets)
+        bucket, n = self.buckets[b], len(self.buckets)
         names = ", ".join(repr(name) for name in bucket.names[:3])
         more = f" and {len(bucket.names) - 3} more" if len(bucket.names) > 3 else ""
         what = f"gradient bucket {b} of {n} (parameters {names}{more})"
-        if self._comm_hook is not None:
-            return f"the communication hook {hook_name(self._comm_hook[1])} on {what}"
+        if self.comm_hook is not None:
+            return f"the communication hook {hook_name(self.comm_hook[1])} on {what}"
         if bucket.owner is not None:
             return f"the reduce to rank {bucket.owner} of {what}"
         return f"the all-reduce of {what}"
 
     def _launch(self, b: int) -> None:
-        bucket = self._buckets[b]
-        if self._comm_hook is not None:
-            state, hook = self._comm_hook
+        bucket, describe = self.buckets[b], functools.partial(self._describe_bucket, b)
+        if self.comm_hook is not None:
+            state, hook = self.comm_hook
             run = lambda grad_bucket: hook(state, grad_bucket)
-            self._guard_bucket(b, lambda: bucket.launch_hook(run, b, len(self._buckets)))
+            self.guard(describe, lambda: bucket.launch_hook(run, b, len(self.buckets)))
         else:
-            divisor = self._divisor
-            reduce_avg = self._reduce_avg and divisor == self._world
-            try:
-                bucket.launch(self._group, divisor, self._comm_dtype, reduce_avg)
-            except Exception as exc:
-                what = self._describe_bucket(b)
-                raise collective_error("BucketedDDP", what, self._group, exc) from exc
-        self._bw.next_bucket = b + 1
+            divisor = self.divisor
+            reduce_avg = self._reduce_avg and divisor == self.world
+            self.guard(
+                describe, lambda: bucket.launch(self.group, divisor, self._comm_dtype, reduce_avg)
+            )
+        self.bw.next_bucket = b + 1
         if not bucket.keeps:  # bound the transient buffers: wait for older reductions
             self._in_flight.append(b)
             while len(self._in_flight) > _IN_FLIGHT:
                 self._finish_bucket(self._in_flight.popleft())
 
-    def _guard_bucket(self, b: int, fn: Callable[[], Any]) -> Any:
-        try:
-            return fn()
-        except Exception as exc:
-            raise collective_error(
-                "BucketedDDP", self._describe_bucket(b), self._group, exc
-            ) from exc
-
     def _finish_bucket(self, b: int, expose: bool = True) -> None:
-        bucket = self._buckets[b]
+        bucket = self.buckets[b]
         if bucket.busy:
-            try:
-                bucket.finish(expose)
-            except Exception as exc:
-                what = self._describe_bucket(b)
-                raise collective_error("BucketedDDP", what, self._group, exc) from exc
+            self.guard(functools.partial(self._describe_bucket, b), lambda: bucket.finish(expose))
 
     def _end_backward(self) -> None:
-        with self._lock:
-            if not self._bw.in_backward:
+        with self.lock:
+            if not self.bw.in_backward:
                 return
-            if self._bw.syncing:
+            if self.bw.syncing:
                 self._finish_locked()
             else:
-                for bucket in self._buckets:
-                    if bucket.keeps:
-                        bucket.clear_phantoms()
-                self._bw.in_backward = False
+                self._forget_backward()
+
+    def _forget_backward(self) -> None:
+        """End a backward that communicated nothing (under no_sync): gradients keep what was
+        accumulated."""
+        for bucket in self.buckets:
+            if bucket.keeps:
+                bucket.clear_phantoms()
+        self.bw.in_backward = False
 
     def _finish_locked(self) -> None:
-        hooked = self._comm_hook is not None
+        hooked = self.comm_hook is not None
         try:
             # Buckets with parameters that got no gradient (unused) launch now, still in order.
-            for b in range(self._bw.next_bucket, len(self._buckets)):
+            for b in range(self.bw.next_bucket, len(self.buckets)):
                 self._launch(b)
             # Sparse gradients overlap the dense reductions, except behind a hook: hooks (such
             # as PowerSGD) may issue collectives from Future callbacks, so nothing else is issued
             # until they are done, to keep the order of collectives the same on every rank.
             if self._sparse is not None and not hooked:
-                self._sparse.start(self._group, self._divisor)
+                self._sparse.start(self.group, self.divisor)
             while self._in_flight:
                 self._finish_bucket(self._in_flight.popleft())
-            for b in range(len(self._buckets)):
+            for b in range(len(self.buckets)):
                 self._finish_bucket(b, expose=not hooked)
             if hooked:
                 self._reduce_flags()
                 if self._sparse is not None:
-                    self._sparse.start(self._group, self._divisor)
+                    self._sparse.start(self.group, self.divisor)
             if self._sparse is not None:
                 self._sparse.finish(self._sparse_keep)
-            if self._owners is not None and self._world > 1:
+            if self.owners is not None and self.world > 1:
                 self._share_nonfinite()
         finally:
-            self._bw.in_backward = False
+            self.bw.in_backward = False
 
     def _share_nonfinite(self) -> None:
         """ZeRO-2, end of a synchronizing backward: a non-finite averaged gradient is seen only
@@ -328,27 +410,27 @@ class GradientReducer:
         where every rank holds every gradient)."""
         device = collective_device(self.process_group)
         owned_sparse = [] if self._sparse is None else self._owned_sparse_grads()
-        local = _nonfinite([s for s, _, _ in self._storages] + owned_sparse, device)
+        local = _nonfinite([s for s, _, _ in self.storages] + owned_sparse, device)
         any_bad = local.any().float().reshape(1)
         what = "the all-reduce of the non-finite gradient flags (ZeRO-2)"
-        self._guard(what, lambda: dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=self._group))
+        self.guard(what, lambda: dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=self.group))
         if not any_bad.item():
             return
         sparse = [] if self._sparse is None else self._sparse.params
-        flags = torch.zeros(len(self._buckets) + len(sparse), dtype=torch.float32, device=device)
-        kept = [b for b, bucket in enumerate(self._buckets) if bucket.keeps]
-        kept += [len(self._buckets) + i for i, keep in enumerate(self._sparse_keep or []) if keep]
+        flags = torch.zeros(len(self.buckets) + len(sparse), dtype=torch.float32, device=device)
+        kept = [b for b, bucket in enumerate(self.buckets) if bucket.keeps]
+        kept += [len(self.buckets) + i for i, keep in enumerate(self._sparse_keep or []) if keep]
         if kept:
-            tensors = [self._buckets[b].buffer for b in kept if b < len(self._buckets)]
+            tensors = [self.buckets[b].buffer for b in kept if b < len(self.buckets)]
             flags[torch.tensor(kept, device=device)] = _nonfinite(
                 tensors + owned_sparse, device
             ).float()
-        self._guard(what, lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group))
+        self.guard(what, lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group))
         for j in flags.nonzero().flatten().tolist():
-            if j < len(self._buckets):
-                params = [] if self._buckets[j].keeps else self._buckets[j].params
+            if j < len(self.buckets):
+                params = [] if self.buckets[j].keeps else self.buckets[j].params
             else:
-                i = j - len(self._buckets)
+                i = j - len(self.buckets)
                 params = [] if self._sparse_keep[i] else [sparse[i]]
             for p in params:
                 p.grad = torch.full_like(p, float("nan"), memory_format=torch.contiguous_format)
@@ -366,30 +448,30 @@ class GradientReducer:
     def _reduce_flags(self) -> None:
         """Behind a communication hook (which reduces only the gradients): one all-reduce of
         every bucket's "has a gradient" flags, then the grads no rank had become ``None``."""
-        if not self._buckets:
+        if not self.buckets:
             return
         device = collective_device(self.process_group)
-        flags = torch.cat([b.flags.to(device=device, dtype=torch.float32) for b in self._buckets])
-        self._guard(
+        flags = torch.cat([b.flags.to(device=device, dtype=torch.float32) for b in self.buckets])
+        self.guard(
             "the all-reduce of the gradient flags (after the communication hook)",
-            lambda: dist.all_reduce(flags, group=self._group),
+            lambda: dist.all_reduce(flags, group=self.group),
         )
         for bucket, chunk in zip(
-            self._buckets, flags.split([b.flags.numel() for b in self._buckets]), strict=True
+            self.buckets, flags.split([b.flags.numel() for b in self.buckets]), strict=True
         ):
             bucket.flags.copy_(chunk)
             bucket.expose()
 
-    def _shadow_backward(self) -> None:
+    def shadow_backward(self) -> None:
         """Under ``join()``, on a joined rank: take part in every reduction of a synchronizing
         backward of the other ranks, contributing zeros (no gradient), and receive the
         average (so a joined owner can still step its shard of a ShardedOptimizer)."""
-        with self._lock:
-            if self._bw.in_backward:
+        with self.lock:
+            if self.bw.in_backward:
                 raise RuntimeError("BucketedDDP: join shadowing started during a backward")
-            if not self._comm_checked:
+            if not self.comm_checked:
                 self._check_comm_hooks()
-            for bucket in self._buckets:
+            for bucket in self.buckets:
                 for p in bucket.params:
                     p.grad = None
                 bucket.reset()
@@ -398,7 +480,30 @@ class GradientReducer:
             if self._sparse is not None:
                 for p in self._sparse.params:
                     p.grad = None
-            bw = self._bw
+            bw = self.bw
             bw.in_backward, bw.syncing, bw.next_bucket, bw.remote_next = True, True, 0, 0
-            self._divisor = self._world  # zeros: any divisor
+            self.divisor = self.world  # zeros: any divisor
             self._finish_locked()
+
+    def finish(self) -> None:
+        """Wait until every bucket's reduction of the running synchronizing backward (if any)
+        has finished and ``param.grad`` holds the average."""
+        with self.lock:
+            if self.bw.in_backward and self.bw.syncing:
+                self._finish_locked()
+
+    def unfinished_backward(self) -> None:
+        """A forward after a backward that raised before its end (the callback that finishes it
+        never ran). Under no_sync nothing was communicated: forget it (the gradients hold what
+        was accumulated, as without a wrapper). Otherwise this rank's collectives no longer
+        match the other ranks': raise, as torch DDP does."""
+        with self.lock:
+            if self.bw.syncing:
+                raise RuntimeError(
+                    "BucketedDDP: the previous backward did not finish (an exception was raised "
+                    f"during it?) after {self.bw.next_bucket} of {len(self.buckets)} gradient "
+                    "buckets had started their reductions, so this rank's collectives no longer "
+                    "match the other ranks'; training cannot go on after an exception inside a "
+                    "synchronizing backward: restart it (e.g. from a checkpoint)"
+                )
+            self._forget_backward()

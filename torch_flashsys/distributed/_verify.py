@@ -57,6 +57,15 @@ def check_process_group(caller: str, group: Any) -> None:
         )
 
 
+def check_bools(caller: str, values: dict[str, Any], show_value: bool = False) -> None:
+    """Raise ``TypeError`` naming the first of ``values`` (argument name -> value) that is not a
+    bool: ``"<caller>: <name> must be a bool, got <type>"`` (then the value if ``show_value``)."""
+    for name, value in values.items():
+        if not isinstance(value, bool):
+            got = f"{type(value).__name__} {value!r}" if show_value else type(value).__name__
+            raise TypeError(f"{caller}: {name} must be a bool, got {got}")
+
+
 def describe_tensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]], *, kind: str = "parameter"
 ) -> list[Item]:

@@ -1,60 +1,97 @@
-"""ZeRO-2 glue for ShardedOptimizer(..., shard_gradients=True): finding the parameters'
-BucketedDDP, and gradient-norm clipping when each rank holds only its own gradients."""
+"""The DDP x ZeRO glue (as torch's ``ddp_zero_hook.py``): the only module that sees both sides.
+
+BucketedDDP's side is its gradient reducer (``_reducer``), found from a parameter with
+``reducer_of``; ShardedOptimizer (``sharded_optimizer``, which imports this module) gets from here
+the reducer of its parameters for ``shard_gradients=True`` (ZeRO-2: each bucket reduced to its
+owner), what that reducer's ``Join`` state says, and gradient-norm clipping when each rank holds
+only its own gradients. Import order: ``_reducer`` -> ``ddp`` -> ``_zero2`` -> ``sharded_optimizer``.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from torch_flashsys.distributed._reducer import GradientReducer, reducer_of
 from torch_flashsys.distributed._verify import collective_device
 
 
-def find_wrapper(
+def find_reducer(
     params: Sequence[torch.Tensor], index: Mapping[torch.Tensor, int], global_ranks: list[int]
-) -> tuple[Any, str | None]:
-    """The BucketedDDP that synchronizes every trainable one of ``params`` (the optimizer's, with
-    ``index`` their positions), or ``(None, problem)``. ``problem`` reads after "needs": the rule
-    broken, then (after ";") the details, which may differ across ranks."""
-    from torch_flashsys.distributed.ddp import wrapper_of
-
+) -> tuple[GradientReducer | None, str | None]:
+    """The reducer of the BucketedDDP that synchronizes every trainable one of ``params`` (the
+    optimizer's, with ``index`` their positions), or ``(None, problem)``. ``problem`` reads after
+    "needs": the rule broken, then (after ";") the details, which may differ across ranks."""
     trainable = [(i, p) for i, p in enumerate(params) if p.requires_grad]
-    wrappers = {id(w): w for _, p in trainable if (w := wrapper_of(p)) is not None}
+    wrappers = {id(w): w for _, p in trainable if (w := reducer_of(p)) is not None}
     if len(wrappers) != 1:
         found = "none" if not wrappers else f"{len(wrappers)} different ones"
         return None, (
             "the parameters to be wrapped by one BucketedDDP, built before the optimizer "
             f"(BucketedDDP(model), then ShardedOptimizer(model.parameters(), ...)); found {found}"
         )
-    ddp = next(iter(wrappers.values()))
+    reducer = next(iter(wrappers.values()))
     for i, p in trainable:
-        if wrapper_of(p) is not ddp:
+        if reducer_of(p) is not reducer:
             return None, (
                 "every trainable parameter to be synchronized by the BucketedDDP; parameter "
                 f"{i} (shape {tuple(p.shape)}) is not"
             )
-    for p, name in zip(ddp._params, ddp._names, strict=True):
+    for p, name in zip(reducer.params, reducer.names, strict=True):
         if p not in index:
             return None, (
                 f"every parameter of the BucketedDDP in the optimizer; {name!r} is not (its "
                 "gradient would have no owner)"
             )
-    if ddp._comm_hook is not None:
+    if reducer.comm_hook is not None:
         return None, (
             "a BucketedDDP without a communication hook (register_comm_hook); ZeRO-2 reduces "
             "each bucket to its owner rank instead of all-reducing it"
         )
-    group = ddp.process_group if ddp.process_group is not None else dist.group.WORLD
+    group = reducer.group
     ranks = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
     if ranks != global_ranks:
         return None, (
             "the BucketedDDP and the optimizer to use the same process group; the BucketedDDP's "
             f"has global ranks {ranks}, the optimizer's {global_ranks}"
         )
-    return ddp, None
+    return reducer, None
+
+
+def reduce_to_owners(
+    reducer: GradientReducer, owners: Sequence[int], index: Mapping[torch.Tensor, int]
+) -> None:
+    """ZeRO-2: make ``reducer`` reduce each gradient only to the rank owning its parameter
+    (``owners[index[p]]``, the optimizer's partition)."""
+    reducer.shard_gradients([owners[index[p]] for p in reducer.params])
+
+
+def reducer_for(params: Sequence[torch.Tensor]) -> GradientReducer | None:
+    """The reducer (of a live BucketedDDP) of the first of ``params`` that has one."""
+    return next((r for p in params if (r := reducer_of(p)) is not None), None)
+
+
+def check_model_joins(params: Sequence[torch.Tensor]) -> None:
+    """Inside ``Join``, on a rank still training: the BucketedDDP of ``params`` (if any) must be
+    in the Join too (else the ranks that ran out of inputs would not shadow its reductions)."""
+    reducer = reducer_for(params)
+    if reducer is not None and not reducer.join_config.enable:
+        raise ValueError(
+            "ShardedOptimizer: inside Join, the BucketedDDP of its parameters must join "
+            "too, first: Join([model, optimizer]) (else the ranks that ran out of inputs "
+            "would not shadow its gradient reductions)"
+        )
+
+
+def shadow_skips_step(params: Sequence[torch.Tensor]) -> bool:
+    """On a joined rank: whether the step of the ranks still training is not to be mirrored,
+    because the BucketedDDP's shadowed forward did not synchronize (a ``no_sync()``
+    micro-batch, with no step after it)."""
+    reducer = reducer_for(params)
+    return reducer is not None and reducer.join_config.enable and not reducer.join_synced
 
 
 @torch.no_grad()

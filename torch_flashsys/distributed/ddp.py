@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils._pytree import tree_map_only
-from torch.utils.weak import WeakIdKeyDictionary
 
-from torch_flashsys.distributed import _join
 from torch_flashsys.distributed._buckets import broadcast_coalesced
 from torch_flashsys.distributed._comm_hook import hook_name, hook_problem
 from torch_flashsys.distributed._ddp_args import (
@@ -26,11 +22,19 @@ from torch_flashsys.distributed._ddp_args import (
     Problem,
     resolve,
 )
-from torch_flashsys.distributed._reducer import BackwardState, GradientReducer
-from torch_flashsys.distributed._sparse import SparseReduction, sparse_gradient_params
+from torch_flashsys.distributed._join import (
+    GroupJoinable,
+    JoinState,
+    OwnerJoinHook,
+    disabled,
+    exchange_join_state,
+    last_joiner,
+)
+from torch_flashsys.distributed._reducer import GradientReducer, reducer_of, remove_hooks
+from torch_flashsys.distributed._sparse import sparse_gradient_params
 from torch_flashsys.distributed._verify import (
+    check_bools,
     check_process_group,
-    collective_device,
     describe_tensors,
     verify_same_across_ranks,
 )
@@ -55,7 +59,7 @@ def _double_wrap_problem(
             )
             return Problem(RuntimeError, message, message)
     for name, p in named:
-        if wrapper_of(p) is not None:
+        if reducer_of(p) is not None:
             message = (
                 f"BucketedDDP: parameter {name!r} is already synchronized by another BucketedDDP "
                 "(the same module wrapped twice, or modules that share parameters); a gradient "
@@ -65,19 +69,32 @@ def _double_wrap_problem(
     return None
 
 
+def _check_can_wrap(module: Any, process_group: Any) -> None:
+    """The checks that need no collective: a module, an initialized torch.distributed, a group
+    this process belongs to."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"BucketedDDP: module must be a torch.nn.Module, got {type(module)}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "BucketedDDP: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) first (torchrun sets its environment)"
+        )
+    check_process_group("BucketedDDP", process_group)
+
+
 class _TorchDDPGuard:
     """Forward pre-hook on the wrapped module: refuses to run inside a torch DDP forward that
     synchronizes the same parameters (``DDP(BucketedDDP(m))``, or ``DDP(m)`` beside
     ``BucketedDDP(m)``), which torch DDP's constructor cannot be stopped from building. Holds
-    the wrapper weakly; a copied or pickled module gets a guard that does nothing."""
+    the wrapper's check weakly; a copied or pickled module gets a guard that does nothing."""
 
-    def __init__(self, ddp: BucketedDDP) -> None:
-        self.ref = weakref.ref(ddp)
+    def __init__(self, refuse: weakref.WeakMethod) -> None:
+        self.refuse = refuse  # the wrapper's: raises if a torch DDP shares its parameters
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         active = TorchDDP._active_ddp_module  # set during a torch DDP forward
-        if active is not None and (ddp := self.ref()) is not None:
-            ddp._refuse_torch_ddp(active)
+        if active is not None and (refuse := self.refuse()) is not None:
+            refuse(active)
 
     def __reduce__(self) -> tuple:
         return (_noop_hook, ())  # unpickled (or deep-copied) as the no-op hook
@@ -91,29 +108,7 @@ def _noop_hook() -> Callable[..., None]:
     return _ignore
 
 
-# Parameter -> the BucketedDDP that synchronizes it (weakly), so that
-# ShardedOptimizer(..., shard_gradients=True) can find the wrapper of its parameters.
-_WRAPPERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def wrapper_of(param: torch.Tensor) -> BucketedDDP | None:
-    """The live BucketedDDP that synchronizes ``param``'s gradient, if any."""
-    ref = _WRAPPERS.get(param)
-    return None if ref is None else ref()
-
-
-def _grad_ready(ref: weakref.ref, i: int, param: torch.Tensor) -> None:
-    ddp = ref()
-    if ddp is not None:
-        ddp._on_grad_ready(i)
-
-
-def _remove_hooks(handles: list) -> None:
-    for handle in handles:
-        handle.remove()
-
-
-class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
+class BucketedDDP(torch.nn.Module, GroupJoinable):
     """Data-parallel wrapper: gradients are averaged over ranks by bucketed, overlapped all-reduce.
 
     Drop-in for ``torch.nn.parallel.DistributedDataParallel`` (one device per process)::
@@ -195,39 +190,28 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"BucketedDDP: module must be a torch.nn.Module, got {type(module)}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "BucketedDDP: torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group(...) first (torchrun sets its environment)"
-            )
-        check_process_group("BucketedDDP", process_group)
-        options, problem = resolve(
-            module,
-            bucket_size_mb,
-            grad_compression,
-            {
-                "device_ids": device_ids,
-                "output_device": output_device,
-                "dim": dim,
-                "broadcast_buffers": broadcast_buffers,
-                "init_sync": init_sync,
-                "bucket_cap_mb": bucket_cap_mb,
-                "find_unused_parameters": find_unused_parameters,
-                "check_reduction": check_reduction,
-                "gradient_as_bucket_view": gradient_as_bucket_view,
-                "static_graph": static_graph,
-                "delay_all_reduce_named_params": delay_all_reduce_named_params,
-                "param_to_hook_all_reduce": param_to_hook_all_reduce,
-                "mixed_precision": mixed_precision,
-                "device_mesh": device_mesh,
-                "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
-                "bucket_cap_mb_list": bucket_cap_mb_list,
-                "batched_grad_copy": batched_grad_copy,
-                "forward_sync_buffers": forward_sync_buffers,
-            },
-        )
+        _check_can_wrap(module, process_group)
+        torch_args = {
+            "device_ids": device_ids,
+            "output_device": output_device,
+            "dim": dim,
+            "broadcast_buffers": broadcast_buffers,
+            "init_sync": init_sync,
+            "bucket_cap_mb": bucket_cap_mb,
+            "find_unused_parameters": find_unused_parameters,
+            "check_reduction": check_reduction,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph,
+            "delay_all_reduce_named_params": delay_all_reduce_named_params,
+            "param_to_hook_all_reduce": param_to_hook_all_reduce,
+            "mixed_precision": mixed_precision,
+            "device_mesh": device_mesh,
+            "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
+            "bucket_cap_mb_list": bucket_cap_mb_list,
+            "batched_grad_copy": batched_grad_copy,
+            "forward_sync_buffers": forward_sync_buffers,
+        }
+        options, problem = resolve(module, bucket_size_mb, grad_compression, torch_args)
         self.module = module
         self.process_group = process_group
         self.bucket_size_mb = options.bucket_size_mb
@@ -237,56 +221,58 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         self._world = dist.get_world_size(process_group)
         self._group = process_group if process_group is not None else dist.group.WORLD
         self._src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-        named = list(module.named_parameters())
-        problem = problem or _double_wrap_problem(module, named)
-        sparse_ids = sparse_gradient_params(module)
-        self._verify_and_sync(named, sparse_ids, options, problem, grad_compression)
-        trainable = [(name, p) for name, p in named if p.requires_grad]
-
-        self._params = [p for _, p in trainable]
-        self._names = [name for name, _ in trainable]
-        self._is_sparse = [id(p) in sparse_ids for p in self._params]
-        sparse = [i for i, flag in enumerate(self._is_sparse) if flag]
-        self._sparse = (
-            SparseReduction(
-                [self._params[i] for i in sparse], [self._names[i] for i in sparse], self._guard
-            )
-            if sparse
-            else None
-        )
-        self._limit = None if self.bucket_size_mb is None else int(self.bucket_size_mb * 2**20)
-        # Pointing grads at their views before AccumulateGrad runs is safe when one autograd
-        # thread does all the accumulation: one device (the supported setup, as in torch DDP).
-        self._prepoint = len({p.device for p in self._params}) == 1
-        self._owners: list[int] | None = None  # ZeRO-2: owner group rank of each parameter
-        self._build_buckets()
-        self._comm_dtype = COMPRESSION.get(grad_compression) if grad_compression else None
-        # NCCL averages inside the collective, saving a pass over the gradients; gloo cannot.
-        self._reduce_avg = dist.get_backend(process_group) == "nccl"
-        # Hooks hold the wrapper weakly: the param -> hook edge lives in C++, where Python's cycle
-        # collector cannot see it, so a strong one would keep a dropped wrapper (and its
-        # buffers) alive forever. When the wrapper goes, its hooks go too.
-        this = weakref.ref(self)
-        handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_grad_ready, this, i))
-            for i, p in enumerate(self._params)
-        ]
-        handles.append(module.register_forward_pre_hook(_TorchDDPGuard(self)))
-        self._torch_ddp_ok: weakref.WeakSet = weakref.WeakSet()  # torch DDPs seen not to overlap
-        weakref.finalize(self, _remove_hooks, handles)
-        for p in self._params:
-            _WRAPPERS[p] = this
-        self._lock = threading.Lock()  # hooks of CUDA backwards run on autograd's device threads
+        self._reducer = self._build_reducer(options, problem)
         self._no_sync = False  # inside no_sync()
-        self._grad_sync = True  # decided by the last forward, as in torch DDP
         self._sync_buffers_next = True  # torch DDP's require_forward_param_sync
-        self._bw = BackwardState()  # plain object: nn.Module.__setattr__ costs ~7 us a call
-        self._comm_hook: tuple[Any, Callable[..., torch.futures.Future]] | None = None
-        self._comm_checked = False  # hooks compared across ranks (first synchronizing backward)
+        self._divide_by_initial = True  # join(): divide by the world size, not the ranks left
+        self._install_torch_ddp_guard()
         Joinable.__init__(self)  # _join_config: outside a Join context
-        self._divisor = self._world  # the sum is divided by this (join(): maybe fewer ranks)
-        self._divide_by_initial = True
-        self._join_synced = True  # joined rank: the last shadowed forward synchronized
+
+    def _build_reducer(self, options: Options, problem: Problem | None) -> GradientReducer:
+        """Check the module across ranks (raising any argument ``problem`` on every rank
+        together), broadcast it (``init_sync``), and build the reducer of its trainable
+        parameters."""
+        named = list(self.module.named_parameters())
+        problem = problem or _double_wrap_problem(self.module, named)
+        sparse_ids = sparse_gradient_params(self.module)
+        self._verify_and_sync(named, sparse_ids, options, problem)
+        trainable = [(name, p) for name, p in named if p.requires_grad]
+        compression = self.grad_compression
+        return GradientReducer(
+            [p for _, p in trainable],
+            [name for name, _ in trainable],
+            [id(p) in sparse_ids for _, p in trainable],
+            None if self.bucket_size_mb is None else int(self.bucket_size_mb * 2**20),
+            self.process_group,
+            COMPRESSION.get(compression) if compression else None,
+        )
+
+    def _install_torch_ddp_guard(self) -> None:
+        """The forward pre-hook that refuses a torch DDP over the same parameters; it goes with
+        this wrapper."""
+        self._torch_ddp_ok: weakref.WeakSet = weakref.WeakSet()  # torch DDPs seen not to overlap
+        guard = _TorchDDPGuard(weakref.WeakMethod(self._refuse_torch_ddp))
+        weakref.finalize(self, remove_hooks, [self.module.register_forward_pre_hook(guard)])
+
+    @property
+    def _prepoint(self) -> bool:
+        """Whether grads are pointed at their bucket views before the backward accumulates into
+        them; ``False`` takes the copy path (benchmarks/ddp.py and the tests compare the two)."""
+        return self._reducer.prepoint
+
+    @_prepoint.setter
+    def _prepoint(self, value: bool) -> None:
+        self._reducer.prepoint = value
+
+    @property
+    def _join_config(self) -> _JoinConfig:
+        """Torch's ``Joinable`` protocol: set by ``Join``. Kept by the reducer, whose ZeRO-2
+        optimizer's join hook must know whether this wrapper joins too."""
+        return self._reducer.join_config
+
+    @_join_config.setter
+    def _join_config(self, config: _JoinConfig) -> None:
+        self._reducer.join_config = config
 
     def _verify_and_sync(
         self,
@@ -294,7 +280,6 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         sparse_ids: set[int],
         options: Options,
         problem: Problem | None,
-        grad_compression: str | None,
     ) -> None:
         """The cross-rank check, then (``init_sync``) rank 0's parameters and buffers to all.
 
@@ -315,7 +300,7 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
             ("option init_sync", value(options.init_sync)),
             ("option buffers broadcast at construction", value(options.init_buffers)),
             ("option buffers broadcast before forwards", value(options.forward_buffers)),
-            ("option grad_compression", value(grad_compression)),
+            ("option grad_compression", value(self.grad_compression)),
             (
                 "parameters with sparse gradients (nn.Embedding(sparse=True))",
                 repr([i for i, (_, p) in enumerate(named) if id(p) in sparse_ids]),
@@ -338,8 +323,9 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Call ``self.module(*inputs, **kwargs)`` (after broadcasting buffers, see the class)."""
-        if self._bw.in_backward:
-            self._unfinished_backward()
+        reducer = self._reducer
+        if reducer.bw.in_backward:
+            reducer.unfinished_backward()
         if self._input_device is not None:  # device_ids given: torch DDP moves the inputs
             inputs, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self._input_device), (inputs, kwargs)
@@ -348,15 +334,16 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
             self._join_forward()
         elif self._sync_buffers_next and self.broadcast_buffers and self._world > 1:
             self._broadcast_buffers(self._src)
-        self._grad_sync = not self._no_sync
-        self._sync_buffers_next = torch.is_grad_enabled() and self._grad_sync
+        reducer.grad_sync = not self._no_sync
+        self._sync_buffers_next = torch.is_grad_enabled() and reducer.grad_sync
         return self.module(*inputs, **kwargs)
 
     def _refuse_torch_ddp(self, active: TorchDDP) -> None:
         """Raise if the torch DDP whose forward is running synchronizes our parameters too."""
         if active in self._torch_ddp_ok:
             return
-        ours = {id(p): name for p, name in zip(self._params, self._names, strict=True)}
+        reducer = self._reducer
+        ours = {id(p): name for p, name in zip(reducer.params, reducer.names, strict=True)}
         shared = [ours[id(p)] for p in active.parameters() if id(p) in ours]
         if not shared:
             self._torch_ddp_ok.add(active)
@@ -374,29 +361,10 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         buffers = list(self.module.buffers())
         if buffers:
             with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-                self._guard(
+                self._reducer.guard(
                     f"the broadcast of the buffers from global rank {src}",
                     lambda: broadcast_coalesced(buffers, src, self.process_group),
                 )
-
-    def _unfinished_backward(self) -> None:
-        """A forward after a backward that raised before its end (the callback that finishes it
-        never ran). Under no_sync nothing was communicated: forget it (the gradients hold what
-        was accumulated, as without a wrapper). Otherwise this rank's collectives no longer
-        match the other ranks': raise, as torch DDP does."""
-        with self._lock:
-            if self._bw.syncing:
-                raise RuntimeError(
-                    "BucketedDDP: the previous backward did not finish (an exception was raised "
-                    f"during it?) after {self._bw.next_bucket} of {len(self._buckets)} gradient "
-                    "buckets had started their reductions, so this rank's collectives no longer "
-                    "match the other ranks'; training cannot go on after an exception inside a "
-                    "synchronizing backward: restart it (e.g. from a checkpoint)"
-                )
-            for bucket in self._buckets:
-                if bucket.keeps:
-                    bucket.clear_phantoms()
-            self._bw.in_backward = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -435,13 +403,13 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         with ZeRO-2 (``ShardedOptimizer(..., shard_gradients=True)`` reduces to owners).
         Sparse gradients (``nn.Embedding(sparse=True)``) do not go through the hook.
         """
-        caller = "BucketedDDP.register_comm_hook"
-        if self._comm_hook is not None:
+        caller, reducer = "BucketedDDP.register_comm_hook", self._reducer
+        if reducer.comm_hook is not None:
             raise RuntimeError(
                 f"{caller}: a communication hook is already registered "
-                f"({hook_name(self._comm_hook[1])}); it can be registered only once"
+                f"({hook_name(reducer.comm_hook[1])}); it can be registered only once"
             )
-        if self._comm_checked:
+        if reducer.comm_checked:
             raise RuntimeError(
                 f"{caller}: must be called before the first synchronizing backward (every rank "
                 "must reduce the same way from the first one)"
@@ -452,7 +420,7 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
                 f"{self.grad_compression!r}; the two are exclusive (pass grad_compression=None "
                 f"and register default_hooks.{self.grad_compression}_compress_hook instead)"
             )
-        if self._owners is not None:
+        if reducer.owners is not None:
             raise ValueError(
                 f"{caller}: not supported with ZeRO-2 (ShardedOptimizer(..., "
                 "shard_gradients=True)), whose buckets are reduced to their owner ranks"
@@ -460,7 +428,7 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         problem = hook_problem(hook, state, self._group)
         if problem is not None:
             raise problem[0](problem[1])
-        self._comm_hook = (state, hook)
+        reducer.comm_hook = (state, hook)
 
     def join(
         self,
@@ -485,15 +453,14 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         Each forward inside must be followed by its backward (as with torch DDP); with other
         joinables, pass the model first: ``Join([model, optimizer])``.
         """
-        for name, value in (
-            ("divide_by_initial_world_size", divide_by_initial_world_size),
-            ("enable", enable),
-            ("throw_on_early_termination", throw_on_early_termination),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"BucketedDDP.join: {name} must be a bool, got {type(value).__name__}"
-                )
+        check_bools(
+            "BucketedDDP.join",
+            {
+                "divide_by_initial_world_size": divide_by_initial_world_size,
+                "enable": enable,
+                "throw_on_early_termination": throw_on_early_termination,
+            },
+        )
         return Join(
             [self],
             enable,
@@ -505,17 +472,9 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         """The ``Join`` hook: shadows the forward and backward collectives of the ranks still
         training (kwarg ``divide_by_initial_world_size``, default ``True``)."""
         divide = kwargs.get("divide_by_initial_world_size", True)
-        if not isinstance(divide, bool):
-            raise TypeError(
-                "BucketedDDP.join_hook: divide_by_initial_world_size must be a bool, got "
-                f"{type(divide).__name__}"
-            )
-        return _join.DDPJoinHook(self, divide)
-
-    @property
-    def join_device(self) -> torch.device:
-        """Device of the ``Join`` context's own collectives (CUDA under NCCL)."""
-        return collective_device(self.process_group)
+        check_bools("BucketedDDP.join_hook", {"divide_by_initial_world_size": divide})
+        self._divide_by_initial = divide
+        return OwnerJoinHook(main=self._join_shadow, post=self._join_final_sync)
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
@@ -528,16 +487,16 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         autograd engine), so after ``loss.backward()`` this is a no-op; it is for code that needs
         the gradients before the backward call returns, or wants the wait explicit.
         """
-        with self._lock:
-            if self._bw.in_backward and self._bw.syncing:
-                self._finish_locked()
+        self._reducer.finish()
 
     def extra_repr(self) -> str:
+        reducer = self._reducer
+        hook = None if reducer.comm_hook is None else hook_name(reducer.comm_hook[1])
         return (
-            f"bucket_size_mb={self.bucket_size_mb}, buckets={len(self._buckets)}, "
+            f"bucket_size_mb={self.bucket_size_mb}, buckets={len(reducer.buckets)}, "
             f"world_size={self._world}, grad_compression={self.grad_compression}, "
-            f"shard_gradients={self._owners is not None}, sparse_params={sum(self._is_sparse)}, "
-            f"comm_hook={None if self._comm_hook is None else hook_name(self._comm_hook[1])}"
+            f"shard_gradients={reducer.owners is not None}, "
+            f"sparse_params={sum(reducer.is_sparse)}, comm_hook={hook}"
         )
 
     # Uneven inputs (join()): see _join.py for the protocol.
@@ -555,19 +514,19 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         bcast = self._sync_buffers_next and self.broadcast_buffers and self._world > 1
         bcast = bcast and next(self.module.buffers(), None) is not None
         state = self._join_exchange(sync, bcast, joined=False)
-        self._divisor = self._world if self._divide_by_initial else state.active
+        self._reducer.divisor = self._world if self._divide_by_initial else state.active
         if state.broadcast_buffers:
             self._broadcast_buffers(self._global_rank(state.source))
 
-    def _join_exchange(self, sync: bool, bcast: bool, joined: bool) -> _join.JoinState:
+    def _join_exchange(self, sync: bool, bcast: bool, joined: bool) -> JoinState:
         what = "the all-reduce of the join state (Join / BucketedDDP.join)"
-        return _join.exchange_join_state(
+        return exchange_join_state(
             self._group,
             sync,
             bcast,
             joined,
             self._divide_by_initial,
-            guard=lambda fn: self._guard(what, fn),
+            guard=lambda fn: self._reducer.guard(what, fn),
         )
 
     def _global_rank(self, group_rank: int) -> int:
@@ -580,23 +539,22 @@ class BucketedDDP(torch.nn.Module, GradientReducer, Joinable):
         state = self._join_exchange(False, False, joined=True)
         if state.broadcast_buffers:
             self._broadcast_buffers(self._global_rank(state.source))
-        self._sync_buffers_next = self._join_synced = state.sync
-        if not state.sync:
-            return
-        self._shadow_backward()
+        self._sync_buffers_next = self._reducer.join_synced = state.sync
+        if state.sync:
+            self._reducer.shadow_backward()
 
     def _join_final_sync(self, is_last_joiner: bool) -> None:
         """Join's post hook: every rank takes the model of the highest last-joining rank."""
-        src = self._guard(
+        src = self._reducer.guard(
             "the agreement on the last joined rank (Join)",
-            lambda: _join.last_joiner(self._group, is_last_joiner),
+            lambda: last_joiner(self._group, is_last_joiner),
         )
         states = [p.detach() for p in self.module.parameters()]
         if self.broadcast_buffers:
             states += list(self.module.buffers())
-        self._guard(
+        self._reducer.guard(
             f"the broadcast of the final model from rank {src} (Join)",
             lambda: broadcast_coalesced(states, self._global_rank(src), self.process_group),
         )
-        self._join_config = _join.disabled()  # back to the plain forward
-        self._divisor = self._world
+        self._join_config = disabled()  # back to the plain forward
+        self._reducer.divisor = self._world

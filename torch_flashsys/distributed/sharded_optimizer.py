@@ -13,8 +13,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.optimizer import ParamsT
 
-from torch_flashsys.distributed import _join
-from torch_flashsys.distributed._errors import collective_error
+from torch_flashsys.distributed._errors import guarded
+from torch_flashsys.distributed._join import (
+    GroupJoinable,
+    OwnerJoinHook,
+    disabled,
+    sync_hyperparameters,
+)
 from torch_flashsys.distributed._shard_state import State, check_plain_format, gather_states
 from torch_flashsys.distributed._sharding import (
     ParamBucket,
@@ -24,14 +29,20 @@ from torch_flashsys.distributed._sharding import (
     chunk_bytes_for,
 )
 from torch_flashsys.distributed._verify import (
+    check_bools,
     check_process_group,
-    collective_device,
     describe_tensors,
     signature,
     verify_same_across_ranks,
     verify_signature,
 )
-from torch_flashsys.distributed._zero2 import clip_grad_norm, find_wrapper
+from torch_flashsys.distributed._zero2 import (
+    check_model_joins,
+    clip_grad_norm,
+    find_reducer,
+    reduce_to_owners,
+    shadow_skips_step,
+)
 
 _NOT_HYPER = ("params", "param_names")  # group keys that are not hyperparameters
 
@@ -89,18 +100,24 @@ def _optimizer_class(cls: Any, torch_name: Any) -> type[torch.optim.Optimizer]:
     return cls
 
 
+def _param_list(params: ParamsT) -> ParamsT:
+    """``params`` as a list (a generator is consumed once); an empty one raises."""
+    if isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        params = list(params)
+        if not params:
+            raise ValueError("ShardedOptimizer: params is empty (no parameters to optimize)")
+    return params
+
+
 def _check_zero_flags(
     shard_gradients: Any, parameters_as_bucket_view: Any, overlap_with_ddp: Any
 ) -> None:
-    for name, value in (
-        ("shard_gradients", shard_gradients),
-        ("parameters_as_bucket_view", parameters_as_bucket_view),
-        ("overlap_with_ddp", overlap_with_ddp),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"ShardedOptimizer: {name} must be a bool, got {type(value).__name__} {value!r}"
-            )
+    flags = {
+        "shard_gradients": shard_gradients,
+        "parameters_as_bucket_view": parameters_as_bucket_view,
+        "overlap_with_ddp": overlap_with_ddp,
+    }
+    check_bools("ShardedOptimizer", flags, show_value=True)
     if overlap_with_ddp:
         raise NotImplementedError(
             "ShardedOptimizer: overlap_with_ddp=True is not supported (ZeroRedundancyOptimizer "
@@ -110,7 +127,7 @@ def _check_zero_flags(
         )
 
 
-class ShardedOptimizer(torch.optim.Optimizer, Joinable):
+class ShardedOptimizer(torch.optim.Optimizer, GroupJoinable):
     """Shard the state of any optimizer across the ranks of a process group (ZeRO stage 1, and
     stage 2 with :class:`~torch_flashsys.BucketedDDP`).
 
@@ -184,76 +201,92 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
     ) -> None:
         optimizer_cls = _optimizer_class(optimizer_cls, optimizer_class)
         _check_zero_flags(shard_gradients, parameters_as_bucket_view, overlap_with_ddp)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ShardedOptimizer: torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group() on every rank before constructing it"
-            )
-        check_process_group("ShardedOptimizer", process_group)
+        self._set_process_group(process_group)
         self._ready = False  # add_param_group only collects groups until __init__ is done
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.process_group)
-        self.world_size = dist.get_world_size(self.process_group)
-        self._global_ranks = [
-            dist.get_global_rank(self.process_group, r) for r in range(self.world_size)
-        ]
         self._optimizer_cls = optimizer_cls
-        if isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
-            params = list(params)
-            if not params:
-                raise ValueError("ShardedOptimizer: params is empty (no parameters to optimize)")
-        super().__init__(params, dict(kwargs))
-
+        super().__init__(_param_list(params), dict(kwargs))
         self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._index = {p: i for i, p in enumerate(self._params)}
         self._loads = [[0] * self.world_size, [0] * self.world_size]  # trainable, frozen bytes
         self._owners = [r for g in self.param_groups for r in self._assign(g["params"])]
-        unshardable = _unshardable(optimizer_cls)
-        problem: Exception | None = None if unshardable is None else TypeError(unshardable)
-        if problem is None:
-            try:
-                self.optim = optimizer_cls(
-                    [self._local_group(g) for g in self.param_groups], **kwargs
-                )
-            except (TypeError, ValueError) as exc:
-                problem = exc
-            else:
-                self.defaults = dict(self.optim.defaults)  # add_param_group: the same values
-                self._pull_hyperparams()
+        problem = self._build_local_optimizer(kwargs)
         self.shard_gradients = shard_gradients
-        ddp, ddp_problem = self._find_ddp() if shard_gradients else (None, None)
-        # A rank whose optimizer_cls raised still takes part, so the others do not hang.
-        status = "ok" if problem is None else f"{type(problem).__name__}: {problem}"
-        verify_same_across_ranks(
-            "ShardedOptimizer",
-            [
-                *self._describe(0),
-                ("constructing optimizer_cls", status),
-                # the rule broken, not its rank-specific details (those go in the error)
-                ("shard_gradients", f"{shard_gradients} {(ddp_problem or 'ok').split(';')[0]}"),
-            ],
-            self.process_group,
-            what="the parameters, param groups or optimizer options",
+        reducer, reducer_problem = (
+            find_reducer(self._params, self._index, self._global_ranks)
+            if shard_gradients
+            else (None, None)
         )
-        if unshardable is not None:
-            raise TypeError(unshardable)
-        if problem is not None:
-            raise type(problem)(
-                f"ShardedOptimizer: {optimizer_cls.__name__} rejected its arguments {kwargs}: "
-                f"{problem}"
-            ) from problem
-        if ddp_problem is not None:
-            raise ValueError(f"ShardedOptimizer: shard_gradients=True needs {ddp_problem}")
+        self._verify_construction(problem, reducer_problem, kwargs)
         # Built-in optimizers update each parameter on its own, so the step can go chunk by
         # chunk with each chunk's broadcast overlapping the next chunk's step.
         self._pipelined = optimizer_cls.__module__.startswith("torch.optim.")
         self._buckets: list[ParamBucket] = []
         self._rebuild_buckets()
         self._consolidated: tuple[int, State | None] | None = None
-        if ddp is not None:
-            ddp._shard_gradients([self._owners[self._index[p]] for p in ddp._params])
+        if reducer is not None:
+            reduce_to_owners(reducer, self._owners, self._index)
         Joinable.__init__(self)  # _join_config: outside a Join context
         self._ready = True
+
+    def _set_process_group(self, process_group: dist.ProcessGroup | None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ShardedOptimizer: torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group() on every rank before constructing it"
+            )
+        check_process_group("ShardedOptimizer", process_group)
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self._global_ranks = [
+            dist.get_global_rank(self.process_group, r) for r in range(self.world_size)
+        ]
+
+    def _build_local_optimizer(self, kwargs: dict[str, Any]) -> Exception | None:
+        """``self.optim``: ``optimizer_cls`` over this rank's shard of each group; or the
+        exception saying why not (raised after the cross-rank check, so that every rank does)."""
+        unshardable = _unshardable(self._optimizer_cls)
+        if unshardable is not None:
+            return TypeError(unshardable)
+        try:
+            self.optim = self._optimizer_cls(
+                [self._local_group(g) for g in self.param_groups], **kwargs
+            )
+        except (TypeError, ValueError) as exc:
+            return exc
+        self.defaults = dict(self.optim.defaults)  # add_param_group: the same values
+        self._pull_hyperparams()
+        return None
+
+    def _verify_construction(
+        self, problem: Exception | None, reducer_problem: str | None, kwargs: dict[str, Any]
+    ) -> None:
+        """Compare the parameters, options and outcome across ranks, then raise any problem on
+        every rank together. A rank whose optimizer_cls raised still takes part, so the others
+        do not hang."""
+        status = "ok" if problem is None else f"{type(problem).__name__}: {problem}"
+        # the rule broken, not its rank-specific details (those go in the error)
+        zero2 = f"{self.shard_gradients} {(reducer_problem or 'ok').split(';')[0]}"
+        verify_same_across_ranks(
+            "ShardedOptimizer",
+            [
+                *self._describe(0),
+                ("constructing optimizer_cls", status),
+                ("shard_gradients", zero2),
+            ],
+            self.process_group,
+            what="the parameters, param groups or optimizer options",
+        )
+        unshardable = _unshardable(self._optimizer_cls)
+        if unshardable is not None:
+            raise TypeError(unshardable)
+        if problem is not None:
+            raise type(problem)(
+                f"ShardedOptimizer: {self._optimizer_cls.__name__} rejected its arguments "
+                f"{kwargs}: {problem}"
+            ) from problem
+        if reducer_problem is not None:
+            raise ValueError(f"ShardedOptimizer: shard_gradients=True needs {reducer_problem}")
 
     # ----------------------------------------------------------------- partition and groups
     def _assign(self, params: list[torch.Tensor]) -> list[int]:
@@ -350,9 +383,6 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         group.update(_hyper(self.optim.param_groups[-1]))  # anything the local one filled in
         self._rebuild_buckets()
 
-    def _find_ddp(self) -> tuple[Any, str | None]:
-        return find_wrapper(self._params, self._index, self._global_ranks)
-
     def _rebuild_buckets(self) -> None:
         self._layout = self._current_layout()
         self._layout_sig = signature(self._layout_items(self._layout))
@@ -410,10 +440,10 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
         """
         if self._join_config.enable:
             Join.notify_join_context(self)
-            self._join_check_ddp()
+            check_model_joins(self._params)
             self._guard(
                 "the all-reduce of the hyperparameters (Join)",
-                lambda: _join.sync_hyperparameters(self.param_groups, self.process_group, False),
+                lambda: sync_hyperparameters(self.param_groups, self.process_group, False),
             )
         return self._step(closure, **kwargs)
 
@@ -445,51 +475,32 @@ class ShardedOptimizer(torch.optim.Optimizer, Joinable):
 
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``; a failure is re-raised naming this rank and ``what`` (see ``_errors``)."""
-        try:
-            return fn()
-        except Exception as exc:
-            raise collective_error("ShardedOptimizer", what, self.process_group, exc) from exc
+        return guarded("ShardedOptimizer", what, self.process_group, fn)
 
     # ----------------------------------------------------------------- uneven inputs (Join)
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The ``Join`` hook: a joined rank steps its shard (with the gradients it has: the
         average of the others' when BucketedDDP shadows the backward) and sends it."""
-        return _join.OptimizerJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        """Device of the ``Join`` context's own collectives (CUDA under NCCL)."""
-        return collective_device(self.process_group)
+        return OwnerJoinHook(main=self._join_shadow_step, post=self._join_done)
 
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
 
-    def _join_check_ddp(self) -> None:
-        ddp = self._wrapper()
-        if ddp is not None and not ddp._join_config.enable:
-            raise ValueError(
-                "ShardedOptimizer: inside Join, the BucketedDDP of its parameters must join "
-                "too, first: Join([model, optimizer]) (else the ranks that ran out of inputs "
-                "would not shadow its gradient reductions)"
-            )
-
-    def _wrapper(self) -> Any:
-        from torch_flashsys.distributed.ddp import wrapper_of
-
-        return next((w for p in self._params if (w := wrapper_of(p)) is not None), None)
-
     def _join_shadow_step(self) -> None:
         """Join's main hook on a joined rank: mirror one ``step()`` of the others, unless the
         BucketedDDP's shadowed forward did not synchronize (a ``no_sync()`` micro-batch)."""
-        ddp = self._wrapper()
-        if ddp is not None and ddp._join_config.enable and not ddp._join_synced:
+        if shadow_skips_step(self._params):
             return
         self._guard(
             "the all-reduce of the hyperparameters (Join)",
-            lambda: _join.sync_hyperparameters(self.param_groups, self.process_group, True),
+            lambda: sync_hyperparameters(self.param_groups, self.process_group, True),
         )
         self._step()
+
+    def _join_done(self, is_last_joiner: bool) -> None:
+        """Join's post hook: back to the plain ``step()``."""
+        self._join_config = disabled()
 
     def _step_subset(self, per_group: list[list[torch.Tensor]]) -> None:
         """``.optim.step()`` restricted to ``per_group[i]`` of each local param group."""
