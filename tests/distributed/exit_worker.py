@@ -4,7 +4,8 @@ Run as a script, as torchrun would run one::
 
     python -m tests.distributed.exit_worker WRAPPER RANK WORLD PORT
 
-WRAPPER: "ours" (BucketedDDP) or "torch" (DistributedDataParallel). The rank trains a tiny model
+WRAPPER: "ours" (BucketedDDP), "sharded" (BucketedDDP + ShardedOptimizer) or "torch"
+(DistributedDataParallel). The rank trains a tiny model
 for a few steps and returns without ``destroy_process_group()``, so the process ends through the
 interpreter's normal finalization, as a torchrun or ``mp.spawn`` worker does (a fork or forkserver
 ``multiprocessing`` child would skip it with ``os._exit``, and does not show the abort).
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_flashsys import BucketedDDP
+from torch_flashsys import BucketedDDP, ShardedOptimizer
 
 STEPS = 3
 
@@ -30,6 +31,14 @@ def main(wrapper: str, rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    if wrapper == "sharded":  # the job's last collectives: ShardedOptimizer's broadcasts
+        model = BucketedDDP(net)
+        opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+        for _ in range(STEPS):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return
     model = BucketedDDP(net) if wrapper == "ours" else nn.parallel.DistributedDataParallel(net)
     for _ in range(STEPS):
         model(torch.randn(4, 8)).pow(2).mean().backward()
