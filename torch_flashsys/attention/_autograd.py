@@ -78,4 +78,24 @@ def torch_attention(q, k, v, scale: float, ex: Extras) -> tuple[torch.Tensor, to
     if torch.compiler.is_compiling():  # Dynamo refuses one tensor passed to a Function twice
         k = k.view_as(k) if k is q else k
         v = v.view_as(v) if v is q or v is k else v
-    return Attention.apply(q, k, v, scale, ex, TORCH)
+        return Attention.apply(q, k, v, scale, ex, TORCH)
+    return apply(q, k, v, scale, ex, TORCH)
+
+
+def apply(q, k, v, scale: float, ex: Extras, kernels: Kernels):
+    """``Attention.apply(q, k, v, scale, ex, kernels)`` in eager mode, minus its Python overhead
+    where nothing needs it: the forward alone when no gradient is wanted, and outside functorch
+    transforms what ``Function.apply`` does without its closure, signature binding and generator
+    over the arguments (a few microseconds a call)."""
+    if _functorch_active():  # vmap/grad transforms: autograd.Function.apply's own path
+        return Attention.apply(q, k, v, scale, ex, kernels)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _apply(
+            _unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), scale, ex, kernels
+        )
+    return kernels.forward(q, k, v, scale, ex)
+
+
+_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, Attention)
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead

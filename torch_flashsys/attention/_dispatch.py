@@ -40,7 +40,8 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
                            softcap, alibi_slopes, backend, cu_q, cu_k, max_q, max_k)  # fmt: skip
         out, lse = to_nested(out, lse, cu_q)
     else:
-        query, key, value = autocast_inputs(query, key, value)
+        if _any_autocast():  # (checked here: the common call makes no extra Python call)
+            query, key, value = autocast_inputs(query, key, value)
         if cu_q is not None or cu_k is not None:
             out, lse = _packed(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa, window_size, softcap, alibi_slopes, backend, cu_q,

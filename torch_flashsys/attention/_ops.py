@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_flashsys.attention._autograd import Attention, Kernels
+from torch_flashsys.attention._autograd import Kernels, apply
 from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._functorch import unwrap_dead
 from torch_flashsys.attention._tensors import empty_like_layout
@@ -158,15 +158,7 @@ def triton_attention(
     """Differentiable Triton attention; inputs already validated by ``flash_attention``."""
     if torch.compiler.is_compiling():
         return attn_fwd(q, k, v, *_op_args(scale, ex))
-    if _functorch_active():  # vmap/grad transforms: autograd.Function.apply's own path
-        return Attention.apply(q, k, v, scale, ex, TRITON)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        # What Function.apply does outside functorch transforms, minus its Python overhead (a
-        # closure, a signature check, a generator over the arguments): a few microseconds a call.
-        return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), scale, ex, TRITON)
-    return _forward(q, k, v, scale, ex)
+    return apply(q, k, v, scale, ex, TRITON)
 
 
-_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, Attention)
 _functorch_active = torch._C._are_functorch_transforms_active
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
