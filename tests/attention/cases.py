@@ -16,7 +16,9 @@ ATOL_TF32 = 4e-3  # float32 with TF32 allowed (10-bit mantissa dots)
 
 
 @dataclass(frozen=True)
-class Case:
+class Problem:
+    """The sizes every test problem has (query heads = kv_heads * group)."""
+
     batch: int
     kv_heads: int
     group: int
@@ -24,14 +26,22 @@ class Case:
     seq_k: int
     head_dim: int
     is_causal: bool
-    scale: float | None
-    rank3: bool  # (batch, seq, dim) inputs instead of (batch, heads, seq, dim)
-    transposed: bool  # (batch, seq, heads, dim) memory, viewed as (batch, heads, seq, dim)
-    seed: int
 
     @property
     def heads(self) -> int:
         return self.kv_heads * self.group
+
+    @property
+    def gqa(self) -> bool:
+        return self.group > 1
+
+
+@dataclass(frozen=True)
+class Case(Problem):
+    scale: float | None
+    rank3: bool  # (batch, seq, dim) inputs instead of (batch, heads, seq, dim)
+    transposed: bool  # (batch, seq, heads, dim) memory, viewed as (batch, heads, seq, dim)
+    seed: int
 
     def make(self, dtype: torch.dtype, device: str = "cpu", requires_grad: bool = True):
         gen = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -52,10 +62,6 @@ class Case:
         q = rand(self.heads, self.seq_q)
         k, v = rand(self.kv_heads, self.seq_k), rand(self.kv_heads, self.seq_k)
         return q, k, v
-
-    @property
-    def gqa(self) -> bool:
-        return self.group > 1
 
 
 @st.composite

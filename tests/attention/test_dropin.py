@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import torch_flashsys.attention as attention_pkg
 from tests.attention.cases import assert_close
 from tests.reference import attention_reference
-from torch_flashsys.attention import FlashAttention
+from torch_flashsys.attention import FlashAttention, _dropin
+from torch_flashsys.attention import module as attention_module
 from torch_flashsys.attention._backend import triton_can_run_on
 from torch_flashsys.attention._dropin import (
     disable_sdpa_override,
@@ -31,10 +31,11 @@ ORIGINAL_SDPA = F.scaled_dot_product_attention
 
 @pytest.fixture
 def flash_calls():
-    """Counts flash_attention calls (the override binds flash_attention when it is entered)."""
-    with mock.patch.object(
-        attention_pkg, "flash_attention", wraps=attention_pkg.flash_attention
-    ) as spy:
+    """Counts flash_attention calls of FlashAttention modules and of the SDPA override (each looks
+    flash_attention up in its own module at call time)."""
+    spy = mock.MagicMock(wraps=_dropin.flash_attention)
+    patch_module = mock.patch.object(attention_module, "flash_attention", spy)
+    with patch_module, mock.patch.object(_dropin, "flash_attention", spy):
         yield spy
 
 
@@ -286,9 +287,7 @@ def test_sdpa_override_routes_supported_calls(call, dtype):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(q_shape, generator=gen).to(dtype).requires_grad_()
     k, v = (torch.randn(kv_shape, generator=gen).to(dtype).requires_grad_() for _ in range(2))
-    with mock.patch.object(
-        attention_pkg, "flash_attention", wraps=attention_pkg.flash_attention
-    ) as spy:
+    with mock.patch.object(_dropin, "flash_attention", wraps=_dropin.flash_attention) as spy:
         with sdpa_override(backend="torch"):
             out = F.scaled_dot_product_attention(q, k, v, **kwargs)
         assert spy.call_count == 1
@@ -432,7 +431,7 @@ def routed_backend():
     """state() -> None when F.scaled_dot_product_attention is torch's own, else the backend the
     installed override passes to flash_attention (replaced by a stub for speed)."""
     q = torch.randn(1, 1, 4, 16)
-    with mock.patch.object(attention_pkg, "flash_attention", return_value=q) as stub:
+    with mock.patch.object(_dropin, "flash_attention", return_value=q) as stub:
 
         def state():
             if F.scaled_dot_product_attention is ORIGINAL_SDPA:

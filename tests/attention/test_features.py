@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.attention.cases import ATOL, assert_close, max_err
+from tests.attention.cases import ATOL, Problem, assert_close, max_err
 from tests.reference import modded_attention
 from torch_flashsys import flash_attention
 from torch_flashsys.attention._backend import triton_can_run_on
@@ -35,24 +35,13 @@ BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
 
 
 @dataclass(frozen=True)
-class FeatureCase:
-    batch: int
-    kv_heads: int
-    group: int
-    seq_q: int
-    seq_k: int
-    head_dim: int
-    is_causal: bool
+class FeatureCase(Problem):
     mask: str  # none | key_padding | bool | float | float_heads
     window: tuple[int, int] | None
     softcap: float | None
     alibi: str  # none | heads | batch_heads
     dropout_p: float
     seed: int
-
-    @property
-    def heads(self) -> int:
-        return self.kv_heads * self.group
 
     def tensors(self, dtype, device="cpu"):
         gen = torch.Generator().manual_seed(self.seed)
@@ -88,7 +77,7 @@ class FeatureCase:
             "attn_mask": mask,
             "dropout_p": self.dropout_p,
             "is_causal": self.is_causal,
-            "enable_gqa": self.group > 1,
+            "enable_gqa": self.gqa,
             "window_size": self.window,
             "softcap": self.softcap,
             "alibi_slopes": alibi,

@@ -1,4 +1,8 @@
-"""Which attention backend can run where: Triton (GPU or interpreter) or the PyTorch tiled path."""
+"""Which attention backend runs a call: Triton (GPU or interpreter) or the PyTorch tiled path.
+
+The one place that maps ``backend=`` to a concrete backend (:func:`choose_backend`); the checks
+that the chosen backend can run the call live in ``_checks``.
+"""
 
 from __future__ import annotations
 
@@ -48,3 +52,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         compiled = device.type == "cuda" and triton_installed() and not interpreter_active()
         return "triton" if compiled else "torch"
     return backend
+
+
+def choose_backend(
+    backend: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> str:
+    """The backend a validated call runs on: :func:`resolve_backend`, except that an empty
+    sequence or head dim runs on the PyTorch backend (SDPA's zeros / uniform weights / empty
+    output) whatever was asked for, and ``"auto"`` runs float64 there (e.g. gradcheck)."""
+    if query.shape[-2] == 0 or key.shape[-2] == 0 or query.shape[-1] == 0 or value.shape[-1] == 0:
+        return "torch"
+    if backend == "auto" and query.dtype == torch.float64:
+        return "torch"
+    return resolve_backend(backend, query.device)

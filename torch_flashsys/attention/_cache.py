@@ -1,4 +1,5 @@
-"""KV-cache decoding: flash_attention(q, k_cache, v_cache, cache_seqlens=...), forward only."""
+"""KV-cache decoding, flash_attention(q, k_cache, v_cache, cache_seqlens=...): the checks of
+``cache_seqlens`` and the problem's Extras (forward only; ``_dispatch`` picks the kernel)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,13 @@ import dataclasses
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from torch_flashsys.attention._extras import make_extras
+from torch_flashsys.attention._checks import NAME, fail
+from torch_flashsys.attention._extras import Extras, make_extras
 
-_NAME = "flash_attention"
 # CUDA cache_seqlens tensors already checked on the device: tensor -> (version, seq_q, capacity).
 # Weak keys: a new tensor (even at a reused address) is checked again, and so is an in-place
 # update (it bumps the version).
 _CHECKED = WeakIdKeyDictionary()
-
-
-def _fail(exc: type[Exception], msg: str) -> None:
-    raise exc(f"{_NAME}: {msg}")
 
 
 def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.Tensor) -> None:
@@ -25,7 +22,7 @@ def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.T
     the last seq_q positions of each sequence): checked on the host for CPU tensors and on the
     device (``torch._assert_async``, no synchronization) for CUDA ones."""
     if query.dim() != 4:
-        _fail(ValueError, "cache_seqlens needs 4-D (batch, heads, seq, head_dim) inputs, got "
+        fail(ValueError, "cache_seqlens needs 4-D (batch, heads, seq, head_dim) inputs, got "
                           f"{query.dim()}-D query")  # fmt: skip
     batch, capacity = query.shape[0], key.shape[2]
     if (
@@ -35,12 +32,12 @@ def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.T
     ):
         what = (f"{cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}"
                 if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens).__name__)  # fmt: skip
-        _fail(TypeError, f"cache_seqlens must be an int32 (or int64) tensor of shape (batch,) = "
+        fail(TypeError, f"cache_seqlens must be an int32 (or int64) tensor of shape (batch,) = "
                          f"({batch},), got {what}")  # fmt: skip
     if cache_seqlens.device != query.device:
-        _fail(ValueError, f"cache_seqlens must be on {query.device}, got {cache_seqlens.device}")
+        fail(ValueError, f"cache_seqlens must be on {query.device}, got {cache_seqlens.device}")
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
-        _fail(ValueError, "cache_seqlens (KV-cache decoding) is forward only; call it under "
+        fail(ValueError, "cache_seqlens (KV-cache decoding) is forward only; call it under "
                           "torch.no_grad() / torch.inference_mode()")  # fmt: skip
     seq_q = query.shape[2]
     bounds = f"[seq_q, capacity] = [{seq_q}, {capacity}]"
@@ -49,30 +46,19 @@ def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.T
         stamp = (cache_seqlens._version, seq_q, capacity)
         if torch.compiler.is_compiling() or _CHECKED.get(cache_seqlens) != stamp:
             ok = (cache_seqlens.min() >= seq_q) & (cache_seqlens.max() <= capacity)
-            torch._assert_async(ok, f"{_NAME}: cache_seqlens must lie in {bounds}")
+            torch._assert_async(ok, f"{NAME}: cache_seqlens must lie in {bounds}")
             if not torch.compiler.is_compiling():
                 _CHECKED[cache_seqlens] = stamp
     elif batch and (int(cache_seqlens.min()) < seq_q or int(cache_seqlens.max()) > capacity):
-        _fail(ValueError, f"cache_seqlens must lie in {bounds} (the queries are the last seq_q "
+        fail(ValueError, f"cache_seqlens must lie in {bounds} (the queries are the last seq_q "
                           "positions of each sequence's valid keys; capacity is key's dim -2), "
                           f"got {cache_seqlens.tolist()}")  # fmt: skip
 
 
-def cached_attention(query, key, value, attn_mask, mods, sm_scale, backend, cache_seqlens):
-    """The decode step: split-KV Triton kernel where it applies, else the prefill kernel's cache
-    mode or the PyTorch backend. Returns ``(out, lse)``."""
+def cache_extras(query, key, attn_mask, mods: tuple, cache_seqlens) -> Extras:
+    """Check ``cache_seqlens``; the Extras of the decode problem (``mods``: dropout_p, is_causal,
+    window_size, softcap, alibi_slopes)."""
     check_cache_seqlens(cache_seqlens, query, key)
     ex = make_extras(query.shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
     # the kernels index it as contiguous memory (no copy when it is)
-    ex = dataclasses.replace(ex, seqused_k=cache_seqlens.contiguous())
-    if backend == "triton":
-        from torch_flashsys.attention._triton_decode import decode_forward, decode_supported
-
-        if decode_supported(query, key, ex):
-            return decode_forward(query, key, value, sm_scale, ex)
-        from torch_flashsys.attention._ops import triton_attention
-
-        return triton_attention(query, key, value, sm_scale, ex)
-    from torch_flashsys.attention._torch_impl import TiledAttention
-
-    return TiledAttention.apply(query, key, value, sm_scale, ex)
+    return dataclasses.replace(ex, seqused_k=cache_seqlens.contiguous())

@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_flashsys.attention._backend import BACKENDS
+from torch_flashsys.attention._checks import check_inputs
+from torch_flashsys.attention.functional import flash_attention
 from torch_flashsys.attention.module import FlashAttention, _mha_unsupported_reason
 
 __all__ = ["disable_sdpa_override", "enable_sdpa_override", "replace_attention", "sdpa_override"]
@@ -121,8 +124,6 @@ def replace_attention(
 
 def _supported(query: Any, key: Any, value: Any, args: dict[str, Any], backend: str) -> bool:
     """Whether flash_attention computes exactly what SDPA would for these arguments."""
-    from torch_flashsys.attention._checks import check_inputs
-
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and not t.is_nested for t in tensors):
         return False
@@ -148,20 +149,10 @@ def _supported(query: Any, key: Any, value: Any, args: dict[str, Any], backend: 
 
 
 def _make_router(original: Callable[..., torch.Tensor], backend: str) -> Callable[..., Any]:
-    from torch_flashsys.attention import flash_attention
-
+    # functools.wraps gives the router SDPA's own signature and annotations.
     @functools.wraps(original)
-    def scaled_dot_product_attention(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-        **extra: Any,
-    ) -> torch.Tensor:
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                     is_causal=False, scale=None, enable_gqa=False, **extra):  # fmt: skip
         args = {
             "attn_mask": attn_mask,
             "dropout_p": dropout_p,
@@ -201,8 +192,6 @@ def _original_sdpa() -> Callable[..., torch.Tensor]:
 
 
 def _check_backend(fn: str, backend: str) -> None:
-    from torch_flashsys.attention._backend import BACKENDS
-
     if backend not in BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
 

@@ -2,8 +2,9 @@
 
 Under ``parallelize_module`` (column-parallel q/k/v projections) the attention inputs are DTensors
 ``Shard(heads_dim)`` on their mesh: every rank holds whole sequences of some heads, which is all
-attention needs. :func:`dtensor_attention` runs flash_attention on the local heads and wraps the
-result with the same placements, with no redistribution and no communication. Layouts it cannot
+attention needs. :func:`local_inputs` checks the layout and hands ``_dispatch`` the local heads;
+:func:`wrap_outputs` wraps the result with the same placements: no redistribution and no
+communication. Layouts it cannot
 serve this way (a sharded sequence, batch or head dim ``head_dim``, ``Partial``, heads that do
 not divide evenly, DTensors mixed with plain tensors) raise a ``ValueError`` that names them.
 
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-_NAME = "flash_attention"
+from torch_flashsys.attention._backend import triton_installed
+from torch_flashsys.attention._checks import NAME as _NAME
 
 
 def is_dtensor(t: object) -> bool:
@@ -101,14 +103,18 @@ def _head_shards(t) -> int:
     return n
 
 
-def dtensor_attention(query, key, value, attend, kwargs: dict[str, Any], extra: dict[str, Any]):
-    """``attend(local_q, local_k, local_v, **kwargs)`` -> ``(out, lse)`` DTensors, placements of
-    query. ``extra``: the arguments DTensor inputs do not support (must all be None)."""
+def local_inputs(query, key, value, unsupported: dict[str, Any]) -> tuple:
+    """Check the DTensor layout; the local tensors of query, key and value. ``unsupported``: the
+    arguments DTensor inputs do not take (must all be None)."""
+    _check(query, key, value, unsupported)
+    register_op_sharding()
+    return query.to_local(), key.to_local(), value.to_local()
+
+
+def wrap_outputs(query, value, out: torch.Tensor, lse: torch.Tensor) -> tuple:
+    """The local ``(out, lse)`` as DTensors with query's mesh and placements."""
     from torch.distributed.tensor import DTensor
 
-    _check(query, key, value, extra)
-    register_op_sharding()
-    out, lse = attend(query.to_local(), key.to_local(), value.to_local(), **kwargs)
     mesh, placements = query.device_mesh, query.placements
     out_shape = (*query.shape[:-1], value.shape[-1])
     out = DTensor.from_local(out, mesh, placements, run_check=False, shape=torch.Size(out_shape),
@@ -131,14 +137,12 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 def register_op_sharding() -> bool:
     """Register the head-sharding rule of the custom ops with DTensor (once; False without Triton,
     whose absence leaves the custom ops undefined)."""
-    from torch_flashsys.attention._backend import triton_installed
-
     if not triton_installed():
         return False
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
-    from torch_flashsys.attention import _ops  # noqa: F401  (defines the ops)
+    import torch_flashsys.attention._ops  # noqa: F401  (defines the ops; imports triton)
 
     ops = torch.ops.torch_flashsys
 

@@ -1,6 +1,6 @@
-"""torch.func support shared by the attention autograd.Functions (Triton and the torch path).
+"""torch.func support of the attention autograd.Function (``_autograd``), for both backends.
 
-Both Functions define ``setup_context`` (what ``torch.func.grad``/``vjp`` need) and the ``vmap`` rule
+The Function defines ``setup_context`` (what ``torch.func.grad``/``vjp`` need) and the ``vmap`` rule
 here: the mapped dimension is folded into the batch dimension and the Function runs once on the
 whole batch, so the kernels see ordinary tensors. Score modifications that carry tensors (a mask,
 ALiBi slopes, dropout's seed, a packed batch, a KV cache) are not mapped: they raise, as does a
@@ -29,7 +29,7 @@ def _mapped_first(t: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
     return t.movedim(dim, 0)
 
 
-def vmap_rule(function, info, in_dims, q, k, v, scale: float, ex: Extras):
+def vmap_rule(function, info, in_dims, q, k, v, scale: float, ex: Extras, kernels):
     """``function.vmap``: one call on the batch with the mapped dimension folded into it."""
     unmapped = [name for name, t in (("attn_mask", ex.mask), ("alibi_slopes", ex.alibi),
                                      ("dropout_p > 0", ex.seed), ("cu_seqlens", ex.cu_q),
@@ -41,8 +41,8 @@ def vmap_rule(function, info, in_dims, q, k, v, scale: float, ex: Extras):
     n = info.batch_size
     q, k, v = (_mapped_first(t, d, n) for t, d in zip((q, k, v), in_dims[:3], strict=True))
     if q.dim() == 4:  # a 3-D problem (heads, seq, dim): the mapped dimension is its batch
-        return function.apply(q, k, v, scale, ex), (0, 0)
-    out, lse = function.apply(*(t.flatten(0, 1) for t in (q, k, v)), scale, ex)
+        return function.apply(q, k, v, scale, ex, kernels), (0, 0)
+    out, lse = function.apply(*(t.flatten(0, 1) for t in (q, k, v)), scale, ex, kernels)
     return (out.unflatten(0, (n, -1)), lse.unflatten(0, (n, -1))), (0, 0)
 
 

@@ -1,18 +1,16 @@
-"""How the Triton kernels are called: an autograd.Function in eager mode, custom ops under compile.
+"""How the Triton kernels are called: the autograd Function in eager mode, custom ops under compile.
 
-Eager calls go through :class:`_TritonAttention`, an ``autograd.Function`` whose forward and backward
-launch the kernels directly (no dispatcher round trip): with the launch cache in ``_launch`` one
-forward + backward costs a few tens of microseconds of CPU. Under ``torch.compile`` the same
-kernels are reached through the ``torch.library`` custom ops ``torch_flashsys::attn_fwd`` /
-``attn_bwd``, with fake (meta) implementations and registered autograd, so
-``torch.compile(fullgraph=True)`` sees one opaque node (no graph break) and CUDA graphs capture it.
+Eager calls go through :class:`~torch_flashsys.attention._autograd.Attention` with :data:`TRITON`,
+whose forward and backward launch the kernels directly (no dispatcher round trip): with the launch
+cache in ``_launch`` one forward + backward costs a few tens of microseconds of CPU. Under
+``torch.compile`` the same kernels are reached through the ``torch.library`` custom ops
+``torch_flashsys::attn_fwd`` / ``attn_bwd``, with fake (meta) implementations and registered
+autograd, so ``torch.compile(fullgraph=True)`` sees one opaque node (no graph break) and CUDA
+graphs capture it. The ops take the :class:`Extras` spelled out (a custom op's schema holds tensors
+and scalars), in the order :data:`OP_EXTRAS` defines once.
 
-Both paths take query/key/value in the caller's rank (3-D or 4-D) and save q, k, v, out and lse.
-
-A backward that runs with grad mode on (``torch.autograd.grad(..., create_graph=True)``, e.g. a
-gradient penalty) computes the gradients with the PyTorch tiled backward instead of the kernels:
-differentiable ops, so a second backward gets the second-order terms (slower; see
-docs/attention.md). Under torch.compile, AOTAutograd traces the backward with grad mode off (the
+A backward with grad mode on (``create_graph=True``) runs the differentiable PyTorch backward (see
+``_autograd``). Under torch.compile, AOTAutograd traces the backward with grad mode off (the
 kernels) and refuses a double backward itself.
 """
 
@@ -20,12 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from torch_flashsys.attention._autograd import Kernels, apply
 from torch_flashsys.attention._extras import Extras
-from torch_flashsys.attention._functorch import (
-    check_backward_unmapped,
-    unwrap_dead,
-    vmap_rule,
-)
+from torch_flashsys.attention._functorch import unwrap_dead
 from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._torch_impl import differentiable_backward
 from torch_flashsys.attention._triton_bwd import attention_backward
@@ -69,135 +64,89 @@ def _backward(dout, q, k, v, out, lse, dlse, scale: float, ex: Extras):
     return dq, dk, dv
 
 
-class _TritonAttention(torch.autograd.Function):
-    """Eager path: the kernels launched from forward/backward with no dispatcher in between."""
-
-    @staticmethod
-    def forward(q, k, v, scale: float, ex: Extras):
-        return _forward(q, k, v, scale, ex)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # separate from forward: torch.func needs it
-        q, k, v, scale, ex = inputs
-        ctx.save_for_backward(q, k, v, *output)
-        ctx.scale, ctx.ex = scale, ex
-        ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return vmap_rule(_TritonAttention, info, in_dims, *args)
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        check_backward_unmapped(dout, dlse)
-        if ctx.ex.seqused_k is not None:
-            raise NotImplementedError(
-                "flash_attention: no backward with cache_seqlens (KV-cache decoding is forward "
-                "only); run generation under torch.no_grad()"
-            )
-        q, k, v, out, lse = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
-            dq, dk, dv = differentiable_backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
-            return dq, dk, dv, None, None
-        if dout is None:
-            dout = torch.zeros_like(out)
-        if _functorch_active():  # torch.func.grad: the op unwraps its tensors for the kernels
-            with torch.no_grad():  # (first order: the op has no autograd)
-                dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, *_op_args(ctx.scale, ctx.ex))
-        else:  # (torch.func.vjp's pullback runs after its transform: its wrappers are dead)
-            dout, q, k, v, out, lse, dlse = unwrap_dead(dout, q, k, v, out, lse, dlse)
-            dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
-        return dq, dk, dv, None, None
-
-
-# The custom ops take the Extras spelled out (a custom op's schema holds tensors and scalars).
-def _op_args(scale: float, ex: Extras) -> tuple:
-    return (ex.mask, ex.alibi, ex.seed, scale, ex.left, ex.right, ex.softcap, ex.dropout_p,
-            ex.cu_q, ex.cu_k, ex.max_q, ex.max_k)  # fmt: skip
-
-
-def _extras(mask, alibi, seed, left, right, softcap, dropout_p, cu_q, cu_k, max_q, max_k):
-    return Extras(mask, left, right, softcap, alibi, dropout_p, seed, cu_q, cu_k, max_q, max_k)
-
-
-@torch.library.custom_op(f"{_LIB}::attn_fwd", mutates_args=())
-def attn_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    alibi: torch.Tensor | None,
-    seed: torch.Tensor | None,
-    scale: float,
-    left: int,
-    right: int,
-    softcap: float,
-    dropout_p: float,
-    cu_q: torch.Tensor | None,
-    cu_k: torch.Tensor | None,
-    max_q: int,
-    max_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward kernel: ``(out, lse)``; out like ``q``, lse float32 of shape ``q.shape[:-1]``."""
-    ex = _extras(mask, alibi, seed, left, right, softcap, dropout_p, cu_q, cu_k, max_q, max_k)
-    return _forward(q, k, v, scale, ex)
-
-
-@attn_fwd.register_fake
-def _(q, k, v, mask, alibi, seed, scale, left, right, softcap, dropout_p, cu_q, cu_k, mq, mk):
-    return empty_like_layout(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op(f"{_LIB}::attn_bwd", mutates_args=())
-def attn_bwd(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    alibi: torch.Tensor | None,
-    seed: torch.Tensor | None,
-    scale: float,
-    left: int,
-    right: int,
-    softcap: float,
-    dropout_p: float,
-    cu_q: torch.Tensor | None,
-    cu_k: torch.Tensor | None,
-    max_q: int,
-    max_k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward kernels: ``(dq, dk, dv)`` shaped like ``(q, k, v)``; dk/dv summed over GQA groups."""
-    ex = _extras(mask, alibi, seed, left, right, softcap, dropout_p, cu_q, cu_k, max_q, max_k)
+def _kernel_backward(dout, q, k, v, out, lse, dlse, scale: float, ex: Extras):
+    """The first-order backward of :class:`Attention` on the Triton backend."""
+    if _functorch_active():  # torch.func.grad: the op unwraps its tensors for the kernels
+        with torch.no_grad():  # (first order: the op has no autograd)
+            return attn_bwd(dout, q, k, v, out, lse, dlse, *_op_args(scale, ex))
+    # (torch.func.vjp's pullback runs after its transform: its wrappers are dead)
+    dout, q, k, v, out, lse, dlse = unwrap_dead(dout, q, k, v, out, lse, dlse)
     return _backward(dout, q, k, v, out, lse, dlse, scale, ex)
 
 
+TRITON = Kernels(_forward, _kernel_backward)
+
+# The Extras fields (and the scale) the custom ops take after their tensors, with their schema
+# types: the one definition of the ops' argument order.
+OP_EXTRAS = (
+    ("mask", "Tensor?"), ("alibi", "Tensor?"), ("seed", "Tensor?"), ("scale", "float"),
+    ("left", "SymInt"), ("right", "SymInt"), ("softcap", "float"), ("dropout_p", "float"),
+    ("cu_q", "Tensor?"), ("cu_k", "Tensor?"), ("max_q", "SymInt"), ("max_k", "SymInt"),
+)  # fmt: skip
+_NAMES = tuple(name for name, _ in OP_EXTRAS)
+_NO_GRADS = (None,) * len(OP_EXTRAS)
+
+
+def _op_args(scale: float, ex: Extras) -> tuple:
+    return tuple(scale if name == "scale" else getattr(ex, name) for name in _NAMES)
+
+
+def _from_op_args(args) -> tuple[float, Extras]:
+    fields = dict(zip(_NAMES, args, strict=True))
+    return fields.pop("scale"), Extras(**fields)
+
+
+def _schema(tensors: str, returns: str) -> str:
+    extras = ", ".join(f"{kind} {name}" for name, kind in OP_EXTRAS)
+    return f"({tensors}, {extras}) -> ({returns})"
+
+
+@torch.library.custom_op(
+    f"{_LIB}::attn_fwd",
+    mutates_args=(),
+    schema=_schema("Tensor q, Tensor k, Tensor v", "Tensor, Tensor"),
+)
+def attn_fwd(q, k, v, *extras):
+    """Forward kernel: ``(out, lse)``; out like ``q``, lse float32 of shape ``q.shape[:-1]``."""
+    return _forward(q, k, v, *_from_op_args(extras))
+
+
+@attn_fwd.register_fake
+def _(q, k, v, *extras):
+    return empty_like_layout(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+_BWD_TENSORS = "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse"
+
+
+@torch.library.custom_op(
+    f"{_LIB}::attn_bwd", mutates_args=(), schema=_schema(_BWD_TENSORS, "Tensor, Tensor, Tensor")
+)
+def attn_bwd(dout, q, k, v, out, lse, dlse, *extras):
+    """Backward kernels: ``(dq, dk, dv)`` shaped like ``(q, k, v)``; dk/dv summed over GQA groups."""
+    return _backward(dout, q, k, v, out, lse, dlse, *_from_op_args(extras))
+
+
 @attn_bwd.register_fake
-def _(dout, q, k, v, out, lse, dlse, mask, alibi, seed, scale, left, right, softcap, dropout_p, *_):
+def _(dout, q, k, v, out, lse, dlse, *extras):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask, alibi, seed, *scalars = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.extras = (mask, alibi, seed, *scalars)
+    q, k, v, *extras = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.extras = extras
 
 
 def _op_backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    if torch.is_grad_enabled():  # create_graph=True, called eagerly (compiled graphs refuse it)
-        mask, alibi, seed, scale, *scalars = ctx.extras
-        ex = _extras(mask, alibi, seed, *scalars)
-        dq, dk, dv = differentiable_backward(dout, q, k, v, out, lse, dlse, scale, ex)
-        return (dq, dk, dv) + (None,) * 12
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.extras)
-    return (dq, dk, dv) + (None,) * 12
+    if torch.is_grad_enabled():  # create_graph=True, called eagerly (compiled graphs refuse it)
+        grads = differentiable_backward(dout, q, k, v, out, lse, dlse, *_from_op_args(ctx.extras))
+    else:
+        grads = attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.extras)
+    return (*grads, *_NO_GRADS)
 
 
 attn_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -209,15 +158,7 @@ def triton_attention(
     """Differentiable Triton attention; inputs already validated by ``flash_attention``."""
     if torch.compiler.is_compiling():
         return attn_fwd(q, k, v, *_op_args(scale, ex))
-    if _functorch_active():  # vmap/grad transforms: autograd.Function.apply's own path
-        return _TritonAttention.apply(q, k, v, scale, ex)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        # What Function.apply does outside functorch transforms, minus its Python overhead (a
-        # closure, a signature check, a generator over the arguments): a few microseconds a call.
-        return _apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), scale, ex)
-    return _forward(q, k, v, scale, ex)
+    return apply(q, k, v, scale, ex, TRITON)
 
 
-_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _TritonAttention)
 _functorch_active = torch._C._are_functorch_transforms_active
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead

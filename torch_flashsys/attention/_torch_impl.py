@@ -18,7 +18,6 @@ import torch
 
 from torch_flashsys.attention._dropout import keep_scale, keep_threshold, keep_tile
 from torch_flashsys.attention._extras import PLAIN, Extras
-from torch_flashsys.attention._functorch import check_backward_unmapped, vmap_rule
 from torch_flashsys.attention._tensors import empty_like_layout
 
 BLOCK_M = 64  # query rows per tile
@@ -202,19 +201,10 @@ def tiled_forward(
 
 
 def tiled_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    scale: float,
-    ex: Extras = PLAIN,
-    block_m: int = BLOCK_M,
-    block_n: int = BLOCK_N,
-    bh_base: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None, scale: float, ex: Extras = PLAIN,
+    block_m: int = BLOCK_M, block_n: int = BLOCK_N, bh_base: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Returns ``(dq, dk, dv)``; dk/dv summed over the query heads of each GQA group."""
     if ex.varlen:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -279,48 +269,17 @@ def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def forward(q, k, v, scale: float, ex: Extras):
+    """:func:`tiled_forward` with autocast off: the float32 score/accumulator matmuls must stay
+    float32 (the caller already cast the inputs to the autocast dtype)."""
+    with _no_autocast(q.device):
+        return tiled_forward(q, k, v, scale, ex)
+
+
 def differentiable_backward(dout, q, k, v, out, lse, dlse, scale: float, ex: Extras):
     """``(dq, dk, dv)`` through differentiable PyTorch ops, autocast off: under
     ``create_graph=True`` they record a graph, so a second backward (a gradient penalty) is exact.
     ``out`` and ``lse`` are the forward's saved outputs: the graph reaches q, k, v through them
     too (their gradients run the first-order backward again)."""
-    if ex.seqused_k is not None:
-        raise NotImplementedError(
-            "flash_attention: no backward with cache_seqlens (KV-cache decoding is forward "
-            "only); run generation under torch.no_grad()"
-        )
-    if dout is None:
-        dout = torch.zeros_like(out)
     with _no_autocast(q.device):
         return tiled_backward(dout, q, k, v, out, lse, dlse, scale, ex)
-
-
-class TiledAttention(torch.autograd.Function):
-    """Autograd for the tiled path; saves q, k, v, out and lse (as the Triton path does).
-
-    Autocast is off inside: the float32 score/accumulator matmuls must stay float32 (the caller
-    already cast the inputs to the autocast dtype).
-    """
-
-    @staticmethod
-    def forward(q, k, v, scale: float, ex: Extras):
-        with _no_autocast(q.device):
-            return tiled_forward(q, k, v, scale, ex)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # separate from forward: torch.func needs it
-        q, k, v, scale, ex = inputs
-        ctx.save_for_backward(q, k, v, *output)
-        ctx.scale, ctx.ex = scale, ex
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def vmap(info, in_dims, *args):
-        return vmap_rule(TiledAttention, info, in_dims, *args)
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        check_backward_unmapped(dout, dlse)
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = differentiable_backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
-        return dq, dk, dv, None, None

@@ -10,6 +10,7 @@ from torch.nn.utils import parametrize
 
 from torch_flashsys.attention._backend import BACKENDS
 from torch_flashsys.attention._kvcache import KVCache
+from torch_flashsys.attention.functional import flash_attention
 
 _NAME = "FlashAttention"
 _WARNED: set[str] = set()  # one-time warnings already given in this process
@@ -362,8 +363,6 @@ class FlashAttention(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """(batch, seq, embed_dim) -> (batch, seq, embed_dim); ``mask`` in SDPA's convention."""
-        from torch_flashsys.attention import flash_attention
-
         b, seq, _ = x.shape
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias)

@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torch_flashsys.attention import _autocast, flash_attention
+from torch_flashsys.attention import flash_attention
 from torch_flashsys.attention._checks import check_inputs
+from torch_flashsys.attention._dispatch import autocast_inputs
 from torch_flashsys.distributed._cp_layout import LAYOUTS, chunk_ids, chunks_per_rank, shard_order
 from torch_flashsys.distributed._cp_ring import Ring, RingAttention
 from torch_flashsys.distributed._cp_ulysses import ulysses_attention
@@ -277,7 +278,7 @@ def context_parallel_attention(
             )
 
         return ulysses_attention(query, key, value, group, layout, is_causal, attend)
-    query, key, value = _autocast(query, key, value)
+    query, key, value = autocast_inputs(query, key, value)
     return RingAttention.apply(
         query, key, value, Ring(group), sm_scale, is_causal, layout, resolved
     )

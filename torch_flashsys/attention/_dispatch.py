@@ -1,0 +1,127 @@
+"""The one place a flash_attention call is routed to a backend.
+
+Every input form becomes one validated 3-D/4-D problem ``(q, k, v, Extras, scale)`` and runs on
+the backend ``_checks.check_inputs`` chose (``_backend.choose_backend``): DTensors run on their
+local heads (``_dtensor``), nested tensors and packed batches as (1, heads, total, dim) views
+(``_varlen``), a KV cache on the split-KV decode kernel where it applies (``_cache``), 2-D and
+5-D+ inputs as 4-D views; :func:`run` then takes the Triton path (``_ops``) or the PyTorch path
+(``_autograd``). Inside ``torch.autocast`` the inputs are first cast, as autocast does for SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_flashsys.attention._autograd import torch_attention
+from torch_flashsys.attention._cache import cache_extras
+from torch_flashsys.attention._checks import check_inputs, softmax_scale
+from torch_flashsys.attention._dtensor import is_dtensor, local_inputs, wrap_outputs
+from torch_flashsys.attention._extras import Extras, make_extras
+from torch_flashsys.attention._varlen import nested_inputs, packed_problem, to_nested, unpack
+
+
+def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
+              softcap, alibi_slopes, cu_q, cu_k, max_q, max_k, cache_seqlens, backend,
+              return_lse):  # fmt: skip
+    """:func:`~torch_flashsys.attention.flash_attention` (same arguments, in its order)."""
+    if query.__class__ is not torch.Tensor and is_dtensor(query):
+        unsupported = {"attn_mask": attn_mask, "alibi_slopes": alibi_slopes, "cu_seqlens_q": cu_q,
+                       "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
+                       "cache_seqlens": cache_seqlens}  # fmt: skip
+        q, k, v = local_inputs(query, key, value, unsupported)
+        out, lse = attention(q, k, v, None, dropout_p, is_causal, scale, enable_gqa, window_size,
+                             softcap, None, None, None, None, None, None, backend, True)  # fmt: skip
+        out, lse = wrap_outputs(query, value, out, lse)
+    elif isinstance(query, torch.Tensor) and query.is_nested:
+        q, k, v, cu_q, cu_k, max_q, max_k = nested_inputs(query, key, value, attn_mask)
+        out, lse = _packed(q, k, v, None, dropout_p, is_causal, scale, enable_gqa, window_size,
+                           softcap, alibi_slopes, backend, cu_q, cu_k, max_q, max_k)  # fmt: skip
+        out, lse = to_nested(out, lse, cu_q)
+    else:
+        if _any_autocast():  # (checked here: the common call makes no extra Python call)
+            query, key, value = autocast_inputs(query, key, value)
+        if cu_q is not None or cu_k is not None:
+            out, lse = _packed(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa, window_size, softcap, alibi_slopes, backend, cu_q,
+                               cu_k, max_q, max_k)  # fmt: skip
+            return (out, lse) if return_lse else out
+        resolved = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                enable_gqa, backend, window_size, softcap, alibi_slopes)  # fmt: skip
+        sm_scale = softmax_scale(scale, query.shape[-1])
+        mods = (dropout_p, is_causal, window_size, softcap, alibi_slopes)
+        if cache_seqlens is not None:
+            ex = cache_extras(query, key, attn_mask, mods, cache_seqlens)
+            out, lse = _cached(query, key, value, ex, sm_scale, resolved)
+        elif query.dim() in (3, 4):
+            q4_shape = query.shape if query.dim() == 4 else (1, *query.shape)
+            ex = make_extras(q4_shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
+            out, lse = run(query, key, value, ex, sm_scale, resolved)
+        else:
+            out, lse = _any_rank(query, key, value, attn_mask, mods, sm_scale, resolved)
+    return (out, lse) if return_lse else out
+
+
+def run(query, key, value, ex: Extras, sm_scale: float, backend: str):
+    """The validated 3-D/4-D problem on ``backend``: ``(out, lse)``, differentiable."""
+    if backend == "triton":
+        from torch_flashsys.attention._ops import triton_attention  # imports triton: only if used
+
+        return triton_attention(query, key, value, sm_scale, ex)
+    return torch_attention(query, key, value, sm_scale, ex)
+
+
+def _packed(*args):
+    """A packed batch (``_varlen.packed_problem``'s arguments) -> packed ``(out, lse)``."""
+    q4, k4, v4, ex, sm_scale, backend = packed_problem(*args)
+    return unpack(*run(q4, k4, v4, ex, sm_scale, backend))
+
+
+def _cached(query, key, value, ex: Extras, sm_scale: float, backend: str):
+    """The decode step: the split-KV kernel where it applies, else :func:`run` (the prefill
+    kernel's cache mode or the PyTorch backend)."""
+    if backend == "triton":
+        from torch_flashsys.attention._triton_decode import decode_forward, decode_supported
+
+        if decode_supported(query, key, ex):
+            return decode_forward(query, key, value, sm_scale, ex)
+    return run(query, key, value, ex, sm_scale, backend)
+
+
+def _any_rank(query, key, value, attn_mask, mods: tuple, sm_scale: float, backend: str):
+    """2-D, or several leading batch dimensions: the same problem on 4-D views."""
+    q4, k4, v4 = (_as_4d(t) for t in (query, key, value))
+    mask4 = attn_mask
+    if attn_mask is not None and query.dim() > 4:
+        mask4 = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+        mask4 = mask4.reshape(-1, *mask4.shape[-3:])
+    ex = make_extras(q4.shape, k4.shape[-2], query.device, query.dtype, mask4, *mods)
+    out, lse = run(q4, k4, v4, ex, sm_scale, backend)
+    return out.reshape(*query.shape[:-1], value.shape[-1]), lse.reshape(query.shape[:-1])
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """(seq, dim) -> (1, 1, seq, dim); (..., heads, seq, dim) -> (batch, heads, seq, dim)."""
+    if t.dim() == 2:
+        return t.view(1, 1, *t.shape)
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
+
+
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Inside ``torch.autocast``: cast to the autocast dtype, as autocast does for SDPA."""
+    if not _any_autocast():  # the common case, checked in one cheap call
+        return tensors
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return tensors  # check_inputs names the offending argument
+    device_type = tensors[0].device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE else t for t in tensors)
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
