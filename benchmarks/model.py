@@ -51,7 +51,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._harness import is_oom, line_plot, nvtx_range, print_report, progress, write_results
-from benchmarks._snapshot import record_memory, validate_snapshot_file
+from torch_flashsys._memory import record_memory, validate_snapshot_file
 from torch_flashsys.models import ATTENTION_CHOICES, MODEL_SIZES, build_model
 
 MODES = ("fwd", "fwd+bwd", "train")
