@@ -86,14 +86,16 @@ def time_fn(fn: Callable[[], Any], warmup: int = 3, reps: int = 20) -> dict[str,
     return percentiles(samples_ms(fn, warmup, reps))
 
 
-def bench(fn: Callable[[], Any], device: str | torch.device, reps: int = 2) -> dict[str, float]:
+def bench(
+    fn: Callable[[], Any], device: str | torch.device, reps: int = 2, rep_ms: int = 100
+) -> dict[str, float]:
     """The benchmarks' timer: ``triton.testing.do_bench`` on CUDA (median and 20th/80th
-    percentiles, L2 flushed between calls), else :func:`time_fn` with one warm-up and ``reps``."""
+    percentiles, L2 flushed between calls; ``rep_ms`` of repetitions), else :func:`time_fn` with one warm-up and ``reps``."""
     if torch.device(device).type != "cuda":
         return time_fn(fn, warmup=1, reps=reps)
     from triton.testing import do_bench
 
-    p20, median, p80 = do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
+    p20, median, p80 = do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
     return {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
 
 
@@ -218,7 +220,9 @@ def csv_list(p: argparse.ArgumentParser, value: str, option: str, kind=str, choi
     except ValueError:
         items = []
     bad = [
-        v for v in items if (choices is not None and v not in choices) or (kind is not str and v <= 0)
+        v
+        for v in items
+        if (choices is not None and v not in choices) or (kind is not str and v <= 0)
     ]
     if bad or not items:
         wanted = (
