@@ -50,6 +50,7 @@ from benchmarks._harness import (
     parser,
     percentiles,
     print_report,
+    report,
     run_ranks,
     samples_ms,
     write_results,
@@ -361,31 +362,28 @@ def _each(names, args, device, run, start, per=0.0):
         per = max(per, time.monotonic() - t0)
 
 
+PROFILE_COLUMNS = [
+    "variant",
+    "step_ms",
+    "forward_cpu_ms",
+    "backward_cpu_ms",
+    "optimizer.step_cpu_ms",
+]
+PROFILE_COLUMNS += ["zero_grad_cpu_ms", "self_cpu_ms", "self_cuda_ms", "status"]
+
+
 def _profile(args, device, world):
     start = time.monotonic()
-    rows = [
-        row
-        for _, row in _each(
-            args.names, args, device, lambda n: profile_variant(n, args, device), start
-        )
-    ]
+    run = lambda n: profile_variant(n, args, device)
+    rows = [row for _, row in _each(args.names, args, device, run, start)]
     if dist.get_rank() == 0:
-        columns = [
-            "variant",
-            "step_ms",
-            "forward_cpu_ms",
-            "backward_cpu_ms",
-            "optimizer.step_cpu_ms",
-        ]
-        columns += ["zero_grad_cpu_ms", "self_cpu_ms"] + (
-            ["self_cuda_ms"] if device.type == "cuda" else []
-        )
-        title = f"torch.profiler, {args.size} LM, {args.profile_steps} steps, rank 0 of {world}"
-        print_report(title, rows, [*columns, "status"])
         for row in rows:
             print(f"- {row['variant']} top CPU ms/step: {row.get('top_cpu', '')}")
             if "top_cuda" in row:
                 print(f"  top CUDA ms/step: {row['top_cuda']}")
+        title = f"torch.profiler, {args.size} LM, {args.profile_steps} steps, rank 0 of {world}"
+        columns = [c for c in PROFILE_COLUMNS if c != "self_cuda_ms" or device.type == "cuda"]
+        report(args, title, rows, columns)
 
 
 def worker(args) -> None:
