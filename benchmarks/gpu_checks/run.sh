@@ -23,7 +23,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 start=$SECONDS
 py() { python3 "$@"; }
-left() { echo $((${BUDGET:-530} - (SECONDS - start))); }
+left() { echo $((${BUDGET:-$1} - (SECONDS - start))); }  # left DEFAULT_BUDGET: seconds left
 step() {  # step NAME SECONDS CMD...: stdout to NAME.md, stderr to NAME.err, exit code and time last
   local name=$1 secs=$2
   shift 2
@@ -42,8 +42,8 @@ PEERS="flash_attention,sdpa cudnn_attention,sdpa flash_attention"
 tests() {
   TORCH_FLASHSYS_AUTOTUNE=0 HYPOTHESIS_PROFILE=gpu step gpu_tests "${TEST_TIMEOUT:-480}" \
     py -m pytest -v -p no:cacheprovider -m gpu -n "${WORKERS:-8}" ${TESTS:-tests} -rf
-  if [ "${BENCH:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
-    step final_shapes $(($(left) - 10)) py benchmarks/flash.py --batch 1 --heads 16 \
+  if [ "${BENCH:-1}" = 1 ] && [ "$(left 560)" -gt 60 ]; then
+    step final_shapes $(($(left 560) - 10)) py benchmarks/flash.py --batch 1 --heads 16 \
       --seq 16384,4096 --dim 64,128 --modes fwd,fwd+bwd --impls "$PEERS" --host-overhead \
       --no-check --out "$OUT/final_shapes.csv"
   fi
@@ -130,12 +130,12 @@ ddp() {
     -m "$marker" tests/distributed
   # The benchmark gets what is left but ~150 s kept for the profile; it starts no round that
   # would not fit (round 1 always runs: about 80 s on one H200 for the 11 variants).
-  local bench=$(($(left) - 150)) v=plain,torch-ddp,torch-ddp-zero,torch-fsdp2,torch-fsdp2-noreshard
+  local bench=$(($(left 530) - 150)) v=plain,torch-ddp,torch-ddp-zero,torch-fsdp2,torch-fsdp2-noreshard
   v=$v,torch-fsdp2-bf16,torch-fsdp2-bf16-noreshard,ours-ddp,ours-ddp-copy,ours-ddp-zero1,ours-ddp-zero2
   step ddp_bench $((bench + 90)) torchrun --standalone --nproc_per_node="$n" benchmarks/ddp.py \
     ${BENCH_ARGS:---preset 2.0B} --variants "$v" --time-budget "$bench"
   cp docs/data/ddp_"$n"x*.csv "$OUT"/ 2>/dev/null
-  local prof=$(($(left) - 25))
+  local prof=$(($(left 530) - 25))
   [ "$prof" -gt 45 ] && step ddp_profile $((prof + 20)) torchrun --standalone \
     --nproc_per_node="$n" benchmarks/ddp.py ${BENCH_ARGS:---preset 2.0B} --profile "$OUT/profile" \
     --warmup 2 --profile-steps 3 --time-budget "$prof" \
@@ -158,7 +158,7 @@ context_parallel() {
   [ "$n" -ge 2 ] && marker="gpu or multigpu" && modes=ring,ulysses
   step cp_tests 150 py -m pytest -q -p no:cacheprovider -m "$marker" \
     tests/distributed/test_context_parallel.py
-  step cp_bench $(($(left) - 230)) py benchmarks/context_parallel.py --nproc "$n" \
+  step cp_bench "$(left 300)" py benchmarks/context_parallel.py --nproc "$n" \
     --modes "$modes" ${BENCH_ARGS:---time-budget ${SEARCH_S:-100}} --out "$OUT/context_parallel.csv"
   show cp_tests 4
   show cp_bench 16
