@@ -1,7 +1,9 @@
-"""Small shared harness for the benchmark scripts: environment stamp, timing, tables, output files.
+"""The benchmark scripts' shared harness: options, the timers, rank launching, tables and files.
 
-Every result row carries the device, torch/triton versions, date and command (``env_stamp()``), so
-a table copied into docs/benchmarks.md says where it came from.
+The only timers: :func:`bench` (``do_bench`` on CUDA), :func:`samples_ms` / :func:`time_fn`
+(synchronized wall clock per call), :class:`Laps` (phases of one step) and :func:`host_us` (host
+time per call, unsynchronized). Every result row carries the device, torch/triton versions, date
+and command (:func:`env_stamp`), so a table copied into docs/benchmarks.md says where it came from.
 """
 
 from __future__ import annotations

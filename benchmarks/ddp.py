@@ -1,25 +1,13 @@
 """Data parallelism: the training loop people run, ours beside torch's options, in one run.
 
 Every variant trains the reference LM from the same weights on the same data (each rank its own
-batch) with ``torch.optim.AdamW(lr=1e-4)``, fp32 parameters, bf16 ``torch.autocast`` on GPUs
-(``--autocast none``: fp32) and ``loss.backward(); opt.step(); opt.zero_grad()``. Variants:
-
-- ``plain``: the model alone; ``torch-ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)``
-- ``torch-ddp-zero``: torch DDP + ``ZeroRedundancyOptimizer(AdamW)``
-- ``torch-fsdp2``, ``torch-fsdp2-noreshard``, ``torch-fsdp2-bf16``, ``torch-fsdp2-bf16-noreshard``:
-  ``fully_shard`` per block and root (``reshard_after_forward=False``; ``MixedPrecisionPolicy(bf16)``)
-- ``ours-ddp``: ``BucketedDDP``; ``ours-ddp-zero1`` / ``ours-ddp-zero2``: + ``ShardedOptimizer``
-  (``shard_gradients=True`` for zero2)
-
-and, only when named: ``ours-ddp-copy`` (BucketedDDP copying gradients into its buckets),
-``torch-ddp-copy`` (``gradient_as_bucket_view=False``), ``torch-ddp-zero-view``
-(``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)``) and ``torch-ddp-sharded`` (torch DDP
-+ ``ShardedOptimizer``). Rounds are interleaved (round r starts at variant r). Reported: step time
-(the slowest rank's) after warm-up, peak memory and optimizer state per rank (max over ranks),
-ratios to the peer (``vs_peer``) and to ``plain``, the peak saved against torch DDP + AdamW over
-the AdamW state (``saved_over_state``), the final loss; a variant that cannot run is ``n/a``.
-``--profile DIR``: torch.profiler of a few steps per variant on rank 0 instead of timing.
-On CUDA the rows go to docs/data/ddp_<N>x<gpu>.csv unless --out says otherwise.
+batch): ``torch.optim.AdamW(lr=1e-4)``, fp32 parameters, bf16 ``torch.autocast`` on GPUs
+(``--autocast none``: fp32), ``loss.backward(); opt.step(); opt.zero_grad()``. Variants (what each
+wraps, and every column: docs/benchmarking.md, section 6): plain, torch-ddp, torch-ddp-zero, the
+torch-fsdp2 family, ours-ddp, ours-ddp-zero1, ours-ddp-zero2; only when named: ours-ddp-copy,
+torch-ddp-copy, torch-ddp-zero-view, torch-ddp-sharded. Rounds are interleaved; a variant that
+cannot run is a row marked ``n/a``. ``--profile DIR``: torch.profiler of a few steps per variant on
+rank 0 instead of timing. On CUDA the rows go to docs/data/ddp_<N>x<gpu>.csv unless --out is given.
 
     torchrun --nproc_per_node=2 benchmarks/ddp.py --preset 2.0B    # -> docs/data/ddp_2xh200.csv
     torchrun --nproc_per_node=1 benchmarks/ddp.py --preset 2.0B --profile prof --variants plain,ours-ddp
