@@ -92,7 +92,8 @@ def bench(
     fn: Callable[[], Any], device: str | torch.device, reps: int = 2, rep_ms: int = 100
 ) -> dict[str, float]:
     """The benchmarks' timer: ``triton.testing.do_bench`` on CUDA (median and 20th/80th
-    percentiles, L2 flushed between calls; ``rep_ms`` of repetitions), else :func:`time_fn` with one warm-up and ``reps``."""
+    percentiles of ``rep_ms`` of calls, L2 flushed between them), else :func:`time_fn` with one
+    warm-up and ``reps``."""
     if torch.device(device).type != "cuda":
         return time_fn(fn, warmup=1, reps=reps)
     from triton.testing import do_bench
@@ -128,6 +129,35 @@ def host_us(fn: Callable[[], Any], calls: int, warmup: int = 30) -> dict[str, fl
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     sync()
     return {"wall_us": wall / calls * 1e6, "cpu_us": cpu / calls * 1e6}
+
+
+def profiled(
+    step: Callable[[], Any], iters: int, warmup: int = 1, record: bool = True
+) -> tuple[Any, float]:
+    """``warmup`` untimed calls of ``step``, then ``iters`` under ``torch.profiler`` (CPU, and CUDA
+    when there is a GPU; ``record=False``: not profiled, e.g. on the other ranks). Returns the
+    profile (None when not recorded) and the synchronized wall milliseconds per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    sync()
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
+    prof = profile(activities=activities) if record else None
+    with prof if prof is not None else contextlib.nullcontext():
+        ms = samples_ms(lambda: [step() for _ in range(iters)], 0, 1)[0] / iters
+    return prof, ms
+
+
+def top_ops(events, key: str, iters: int, n: int = 4, scale: float = 1e-3) -> str:
+    """The ``n`` profiler events with the largest ``key`` (e.g. ``self_cpu_time_total``), as
+    "name time; ..." with the time per iteration (microseconds times ``scale``: ms by default)."""
+    top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:n]
+    return "; ".join(
+        f"{e.key} {getattr(e, key, 0) * scale / iters:.{1 if scale < 1 else 0}f}" for e in top
+    )
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

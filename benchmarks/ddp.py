@@ -38,9 +38,11 @@ from benchmarks._harness import (
     parser,
     percentiles,
     print_report,
+    profiled,
     report,
     run_ranks,
     samples_ms,
+    top_ops,
     write_results,
 )
 from torch_flashsys import BucketedDDP, ShardedOptimizer
@@ -234,24 +236,14 @@ def run_variant(name: str, args, device: torch.device) -> dict:
             "status": status}  # fmt: skip
 
 
-def _top(events, key: str, steps: int, n: int = 4) -> str:
-    rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:n]
-    return "; ".join(f"{e.key} {getattr(e, key, 0) / 1e3 / steps:.1f}" for e in rows)
-
-
 def profile_variant(name: str, args, device: torch.device) -> dict:
     """Warm-up, then ``--profile-steps`` steps under torch.profiler (rank 0 records)."""
-    from torch.profiler import ProfilerActivity, profile
-
     _free(device)
     row: dict = {"variant": name}
     try:
-        cuda = device.type == "cuda"
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        recording = profile(activities=activities) if dist.get_rank() == 0 else None
-        row["step_ms"] = statistics.fmean(_profiled(name, args, device, recording))
-        if recording is not None:
-            row.update(_summarize(name, recording, args, cuda))
+        prof, row["step_ms"] = _profiled(name, args, device)
+        if prof is not None:
+            row.update(_summarize(name, prof, args, device.type == "cuda"))
         row["status"] = "ok"
     except Exception as exc:
         row["status"] = _reason(exc)
@@ -260,13 +252,10 @@ def profile_variant(name: str, args, device: torch.device) -> dict:
     return row
 
 
-def _profiled(name: str, args, device: torch.device, recording) -> list[float]:
-    """Warm-up steps, then ``--profile-steps`` timed steps inside ``recording`` (or none)."""
+def _profiled(name: str, args, device: torch.device):
     step, _ = _steps(name, args, device)
-    for _ in range(max(args.warmup, 1)):
-        step()
-    with recording if recording is not None else contextlib.nullcontext():
-        return samples_ms(lambda: step(labelled=True), 0, args.profile_steps)
+    run = lambda: step(labelled=True)
+    return profiled(run, args.profile_steps, max(args.warmup, 1), record=dist.get_rank() == 0)
 
 
 def _summarize(name: str, prof, args, cuda: bool) -> dict:
@@ -278,10 +267,10 @@ def _summarize(name: str, prof, args, cuda: bool) -> dict:
     ops = [e for e in events if e.key not in phases and not e.key.startswith("ProfilerStep")]
     row = {f"{k}_cpu_ms": phases[k].cpu_time_total / 1e3 / n for k in phases}
     row["self_cpu_ms"] = sum(e.self_cpu_time_total for e in ops) / 1e3 / n
-    row["top_cpu"] = _top(ops, "self_cpu_time_total", n)
+    row["top_cpu"] = top_ops(ops, "self_cpu_time_total", n)
     if cuda:
         row["self_cuda_ms"] = sum(getattr(e, "self_device_time_total", 0) for e in ops) / 1e3 / n
-        row["top_cuda"] = _top(ops, "self_device_time_total", n)
+        row["top_cuda"] = top_ops(ops, "self_device_time_total", n)
     os.makedirs(args.profile, exist_ok=True)
     with open(os.path.join(args.profile, f"profile_{name}.txt"), "w") as f:
         f.write(f"{name}: {n} steps, rank 0 of {dist.get_world_size()}; times are totals\n\n")

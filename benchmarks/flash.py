@@ -42,10 +42,10 @@ from benchmarks._harness import (
     nvtx_range,
     parser,
     print_report,
+    profiled,
     progress,
     report,
-    samples_ms,
-    sync,
+    top_ops,
     write_results,
 )
 from torch_flashsys import flash_attention
@@ -195,17 +195,9 @@ def profile_host(impl, dtype, causal, device, calls=200, top=18):
 
 def profile_one(fn, q, k, v, dout, iters: int) -> tuple[str, list[dict]]:
     """Markdown section and rows (the top six kernels, or CPU operators) of ``iters`` fwd+bwd
-    under torch.profiler after three warm ones."""
-    from torch.profiler import ProfilerActivity, profile
-
+    under torch.profiler after three warm ones (compile, autotune, warm caches)."""
     cuda = q.is_cuda
-    step = lambda: fn(q, k, v).backward(dout)
-    for _ in range(3):  # compile, autotune, warm caches
-        step()
-    sync()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        wall_ms = samples_ms(lambda: [step() for _ in range(iters)], 0, 1)[0] / iters
+    prof, wall_ms = profiled(lambda: fn(q, k, v).backward(dout), iters, warmup=3)
     events = prof.key_averages()
     if cuda:  # kernels: device time and no CPU time of their own
         kernels = [e for e in events if getattr(e, "device_time_total", 0) > 0]
@@ -226,8 +218,7 @@ def profile_one(fn, q, k, v, dout, iters: int) -> tuple[str, list[dict]]:
         )
         rows.append({"kernel": name, "calls_per_iter": e.count / iters, "ms_per_iter": ms,
                      "wall_ms": wall_ms, "kernels_ms": total_ms})  # fmt: skip
-    top_cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:4]
-    cpu = ", ".join(f"{e.key} {e.self_cpu_time_total / iters:.0f}" for e in top_cpu)
+    cpu = top_ops(events, "self_cpu_time_total", iters, scale=1.0)
     return "\n".join([*lines, "", f"top self-CPU ops (us/iter): {cpu}"]), rows
 
 
