@@ -1,11 +1,14 @@
-"""Small shared harness for the benchmark scripts: environment stamp, timing, tables, output files.
+"""The benchmark scripts' shared harness: options, the timers, rank launching, tables and files.
 
-Every result row carries the device, torch/triton versions, date and command (``env_stamp()``), so
-a table copied into docs/benchmarks.md says where it came from.
+The only timers: :func:`bench` (``do_bench`` on CUDA), :func:`samples_ms` / :func:`time_fn`
+(synchronized wall clock per call), :class:`Laps` (phases of one step) and :func:`host_us` (host
+time per call, unsynchronized). Every result row carries the device, torch/triton versions, date
+and command (:func:`env_stamp`), so a table copied into docs/benchmarks.md says where it came from.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
 import datetime as _dt
@@ -21,6 +24,8 @@ from importlib import metadata
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def env_stamp() -> dict[str, str]:
@@ -53,30 +58,106 @@ def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
     }
 
 
-def time_fn(fn: Callable[[], Any], warmup: int = 3, reps: int = 20) -> dict[str, float]:
-    """Wall-clock timing with device synchronisation; returns :func:`percentiles` of ``reps`` runs.
+def sync() -> None:
+    """Wait for the GPU (when there is one): every timer ends its measurement with this."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
-    On CUDA prefer :func:`bench_gpu` (``triton.testing.do_bench``), which also flushes the L2 cache.
-    """
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+def samples_ms(
+    fn: Callable[[], Any], warmup: int = 3, reps: int = 20, before: Callable[[], Any] | None = None
+) -> list[float]:
+    """Wall-clock milliseconds of each of ``reps`` calls after ``warmup`` untimed ones, each ended
+    by :func:`sync`; ``before`` (untimed) runs ahead of every timed call (e.g. a barrier)."""
     for _ in range(warmup):
         fn()
     sync()
     samples = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         sync()
         samples.append((time.perf_counter() - start) * 1e3)
-    return percentiles(samples)
+    return samples
 
 
-def bench_gpu(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> dict[str, float]:
-    """``triton.testing.do_bench``: median and 20th/80th percentiles in milliseconds."""
+def time_fn(fn: Callable[[], Any], warmup: int = 3, reps: int = 20) -> dict[str, float]:
+    """:func:`percentiles` of :func:`samples_ms` (CPU timings; on CUDA :func:`bench` is better)."""
+    return percentiles(samples_ms(fn, warmup, reps))
+
+
+def bench(
+    fn: Callable[[], Any], device: str | torch.device, reps: int = 2, rep_ms: int = 100
+) -> dict[str, float]:
+    """The benchmarks' timer: ``triton.testing.do_bench`` on CUDA (median and 20th/80th
+    percentiles of ``rep_ms`` of calls, L2 flushed between them), else :func:`time_fn` with one
+    warm-up and ``reps``."""
+    if torch.device(device).type != "cuda":
+        return time_fn(fn, warmup=1, reps=reps)
     from triton.testing import do_bench
 
-    p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+    p20, median, p80 = do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
     return {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
+
+
+class Laps:
+    """Phase times of one step: ``lap(name)`` syncs and records the milliseconds since the last."""
+
+    def __init__(self) -> None:
+        sync()
+        self.ms: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        sync()
+        now = time.perf_counter()
+        self.ms[name] = (now - self._t) * 1e3
+        self._t = now
+
+
+def host_us(fn: Callable[[], Any], calls: int, warmup: int = 30) -> dict[str, float]:
+    """Host cost per call of ``fn`` run ``calls`` times without synchronizing: microseconds of wall
+    time and of process CPU time (autograd runs CUDA backwards on a worker thread)."""
+    for _ in range(warmup):  # autotune, compile, fill the launch caches
+        fn()
+    sync()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        fn()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    sync()
+    return {"wall_us": wall / calls * 1e6, "cpu_us": cpu / calls * 1e6}
+
+
+def profiled(
+    step: Callable[[], Any], iters: int, warmup: int = 1, record: bool = True
+) -> tuple[Any, float]:
+    """``warmup`` untimed calls of ``step``, then ``iters`` under ``torch.profiler`` (CPU, and CUDA
+    when there is a GPU; ``record=False``: not profiled, e.g. on the other ranks). Returns the
+    profile (None when not recorded) and the synchronized wall milliseconds per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    sync()
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    )
+    prof = profile(activities=activities) if record else None
+    with prof if prof is not None else contextlib.nullcontext():
+        ms = samples_ms(lambda: [step() for _ in range(iters)], 0, 1)[0] / iters
+    return prof, ms
+
+
+def top_ops(events, key: str, iters: int, n: int = 4, scale: float = 1e-3) -> str:
+    """The ``n`` profiler events with the largest ``key`` (e.g. ``self_cpu_time_total``), as
+    "name time; ..." with the time per iteration (microseconds times ``scale``: ms by default)."""
+    top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:n]
+    return "; ".join(
+        f"{e.key} {getattr(e, key, 0) * scale / iters:.{1 if scale < 1 else 0}f}" for e in top
+    )
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -152,12 +233,75 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def set_spawn_env(rank: int, world_size: int, port: int) -> None:
-    """Give a process started by ``mp.spawn`` the environment torchrun would have given it."""
+def parser(doc: str | None, smoke: str, plot: bool = False) -> argparse.ArgumentParser:
+    """An ArgumentParser showing ``doc`` with the options every benchmark has: --smoke (``smoke``
+    says what it runs), --out and, with ``plot``, --plot."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help=smoke)
+    p.add_argument("--out", help="write the rows to a .json or .csv file")
+    if plot:
+        p.add_argument("--plot", help="save a PNG plot of the results to this path")
+    return p
+
+
+def csv_list(p: argparse.ArgumentParser, value: str, option: str, kind=str, choices=None) -> list:
+    """``value`` split at commas and converted by ``kind``; a parser error naming ``option`` when
+    an item does not convert, is not in ``choices`` or is not positive (numbers)."""
+    try:
+        items = [kind(v.strip()) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        items = []
+    bad = [
+        v
+        for v in items
+        if (choices is not None and v not in choices) or (kind is not str and v <= 0)
+    ]
+    if bad or not items:
+        wanted = (
+            f"a subset of {list(choices)}" if choices is not None else f"positive {kind.__name__}s"
+        )
+        p.error(f"{option} takes comma-separated {wanted}, got {value!r}")
+    return items
+
+
+def report(args, title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """Write ``rows`` to ``args.out`` (when given) and print them as a table."""
+    write_results(args.out, rows)
+    print_report(title, rows, columns)
+
+
+def run_ranks(fn, args, nproc: int, backend: str, timeout_s: float = 300.0):
+    """``fn(args)`` in every rank of a process group (``backend``): this process when torchrun
+    started it, else ``nproc`` spawned ones. Returns what rank 0's ``fn`` returned (None on the
+    other ranks of a torchrun world)."""
+    if under_torchrun():
+        return _in_group(fn, args, backend, timeout_s)
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_spawned, args=(nproc, free_port(), fn, args, backend, timeout_s, queue),
+                       nprocs=nproc, start_method="spawn")  # fmt: skip
+    return queue.get()
+
+
+def _spawned(rank: int, world: int, port: int, fn, args, backend, timeout_s, queue) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
+    result = _in_group(fn, args, backend, timeout_s)
+    if rank == 0:
+        queue.put(result)
+
+
+def _in_group(fn, args, backend: str, timeout_s: float):
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, timeout=_dt.timedelta(seconds=timeout_s))
+    try:
+        result = fn(args)
+        dist.barrier()  # rank 0 reported: leave together
+        return result if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
 
 
 def add_lm_args(p, default_size: str = "xl") -> None:

@@ -22,14 +22,8 @@ import random
 
 import torch
 
-from benchmarks._harness import bench_gpu, time_fn
-from benchmarks._peers import _sdpa_call
-
-
-def _time(fn, device: str) -> float:
-    if device == "cuda":
-        return bench_gpu(fn)["median_ms"]
-    return time_fn(fn, warmup=1, reps=2)["median_ms"]
+from benchmarks._harness import bench
+from benchmarks._peers import sdpa_call
 
 
 def _lengths(smoke: bool) -> list[int]:
@@ -41,7 +35,9 @@ def _lengths(smoke: bool) -> list[int]:
 
 def _row(rows, impl, case, fn, device, ms_scale=1.0, **extra):
     try:
-        rows.append({"impl": impl, "case": case, "ms": _time(fn, device) * ms_scale, **extra})
+        rows.append(
+            {"impl": impl, "case": case, "ms": bench(fn, device)["median_ms"] * ms_scale, **extra}
+        )
     except Exception as exc:  # an impl that cannot run this case: an empty ms and why
         rows.append({"impl": impl, "case": case, "ms": None, **extra,
                      "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:70]}"})  # fmt: skip
@@ -74,16 +70,13 @@ def packed_rows(device: str, dtype, smoke: bool) -> list[dict]:
     flops = sum(4 * heads * n_i * n_i * dim * 0.5 for n_i in lens) * 3.5  # causal fwd+bwd
     rows: list[dict] = []
     case = "packed"
-    ours = lambda q, k, v: flash_attention(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu,
-        cu_seqlens_k=cu,
-        max_seqlen_q=longest,
-        max_seqlen_k=longest,
-        is_causal=True,
-    )
+    packed = {
+        "cu_seqlens_q": cu,
+        "cu_seqlens_k": cu,
+        "max_seqlen_q": longest,
+        "max_seqlen_k": longest,
+    }
+    ours = lambda q, k, v: flash_attention(q, k, v, is_causal=True, **packed)
     _row(rows, "ours", case, _fwd_bwd(ours, (q, k, v), dout), device, flops=flops)
     # the same batch as nested jagged tensors, (n, heads, j, dim) as SDPA takes them
     offsets = cu.long()
@@ -104,7 +97,7 @@ def packed_rows(device: str, dtype, smoke: bool) -> list[dict]:
     causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
     mask = causal[None, None] & valid[:, None, None, :]
     for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
-        sdpa = _sdpa_call(backend, {"attn_mask": mask})
+        sdpa = sdpa_call(backend, attn_mask=mask)
         _row(rows, f"sdpa {backend.split('_')[0].lower()} padded", case,
              _fwd_bwd(sdpa, (qp, kp, vp), dp), device, flops=flops)  # fmt: skip
     key_pad = valid[:, None, None, :]
@@ -161,7 +154,7 @@ def _decode_case(rows, batch, cache, heads, kv_heads, dim, device, dtype, random
     with torch.no_grad():
         _row(rows, "ours", case, ours(full), device, bytes=nbytes)
         for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
-            sdpa = _sdpa_call(backend, {"enable_gqa": True})
+            sdpa = sdpa_call(backend, enable_gqa=True)
             _row(rows, f"sdpa {backend.split('_')[0].lower()}", case, lambda f=sdpa: f(q, kc, vc),
                  device, bytes=nbytes)  # fmt: skip
         if device == "cuda":

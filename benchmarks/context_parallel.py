@@ -21,8 +21,6 @@ process group's timeout (--pg-timeout) turns that into an error instead of a han
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
 import sys
 import time
@@ -32,16 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks._harness import (
-    free_port,
-    is_oom,
-    percentiles,
-    print_report,
-    set_spawn_env,
-    write_results,
-)
+from benchmarks._harness import Laps, is_oom, parser, percentiles, report, run_ranks, samples_ms
 from torch_flashsys import BucketedDDP, flash_attention
 from torch_flashsys.distributed import (
     context_parallel_attention,
@@ -59,8 +49,8 @@ COLUMNS = ["part", "gpus", "mode", "context", "failed_at", "peak_gib", "step_s",
            "single_gpu_ms", "speedup"]  # fmt: skip
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def parse_args(argv=None):
+    p = parser(__doc__, smoke="tiny LM on CPU (gloo), seconds")
     p.add_argument(
         "--nproc", type=int, default=None, help="ranks for part 2 (default: GPUs, max 2)"
     )
@@ -77,8 +67,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=300.0, help="process group timeout, s (300)")
     p.add_argument("--simulate-oom-above", type=int, default=None,
                    help="testing: contexts above this many tokens count as out of memory")  # fmt: skip
-    p.add_argument("--smoke", action="store_true", help="tiny LM on CPU (gloo), seconds")
-    p.add_argument("--out", default=None, help="write the rows to a .json or .csv file")
     args = p.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     args.lm = LLAMA_1B
@@ -142,26 +130,21 @@ def _trainer(args, device: torch.device, mode: str, warm_context: int):
     return step, (model, opt)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _try(step, context: int, device: torch.device) -> tuple[bool, float, float]:
     """(trained on every rank, peak GiB, seconds)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    t0, ok = time.perf_counter(), True
+    laps, ok = Laps(), True
     try:
         step(context)
-        _sync(device)
     except Exception as exc:
         if not is_oom(exc):
             raise
         ok = False
-    seconds = time.perf_counter() - t0
+    laps.lap("step")
+    seconds = laps.ms["step"] / 1e3
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
     flag = torch.tensor([0.0 if ok else 1.0, peak], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -201,14 +184,7 @@ def longest_context(args, device: torch.device, mode: str) -> dict:
 
 
 def _attention_ms(fn, args, device: torch.device) -> float:
-    times = []
-    for i in range(args.reps + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if i:  # the first call compiles / warms up
-            times.append((time.perf_counter() - t0) * 1e3)
+    times = samples_ms(fn, 1, args.reps)  # the first call compiles / warms up
     stats = torch.tensor([percentiles(times)["median_ms"]], device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # the slowest rank's
     return stats.item()
@@ -222,7 +198,7 @@ def _qkv(seq: int, device: torch.device, local: bool):
     return [t.contiguous().requires_grad_() for t in ts]
 
 
-def attention_rows(args, device: torch.device, single_ms: dict[int, float]) -> list[dict]:
+def attention_rows(args, device: torch.device) -> list[dict]:
     world, rows = dist.get_world_size(), []
     for seq in args.attn_seqs:
         if world == 1:
@@ -231,8 +207,7 @@ def attention_rows(args, device: torch.device, single_ms: dict[int, float]) -> l
             def full(q=q, k=k, v=v):
                 flash_attention(q, k, v, is_causal=True).sum().backward()
 
-            ms = _attention_ms(full, args, device)
-            single_ms[seq] = ms
+            ms = args.single_ms[seq] = _attention_ms(full, args, device)
             rows.append({"part": "attention", "gpus": 1, "mode": "flash_attention",
                          "context": seq, "attn_ms": ms, "single_gpu_ms": ms, "speedup": 1.0})  # fmt: skip
         for mode in args.modes:
@@ -242,7 +217,7 @@ def attention_rows(args, device: torch.device, single_ms: dict[int, float]) -> l
                 context_parallel_attention(q, k, v, mode=mode, is_causal=True).sum().backward()
 
             ms = _attention_ms(fwd_bwd, args, device)
-            base = single_ms.get(seq)
+            base = args.single_ms.get(seq)
             rows.append({"part": "attention", "gpus": world, "mode": mode, "context": seq,
                          "attn_ms": ms, "single_gpu_ms": base,
                          "speedup": base / ms if base else None})  # fmt: skip
@@ -254,43 +229,28 @@ def attention_rows(args, device: torch.device, single_ms: dict[int, float]) -> l
 # ----------------------------------------------------------------- driver
 
 
-def _run(rank: int, world: int, port: int, args, single_ms: dict, queue) -> None:
-    set_spawn_env(rank, world, port)
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=args.pg_timeout)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    try:
-        rows = []
-        if not args.skip_search:
-            modes = args.modes if world > 1 else ["ring"]
-            rows += [longest_context(args, device, m) for m in modes]
-        rows += attention_rows(args, device, single_ms)
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
+def worker(args) -> list[dict]:
+    """Part 1 and 2 on this rank's device; the rows (the same on every rank)."""
+    world = dist.get_world_size()
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    if not args.skip_search:
+        rows += [longest_context(args, device, m) for m in (args.modes if world > 1 else ["ring"])]
+    return rows + attention_rows(args, device)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    queue = mp.get_context("spawn").SimpleQueue()
-    single_ms: dict[int, float] = {}
-    _run(0, 1, free_port(), args, single_ms, queue)  # part 1 and 2 on one device, in-process
-    rows = queue.get()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()  # leave GPU 0 to the ranks (this process keeps its context)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    args.single_ms = {}
+    rows = run_ranks(worker, args, 1, backend, args.pg_timeout)  # one device: parts 1 and 2
+    args.single_ms = {r["context"]: r["attn_ms"] for r in rows if r["mode"] == "flash_attention"}
     if args.nproc > 1:
-        ctx = mp.get_context("spawn")
-        queue = ctx.SimpleQueue()
-        mp.start_processes(_run, args=(args.nproc, free_port(), args, single_ms, queue),
-                           nprocs=args.nproc, start_method="spawn")  # fmt: skip
-        rows += queue.get()
-    write_results(args.out, rows)
-    print_report("Context parallelism: longest trainable context, attention time per rank",
-                 rows, COLUMNS)  # fmt: skip
+        rows += run_ranks(worker, args, args.nproc, backend, args.pg_timeout)
+    title = "Context parallelism: longest trainable context, attention time per rank"
+    report(args, title, rows, COLUMNS)
     return rows
 
 

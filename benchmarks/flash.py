@@ -11,10 +11,12 @@ sweep. Examples::
         --seq 256,1024,4096,8192,16384 --dtype bf16 --out sweep.csv --plot sweep.png
     python benchmarks/flash.py --preset peers --out docs/data/attention_peers_h100.csv
                                    # ours vs SDPA flash/cuDNN/efficient and FlexAttention
+    python benchmarks/flash.py --preset features      # masks, dropout, window vs SDPA
     python benchmarks/flash.py --preset varlen --out docs/data/attention_varlen_h100.csv
     python benchmarks/flash.py --first-call --out docs/data/attention_startup_h100.csv
                                    # first calls in a fresh process, empty Triton cache
-    python benchmarks/flash.py --smoke                        # tiny, CPU, seconds
+    python benchmarks/flash.py --profile --shapes 4x16x4096x128 --features float-mask,dropout
+                                   # torch.profiler: CUDA time per kernel, ours vs cuDNN/flash
     python benchmarks/flash.py --preset cpu --no-causal       # "auto" against SDPA on a CPU
 """
 
@@ -32,12 +34,18 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import _peers
 from benchmarks._harness import (
-    bench_gpu,
+    host_us,
+    is_oom,
     line_plot,
+    nvtx_range,
+    parser,
     print_report,
+    profiled,
     progress,
-    time_fn,
+    report,
+    top_ops,
     write_results,
 )
 from torch_flashsys import flash_attention
@@ -56,56 +64,29 @@ PRESETS = {
     "varlen": dict(dtype="bf16"),
     # What backend="auto" costs on a CPU-only machine against SDPA there (issue 25; --causal or
     # --no-causal; run it with and without TRITON_INTERPRET=1 in the environment).
-    "cpu": dict(
-        shapes="2x8x512x64,4x8x1024x64",
-        dtype="fp32",
-        modes="fwd+bwd",
-        reps=5,
-        impls="flash_attention,sdpa (default backend choice)",
-    ),
-}
+    "cpu": dict(shapes="2x8x512x64,4x8x1024x64", dtype="fp32", modes="fwd+bwd", reps=5,
+                impls="flash_attention,sdpa (default backend choice)"),
+}  # fmt: skip
+HOST_TITLE = "Host overhead: one eager fwd+bwd call, 1x4x128x64, no synchronization"
+HOST_COLUMNS = ["impl", "host us/call (wall)", "host us/call (process CPU)"]
 
 
 def naive_attention(q, k, v, is_causal, nvtx_ranges=True):
     """Scores, softmax and the final matmul as three PyTorch ops (NVTX ranges for nsys)."""
-    nvtx = torch.cuda.nvtx.range if q.is_cuda and nvtx_ranges else _null_range
-    with nvtx("scores"):
+    with nvtx_range("scores", nvtx_ranges):
         s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
         if is_causal:
             mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
             s = s.masked_fill(mask, float("-inf"))
-    with nvtx("softmax"):
+    with nvtx_range("softmax", nvtx_ranges):
         p = torch.softmax(s, dim=-1)
-    with nvtx("final matmul"):
+    with nvtx_range("final matmul", nvtx_ranges):
         return p @ v
 
 
-class _null_range:
-    def __init__(self, *_):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        return False
-
-
-def _sdpa(backend_name):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, backend_name)
-
-    def run(q, k, v, is_causal):
-        # SDPA's fused kernels want 4-D; a 3-D (B, L, E) problem is (B, 1, L, E) (a view).
-        squeeze = q.dim() == 3
-        if squeeze:
-            q, k, v = (t.unsqueeze(1) for t in (q, k, v))
-        with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-        return out.squeeze(1) if squeeze else out
-
-    return run
+def _sdpa(backend: str):
+    run = _peers.sdpa_call(backend)
+    return lambda q, k, v, c: run(q, k, v, is_causal=c)
 
 
 def implementations(device: str) -> dict:
@@ -135,10 +116,24 @@ def implementations(device: str) -> dict:
             q, k, v, is_causal=c, backend="torch"
         )
         impls["sdpa math"] = _sdpa("MATH")
-        impls["sdpa (default backend choice)"] = lambda q, k, v, c: F.scaled_dot_product_attention(
-            q, k, v, is_causal=c
-        )
+        impls["sdpa (default backend choice)"] = _sdpa_default
     return impls
+
+
+def _sdpa_default(q, k, v, causal):
+    """SDPA as models call it: no backend pinning, no context manager per call."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _fwd_bwd(impl, q, k, v, dout, causal):
+    """One eager fwd+bwd of ``impl``, gradients set to None first."""
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        impl(q, k, v, causal).backward(dout)
+
+    return step
 
 
 def attention_flops(batch, heads, seq, dim, causal, mode):
@@ -146,86 +141,32 @@ def attention_flops(batch, heads, seq, dim, causal, mode):
     return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[mode]
 
 
+def _inputs(shape, dtype, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, dout = (
+        torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4)
+    )
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
+
+
 def measure(impl, shape, dtype, causal, device, modes, reps):
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (
-        torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_()
-        for _ in range(3)
-    )
-    dout = torch.randn(shape, device=device, dtype=dtype, generator=gen)
-    timer = bench_gpu if device == "cuda" else (lambda fn: time_fn(fn, warmup=1, reps=reps))
-    results = {}
-    if "fwd" in modes:
-        with torch.no_grad():
-            results["fwd"] = timer(lambda: impl(q, k, v, causal))
-    if "bwd" in modes:
-        out = impl(q, k, v, causal)
-        if device == "cuda":
-            torch.cuda.synchronize()
-            results["mem_before_bwd_MiB"] = torch.cuda.memory_allocated() / 2**20
-
-        def bwd():
-            for t in (q, k, v):
-                t.grad = None
-            out.backward(dout, retain_graph=True)
-
-        results["bwd"] = timer(bwd)
-        del out
-
-    if "fwd+bwd" in modes:
-
-        def fwd_bwd():
-            for t in (q, k, v):
-                t.grad = None
-            impl(q, k, v, causal).backward(dout)
-
-        results["fwd+bwd"] = timer(fwd_bwd)
-    return results
-
-
-def host_overhead(impl, dtype, causal, device, calls=300, shape=(1, 4, 128, 64)):
-    """CPU cost of one eager forward+backward call: a loop of calls without synchronizing.
-
-    The shape is tiny so the GPU keeps up and the loop's wall time is the host's: microseconds of
-    wall time per call, and of process CPU time per call (autograd runs CUDA backwards on a
-    worker thread, so the whole process is counted).
-    """
-    gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (
-        torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_()
-        for _ in range(3)
-    )
-    dout = torch.randn(shape, device=device, dtype=dtype, generator=gen)
-
-    def step():
-        for t in (q, k, v):
-            t.grad = None
-        impl(q, k, v, causal).backward(dout)
-
-    for _ in range(30):  # autotune, compile, fill the launch caches
-        step()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(calls):
-        step()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    sync()
-    return {"wall_us": wall / calls * 1e6, "cpu_us": cpu / calls * 1e6}
+    q, k, v, dout = _inputs(shape, dtype, device)
+    fn = lambda q, k, v: impl(q, k, v, causal)
+    return _peers.time_modes(fn, q, k, v, dout, device, modes, reps)
 
 
 def host_overhead_rows(impls, dtype, causal, device, smoke=False):
-    """:func:`host_overhead` for the fused impls, SDPA as models call it (no backend pinning, no
-    context manager per call) and a floor: one trivial differentiable op and its backward."""
+    """Host cost of one eager fwd+bwd call (1x4x128x64: the GPU keeps up, so the loop's wall time
+    is the host's) for the fused impls, SDPA as models call it (no backend pinning, no context
+    manager per call) and a floor: one trivial differentiable op and its backward."""
     candidates = {n: f for n, f in impls.items() if n.startswith("flash_attention")}
-    candidates["sdpa (default backend choice)"] = lambda q, k, v, c: F.scaled_dot_product_attention(
-        q, k, v, is_causal=c
-    )
+    candidates["sdpa (default backend choice)"] = _sdpa_default
     candidates["floor: q * 1.0 and its backward"] = lambda q, k, v, c: q * 1.0
+    q, k, v, dout = _inputs((1, 4, 128, 64), dtype, device)
     rows = []
     for name, impl in candidates.items():
         try:
-            res = host_overhead(impl, dtype, causal, device, calls=50 if smoke else 300)
+            res = host_us(_fwd_bwd(impl, q, k, v, dout, causal), calls=50 if smoke else 300)
             rows.append({"impl": name, "host us/call (wall)": res["wall_us"],
                          "host us/call (process CPU)": res["cpu_us"]})  # fmt: skip
         except Exception as exc:
@@ -235,49 +176,86 @@ def host_overhead_rows(impls, dtype, causal, device, smoke=False):
 
 def profile_host(impl, dtype, causal, device, calls=200, top=18):
     """Where the host time of one eager call goes: cProfile of fwd+bwd calls (the main thread
-    only: autograd runs CUDA backwards on a worker thread), then the launch layers timed alone."""
+    only: autograd runs CUDA backwards on a worker thread)."""
     import cProfile
     import io
     import pstats
 
-    from torch_flashsys.attention import _ops
-    from torch_flashsys.attention._extras import CAUSAL, PLAIN
-
-    host_overhead(impl, dtype, causal, device, calls=5)
+    q, k, v, dout = _inputs((1, 4, 128, 64), dtype, device)
+    step = _fwd_bwd(impl, q, k, v, dout, causal)
+    host_us(step, calls=5)
     prof = cProfile.Profile()
     prof.enable()
-    host_overhead(impl, dtype, causal, device, calls=calls)
+    host_us(step, calls=calls, warmup=0)
     prof.disable()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    q, k, v, do = (torch.randn(1, 4, 128, 64, device=device, dtype=dtype) for _ in range(4))
-    ex = CAUSAL if causal else PLAIN
-    o, lse = _ops._forward(q, k, v, 0.125, ex)
-    pieces = {
-        "_ops._forward (kernel launch layer)": lambda: _ops._forward(q, k, v, 0.125, ex),
-        "_ops._backward (kernel launch layer)": lambda: _ops._backward(
-            do, q, k, v, o, lse, None, 0.125, ex
-        ),
-        "torch.empty_like(q)": lambda: torch.empty_like(q),
-    }
-    for name, fn in pieces.items():
-        for _ in range(20):
-            fn()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        print(f"{name}: {(time.perf_counter() - start) / calls * 1e6:.1f} us/call", file=out)
     return out.getvalue()
+
+
+def profile_one(fn, q, k, v, dout, iters: int) -> tuple[str, list[dict]]:
+    """Markdown section and rows (the top six kernels, or CPU operators) of ``iters`` fwd+bwd
+    under torch.profiler after three warm ones (compile, autotune, warm caches)."""
+    cuda = q.is_cuda
+    prof, wall_ms = profiled(lambda: fn(q, k, v).backward(dout), iters, warmup=3)
+    events = prof.key_averages()
+    if cuda:  # kernels: device time and no CPU time of their own
+        kernels = [e for e in events if getattr(e, "device_time_total", 0) > 0]
+        kernels = [e for e in kernels if e.cpu_time_total == 0] or kernels
+        time_of = lambda e: e.device_time_total
+    else:  # CPU: the operators' own time
+        kernels, time_of = list(events), lambda e: e.self_cpu_time_total
+    kernels.sort(key=lambda e: -time_of(e))
+    total_ms = sum(time_of(e) for e in kernels) / iters / 1e3
+    lines = [f"wall {wall_ms:.3f} ms/iter, kernels {total_ms:.3f} ms/iter", ""]
+    lines += ["| kernel | calls/iter | ms/iter | share |", "|---|---|---|---|"]
+    rows = []
+    for e in kernels[:6]:
+        name = e.key if len(e.key) < 70 else e.key[:67] + "..."
+        ms = time_of(e) / iters / 1e3
+        lines.append(
+            f"| `{name}` | {e.count / iters:g} | {ms:.3f} | {100 * ms / max(total_ms, 1e-12):.0f}% |"
+        )
+        rows.append({"kernel": name, "calls_per_iter": e.count / iters, "ms_per_iter": ms,
+                     "wall_ms": wall_ms, "kernels_ms": total_ms})  # fmt: skip
+    cpu = top_ops(events, "self_cpu_time_total", iters, scale=1.0)
+    return "\n".join([*lines, "", f"top self-CPU ops (us/iter): {cpu}"]), rows
+
+
+def run_profile(args, device, dtype) -> None:
+    """--profile: per shape and feature, ours beside SDPA cuDNN and flash under torch.profiler."""
+    rows, summary = [], []
+    backends = ("CUDNN_ATTENTION", "FLASH_ATTENTION") if device == "cuda" else ("MATH",)
+    for shape, feature in itertools.product(_shapes(args), args.features.split(",")):
+        q, k, v, dout = _inputs(shape, dtype, device)
+        gen = torch.Generator(device=device).manual_seed(1)
+        ours, _, sdpa = _peers.feature_kwargs(feature.replace("-", " "), shape[0], shape[1],
+                                              shape[2], device, dtype, gen)  # fmt: skip
+        impls = {"flash_attention": lambda q, k, v, kw=ours: flash_attention(q, k, v, **kw)}
+        impls |= {f"sdpa {b.split('_')[0].lower()}": _peers.sdpa_call(b, **sdpa) for b in backends}
+        for impl, fn in impls.items():
+            print(f"### {impl} {shape} {feature}\n")
+            base = {"impl": impl, "shape": "x".join(map(str, shape)), "feature": feature}
+            try:
+                text, kernel_rows = profile_one(fn, q, k, v, dout, args.iters)
+            except Exception as exc:  # a peer that cannot run: a line
+                print(f"cannot run: {type(exc).__name__}: {str(exc)[:100]}\n")
+                summary.append({**base, "note": type(exc).__name__})
+                continue
+            print(text + "\n")
+            rows += [{**base, **r} for r in kernel_rows]
+            top = kernel_rows[0] if kernel_rows else {}
+            summary.append({**base, "wall_ms": top.get("wall_ms"), "kernels_ms": top.get("kernels_ms"),
+                            "top kernel": top.get("kernel")})  # fmt: skip
+    write_results(args.out, rows)
+    columns = ["impl", "shape", "feature", "wall_ms", "kernels_ms", "top kernel", "note"]
+    print_report("torch.profiler, fwd+bwd", summary, columns)
 
 
 def check_correctness(shape, dtype, causal, device):
     """Our output and gradients against SDPA's math path in float64 on a slice of the problem."""
     small = (min(shape[0], 2), *shape[1:-2], min(shape[-2], 1024), shape[-1])
-    gen = torch.Generator(device=device).manual_seed(1)
-    q, k, v = (
-        torch.randn(small, device=device, dtype=dtype, generator=gen).requires_grad_()
-        for _ in range(3)
-    )
+    q, k, v, _ = _inputs(small, dtype, device, seed=1)
     out = flash_attention(q, k, v, is_causal=causal)
     out.sum().backward()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -290,99 +268,118 @@ def check_correctness(shape, dtype, causal, device):
     return max(errs)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def parse_args(argv=None):
+    p = parser(__doc__, smoke="tiny sizes on CPU, a few seconds", plot=True)
     p.add_argument("--preset", choices=sorted(PRESETS), help="named setting (overrides shape args)")
     p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     p.add_argument(
-        "--heads", type=int, default=1,
-        help="heads; 0 means 3-D inputs (batch, seq, dim) as in the cs336 preset (default 1)",
-    )  # fmt: skip
+        "--heads", type=int, default=1, help="heads; 0: 3-D inputs (batch, seq, dim) (1)"
+    )
     p.add_argument("--seq", default="1024", help="sequence length(s), comma-separated")
     p.add_argument("--dim", default="64", help="head dim(s), comma-separated")
-    p.add_argument(
-        "--shapes",
-        help="comma-separated problems BxHxLxD (or BxLxD), instead of --batch/--heads/--seq/--dim",
-    )
+    p.add_argument("--shapes", help="comma-separated BxHxLxD (or BxLxD), instead of the above")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="default bf16")
-    p.add_argument(
-        "--causal", action=argparse.BooleanOptionalAction, default=True,
-        help="causal (top-left aligned) masking (default on)",
-    )  # fmt: skip
-    p.add_argument(
-        "--impls", default="all",
-        help="comma-separated implementation names to run, or 'all' (see the table for names)",
-    )  # fmt: skip
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                   help="causal (top-left aligned) masking (default on)")  # fmt: skip
+    p.add_argument("--impls", default="all", help="comma-separated implementation names, or 'all'")
     p.add_argument("--modes", default="fwd,bwd,fwd+bwd", help="subset of fwd,bwd,fwd+bwd")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions on CPU (CUDA: do_bench)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 correctness check")
-    p.add_argument(
-        "--time-budget", type=float, default=0,
-        help="seconds for the whole sweep; configurations not started by then are rows marked "
-        "'skipped (time budget)' (default 0: no limit)",
-    )  # fmt: skip
-    p.add_argument(
-        "--host-overhead", action="store_true",
-        help="also measure the CPU cost of one eager fwd+bwd call per impl (shape 1x4x128x64)",
-    )  # fmt: skip
-    p.add_argument(
-        "--profile-host", action="store_true",
-        help="print a cProfile of flash_attention's eager fwd+bwd calls (host time per function)",
-    )  # fmt: skip
-    p.add_argument(
-        "--workers", type=int, default=8,
-        help="--preset peers: processes that compile FlexAttention in parallel and take turns "
-        "timing on the GPU (default 8)",
-    )  # fmt: skip
-    p.add_argument(
-        "--first-call", action="store_true",
-        help="cold start: per dtype (bf16, fp16, fp32), the first fwd+bwd in a fresh process with "
-        "an empty Triton cache, the first call at 8 new lengths, a warm call; SDPA beside it",
-    )  # fmt: skip
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, a few seconds")
-    p.add_argument("--out", help="write rows to a .json or .csv file")
-    p.add_argument("--plot", help="save a forward+backward time plot (PNG) to this path")
+    p.add_argument("--time-budget", type=float, default=0,
+                   help="seconds for the sweep; configurations not started by then are rows "
+                   "marked 'skipped (time budget)' (default 0: no limit)")  # fmt: skip
+    p.add_argument("--host-overhead", action="store_true",
+                   help="also the host cost of one eager fwd+bwd call per impl (1x4x128x64)")  # fmt: skip
+    p.add_argument("--profile-host", action="store_true",
+                   help="print a cProfile of flash_attention's eager fwd+bwd calls")  # fmt: skip
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler per kernel of fwd+bwd, ours beside SDPA cuDNN/flash "
+                   "(default shapes 1x16x16384x64,1x16x4096x64)")  # fmt: skip
+    p.add_argument("--features", default="causal",
+                   help="--profile: comma-separated causal, key-padding, float-mask, dropout-0.1")  # fmt: skip
+    p.add_argument("--iters", type=int, default=5, help="--profile: profiled iterations (5)")
+    p.add_argument("--workers", type=int, default=8,
+                   help="--preset peers: processes that compile FlexAttention in parallel (8)")  # fmt: skip
+    p.add_argument("--first-call", action="store_true",
+                   help="cold start: per dtype, the first fwd+bwd in a fresh process with an empty "
+                   "Triton cache, the first call at 8 new lengths, a warm call; SDPA beside it")  # fmt: skip
     args = p.parse_args(argv)
+    if args.preset:
+        for key, value in PRESETS[args.preset].items():
+            setattr(args, key, value)
+    if args.profile and not args.shapes:
+        args.shapes = "1x16x16384x64,1x16x4096x64"
+    if args.smoke:
+        args.batch, args.heads, args.seq, args.dim, args.reps = 2, 2, "64,128", "16,32", 2
+        args.shapes, args.iters = "1x2x128x16" if args.profile else None, 2
+    return args
 
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = DTYPES[args.dtype]
+    if device == "cpu" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+        dtype = torch.float32  # the Triton interpreter's bf16 dot is broken
     if args.preset == "peers":
-        return run_peers(args)
+        return run_peers(args, device, dtype)
     if args.preset == "features":
         return run_features(args)
     if args.preset == "varlen":
         from benchmarks._varlen import run_varlen
 
-        rows = run_varlen(smoke=args.smoke)
-        write_results(args.out, rows)
-        columns = ["impl", "case", "ms", "TFLOP/s", "GB/s", "note"]
-        return print_report("Packed batches and KV-cache decoding (do_bench median)", rows, columns)
+        title = "Packed batches and KV-cache decoding (do_bench median)"
+        return report(
+            args, title, run_varlen(args.smoke), ["impl", "case", "ms", "TFLOP/s", "GB/s", "note"]
+        )
     if args.first_call:
         from benchmarks._startup import first_call_rows
 
-        cuda = torch.cuda.is_available() and not args.smoke
-        dtypes = ["bfloat16", "float16", "float32"] if cuda else ["float32"]
-        rows = first_call_rows(dtypes, "cuda" if cuda else "cpu", smoke=args.smoke)
-        write_results(args.out, rows)
+        dtypes = ["bfloat16", "float16", "float32"] if device == "cuda" else ["float32"]
         title = "Cold start: fwd+bwd seconds in a fresh process, empty Triton cache"
-        return print_report(title, rows, ["impl", "dtype", "case", "seconds"])
-    if args.preset:
-        for key, value in PRESETS[args.preset].items():
-            setattr(args, key, value)
-    if args.smoke:
-        args.batch, args.heads, args.seq, args.dim, args.reps = 2, 2, "64,128", "16,32", 2
-        args.shapes = None
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    dtype = DTYPES[args.dtype]
-    if device == "cpu" and dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
-        dtype = torch.float32  # the Triton interpreter's bf16 dot is broken
+        rows = first_call_rows(dtypes, device, smoke=args.smoke)
+        return report(args, title, rows, ["impl", "dtype", "case", "seconds"])
+    if args.profile:
+        return run_profile(args, device, dtype)
+    run_sweep(args, device, dtype)
+
+
+def _row(name, impl, shape, dtype, args, device, modes) -> dict:
+    row = {
+        "impl": name,
+        "shape": "x".join(map(str, shape)),
+        "dtype": args.dtype,
+        "causal": args.causal,
+    }
+    try:
+        res = measure(impl, shape, dtype, args.causal, device, modes, args.reps)
+        for mode in modes:
+            row[f"{mode} ms"] = res[mode]["median_ms"]
+            row[f"{mode} p20-p80"] = f"{res[mode]['p20_ms']:.3g}-{res[mode]['p80_ms']:.3g}"
+            flops = attention_flops(
+                shape[0], shape[1] if len(shape) == 4 else 0, *shape[-2:], args.causal, mode
+            )
+            row[f"{mode} TFLOP/s"] = flops / (res[mode]["median_ms"] * 1e-3) / 1e12
+        if "mem_before_bwd_MiB" in res:
+            row["mem before bwd MiB"] = res["mem_before_bwd_MiB"]
+    except Exception as exc:  # OOM, or an SDPA backend that does not support this input
+        row.update(
+            status(modes, "OOM" if is_oom(exc) else f"n/a ({str(exc).splitlines()[0][:60]})")
+        )
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def run_sweep(args, device, dtype) -> None:
     modes = [m for m in ("fwd", "bwd", "fwd+bwd") if m in args.modes.split(",")]
     impls = implementations(device)
     if args.impls != "all":
         impls = {n: f for n, f in impls.items() if n in args.impls.split(",")}
-
     rows = []
     start = time.perf_counter()
     for shape in progress(_shapes(args), desc="configs"):
-        batch, heads, seq, dim = shape[0], (shape[1] if len(shape) == 4 else 0), *shape[-2:]
         if args.time_budget and time.perf_counter() - start > args.time_budget:
             rows += [{"impl": name, "shape": "x".join(map(str, shape)), "dtype": args.dtype,
                       "causal": args.causal, **status(modes, "skipped (time budget)")}
@@ -391,34 +388,14 @@ def main(argv=None):
         if not args.no_check:
             err = check_correctness(shape, dtype, args.causal, device)
             print(f"check {shape}: max abs error vs float64 = {err:.3g}", file=sys.stderr)
-        for name, impl in progress(impls.items(), desc=f"d={dim} L={seq}", total=len(impls)):
-            row = {"impl": name, "shape": "x".join(map(str, shape)), "dtype": args.dtype,
-                   "causal": args.causal}  # fmt: skip
-            try:
-                res = measure(impl, shape, dtype, args.causal, device, modes, args.reps)
-                for mode in modes:
-                    row[f"{mode} ms"] = res[mode]["median_ms"]
-                    row[f"{mode} p20-p80"] = f"{res[mode]['p20_ms']:.3g}-{res[mode]['p80_ms']:.3g}"
-                    flops = attention_flops(batch, heads, seq, dim, args.causal, mode)
-                    row[f"{mode} TFLOP/s"] = flops / (res[mode]["median_ms"] * 1e-3) / 1e12
-                if "mem_before_bwd_MiB" in res:
-                    row["mem before bwd MiB"] = res["mem_before_bwd_MiB"]
-            except torch.cuda.OutOfMemoryError:
-                row.update(status(modes, "OOM"))
-            except Exception as exc:  # e.g. an SDPA backend that does not support this input
-                if "out of memory" in str(exc).lower():
-                    row.update(status(modes, "OOM"))
-                else:
-                    row.update(status(modes, f"n/a ({str(exc).splitlines()[0][:60]})"))
-            finally:
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-            rows.append(row)
-
-    overhead_rows = []
-    if args.host_overhead:
-        overhead_rows = host_overhead_rows(impls, dtype, args.causal, device, args.smoke)
-    write_results(args.out, rows + [{"mode": "host-overhead", **r} for r in overhead_rows])
+        for name, impl in progress(impls.items(), desc=f"{shape}", total=len(impls)):
+            rows.append(_row(name, impl, shape, dtype, args, device, modes))
+    overhead = (
+        host_overhead_rows(impls, dtype, args.causal, device, args.smoke)
+        if args.host_overhead
+        else []
+    )
+    write_results(args.out, rows + [{"mode": "host-overhead", **r} for r in overhead])
     if args.plot:
         _plot(rows, args.plot)
     columns = ["impl", "shape", "dtype"]
@@ -429,12 +406,8 @@ def main(argv=None):
     print_report("Attention benchmark", rows, columns)
     if args.profile_host:
         print(profile_host(impls["flash_attention"], dtype, args.causal, device), file=sys.stderr)
-    if overhead_rows:
-        print_report(
-            "Host overhead: one eager fwd+bwd call, 1x4x128x64, no synchronization",
-            overhead_rows,
-            ["impl", "host us/call (wall)", "host us/call (process CPU)"],
-        )
+    if overhead:
+        print_report(HOST_TITLE, overhead, HOST_COLUMNS)
 
 
 def _shapes(args) -> list[tuple[int, ...]]:
@@ -446,9 +419,7 @@ def _shapes(args) -> list[tuple[int, ...]]:
             for dim, seq in itertools.product(dims, seqs)]  # fmt: skip
 
 
-def run_peers(args) -> None:
-    from benchmarks import _peers
-
+def run_peers(args, device, dtype) -> None:
     rows = _peers.run_grid(smoke=args.smoke, workers=args.workers)
     write_results(args.out, rows)
     table, totals = _peers.summary(rows)
@@ -456,36 +427,22 @@ def run_peers(args) -> None:
     print_report("Attention peers (ms, do_bench median; bf16)", table, columns)
     print_report("Attention peers: summary", totals, list(totals[0]) if totals else [])
     if args.host_overhead:
-        device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
         overhead = host_overhead_rows(implementations(device), dtype, True, device, args.smoke)
-        print_report(
-            "Host overhead: one eager fwd+bwd call, 1x4x128x64, no synchronization",
-            overhead,
-            ["impl", "host us/call (wall)", "host us/call (process CPU)"],
-        )
+        print_report(HOST_TITLE, overhead, HOST_COLUMNS)
 
 
 def run_features(args) -> None:
-    from benchmarks import _peers
-
     rows = _peers.run_features(smoke=args.smoke)
-    write_results(args.out, rows)
-    base = {
-        r["feature"]: r["fwd+bwd ms"] for r in rows if r["impl"] == "flash_attention without it"
-    }
-    peers: dict[str, float] = {}
+    by = lambda impl: {r["feature"]: r["fwd+bwd ms"] for r in rows if r["impl"] == impl}
+    base, sdpa = by("flash_attention without it"), [by(f"sdpa {s}") for s in _peers.SDPA]
     for r in rows:
-        if r["impl"].startswith("sdpa") and r["fwd+bwd ms"] is not None:
-            peers[r["feature"]] = min(peers.get(r["feature"], float("inf")), r["fwd+bwd ms"])
-    for r in rows:
-        if r["impl"] == "flash_attention" and r["fwd+bwd ms"] is not None:
-            r["vs without"] = r["fwd+bwd ms"] / base[r["feature"]] if base.get(r["feature"]) else ""
-            r["vs fastest SDPA"] = (
-                r["fwd+bwd ms"] / peers[r["feature"]] if r["feature"] in peers else ""
-            )
+        ms, feature = r["fwd+bwd ms"], r["feature"]
+        fastest = min((p[feature] for p in sdpa if p.get(feature) is not None), default=None)
+        if r["impl"] == "flash_attention" and ms is not None:
+            r["vs without"] = ms / base[feature] if base.get(feature) else ""
+            r["vs fastest SDPA"] = ms / fastest if fastest else ""
     columns = ["feature", "impl", "shape", "fwd+bwd ms", "vs without", "vs fastest SDPA", "note"]
-    print_report("Attention features (fwd+bwd, do_bench median; bf16)", rows, columns)
+    report(args, "Attention features (fwd+bwd, do_bench median; bf16)", rows, columns)
 
 
 def status(modes, text):

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -24,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import line_plot, print_report, write_results
+from benchmarks._harness import csv_list, line_plot, parser, print_report, write_results
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SHORT = {v: k for k, v in DTYPES.items()}
@@ -117,57 +116,45 @@ def autocast_rows(dtype_name: str, device: torch.device, batch: int, seed: int) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = parser(__doc__, smoke="CPU, 100 additions, seconds", plot=True)
     p.add_argument("--n", type=int, default=1000, help="number of additions (1000)")
     p.add_argument("--value", type=float, default=0.01, help="the addend (0.01)")
     p.add_argument(
-        "--autocast-dtypes",
-        default="fp16,bf16",
-        help="autocast dtypes for the ToyModel report, comma-separated from fp16,bf16 (fp16,bf16)",
+        "--autocast-dtypes", default="fp16,bf16", help="ToyModel autocast dtypes (fp16,bf16)"
     )
     p.add_argument("--batch", type=int, default=8, help="ToyModel batch size (8)")
     p.add_argument("--seed", type=int, default=0, help="seed for the ToyModel's data (0)")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
-    p.add_argument("--smoke", action="store_true", help="CPU, 100 additions, seconds")
-    p.add_argument("--out", help="write the rows of both tables to a .json or .csv file")
-    p.add_argument("--plot", help="save a PNG of the accumulation error after each addition")
     args = p.parse_args(argv)
     if args.smoke:
         args.n, args.device = 100, "cpu"
     if args.n < 1:
         p.error(f"--n must be >= 1, got {args.n}")
-    autocast_dtypes = [d.strip() for d in args.autocast_dtypes.split(",") if d.strip()]
-    if not autocast_dtypes or any(d not in ("fp16", "bf16") for d in autocast_dtypes):
-        p.error(f"--autocast-dtypes takes fp16 and/or bf16, got {args.autocast_dtypes!r}")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
-
+    autocast_dtypes = csv_list(
+        p, args.autocast_dtypes, "--autocast-dtypes", choices=("fp16", "bf16")
+    )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device if args.device == "auto" else torch.device(args.device)
     acc_rows, series = accumulation_rows(args.n, args.value, device)
     reports = {d: autocast_rows(d, device, args.batch, args.seed) for d in autocast_dtypes}
-    dtype_rows = [
-        {"table": "autocast", "quantity": q, **{f"autocast {d}": reports[d][q] for d in reports}}
-        for q in reports[autocast_dtypes[0]]
-    ]
+    dtype_rows = [{"table": "autocast", "quantity": q, **{f"autocast {d}": reports[d][q] for d in reports}}
+                  for q in reports[autocast_dtypes[0]]]  # fmt: skip
     write_results(args.out, acc_rows + dtype_rows)
     if args.plot:
         line_plot(args.plot, {k: v[:: max(1, args.n // 200)] for k, v in series.items()},
                   xlabel="additions", ylabel=f"|sum - exact| (adding {args.value})",
                   title="Accumulation error by dtype", logy=True)  # fmt: skip
-    shown = [  # the harness prints 3 significant digits: too few here
+    # the harness prints 3 significant digits: too few here
+    shown = [
         {**r, **{k: f"{r[k]:.9g}" for k in ("result", "abs error", "addend as stored")}}
         for r in acc_rows
     ]
+    columns = ["accumulator", "addend", "addend cast", "result", "abs error", "addend as stored"]
     print_report(
-        f"Adding {args.value} {args.n} times (exact: {args.n * args.value:g})",
-        shown,
-        ["accumulator", "addend", "addend cast", "result", "abs error", "addend as stored"],
+        f"Adding {args.value} {args.n} times (exact: {args.n * args.value:g})", shown, columns
     )
-    print_report(
-        f"ToyModel dtypes under torch.autocast('{device.type}', dtype)",
-        dtype_rows,
-        ["quantity", *(f"autocast {d}" for d in autocast_dtypes)],
-    )
+    title = f"ToyModel dtypes under torch.autocast('{device.type}', dtype)"
+    print_report(title, dtype_rows, ["quantity", *(f"autocast {d}" for d in autocast_dtypes)])
 
 
 if __name__ == "__main__":

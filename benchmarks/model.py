@@ -1,37 +1,23 @@
 """End-to-end benchmark of the reference LM: forward, forward+backward and a full AdamW train step.
 
 Builds ``torch_flashsys.models.build_model(size, ...)`` (Table-1 sizes), runs ``--warmup`` untimed
-steps, then ``--steps`` measured steps, each ended by ``torch.cuda.synchronize()``, and reports the
-mean and standard deviation per phase (forward, backward, optimizer, whole step), tokens/s and
-the peak memory of the measured steps (``torch.cuda.max_memory_allocated``). Modes:
-
-- ``fwd``:     forward only, under ``torch.no_grad()`` (inference; nothing kept for backward)
-- ``fwd+bwd``: forward then ``loss.backward()`` (cross-entropy on random targets); gradients
-               are set to None before each step
-- ``train``:   forward, backward and ``torch.optim.AdamW.step()`` + ``zero_grad()``
-
-``--dtype bf16`` runs the forward under ``torch.autocast(device, torch.bfloat16)`` (parameters,
-gradients and optimizer state stay fp32); ``fp32`` runs under ``contextlib.nullcontext()``.
-Comma-separated ``--size``/``--context-length``/``--dtype``/``--attention``/``--mode`` lists are
-swept (their product); a configuration that runs out of memory is a row marked OOM.
-
-NVTX ranges (filter an ``nsys profile`` trace with them): "warmup", "measured", "step N",
-"forward", "backward", "optimizer"; inside the naive attention the model adds
-"attention/scores", "attention/softmax", "attention/final_matmul".
-
-``--memory-profile snapshot.pickle`` records ``torch.cuda.memory._record_memory_history`` around
-the measured steps and writes a snapshot for https://pytorch.org/memory_viz (on CPU: torch's
-profiler memory timeline in the same format); the file is checked to load there.
-``--preset memory`` is the memory table: the 2.7B model at 128/256/512, forward-only and full
-train step, fp32 and bf16, reporting peak memory.
+steps, then ``--steps`` measured ones, and reports the mean and standard deviation per phase
+(forward, backward, optimizer, whole step; each ended by a device sync), tokens/s and the peak
+memory of the measured steps. Modes: ``fwd`` (under ``torch.no_grad()``), ``fwd+bwd`` (cross-entropy
+on random targets, ``loss.backward()``, gradients set to None), ``train`` (+ ``AdamW.step()`` and
+``zero_grad()``). ``--dtype bf16`` runs the forward under ``torch.autocast(device, torch.bfloat16)``
+(parameters, gradients and optimizer state stay fp32). Comma-separated lists are swept (their
+product); a configuration that runs out of memory is a row marked OOM. NVTX ranges: "warmup",
+"measured", "step N", "forward", "backward", "optimizer" (and "attention/..." in the naive attention).
+``--memory-profile PATH`` writes a https://pytorch.org/memory_viz snapshot of the measured steps
+(on CPU: the profiler's memory timeline in the same format), checked to load there.
 
     python benchmarks/model.py --size small,medium,large,xl,2.7B --context-length 512 \\
         --dtype fp32,bf16 --mode fwd,fwd+bwd --out model.csv --plot model.png
-    python benchmarks/model.py --preset memory --out memory.csv
+    python benchmarks/model.py --preset memory --out memory.csv    # 2.7B peak memory table
     python benchmarks/model.py --size 2.7B --context-length 128 --mode train --steps 1 \\
         --memory-profile snapshot.pickle
     nsys profile -o lm python benchmarks/model.py --size large --attention naive
-    python benchmarks/model.py --smoke                       # tiny, CPU, seconds
 """
 
 from __future__ import annotations
@@ -43,15 +29,23 @@ import itertools
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import is_oom, line_plot, nvtx_range, print_report, progress, write_results
-from benchmarks._snapshot import record_memory, validate_snapshot_file
+from benchmarks._harness import (
+    Laps,
+    csv_list,
+    is_oom,
+    line_plot,
+    nvtx_range,
+    parser,
+    progress,
+    report,
+)
+from torch_flashsys._memory import record_memory, validate_snapshot_file
 from torch_flashsys.models import ATTENTION_CHOICES, MODEL_SIZES, build_model
 
 MODES = ("fwd", "fwd+bwd", "train")
@@ -59,176 +53,101 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 PHASES = ("fwd", "bwd", "opt", "step")
 PRESETS = {
     # Script 2 of the benchmarking issue: peak memory of the 2.7B model per context length.
-    "memory": dict(
-        size="2.7B", context_length="128,256,512", dtype="fp32,bf16", mode="fwd,train",
-        warmup=1, steps=2,
-    ),
+    "memory": dict(size="2.7B", context_length="128,256,512", dtype="fp32,bf16", mode="fwd,train",
+                   warmup=1, steps=2),
 }  # fmt: skip
 MIB = 2**20
 
 
-def _csv(p: argparse.ArgumentParser, value: str, choices, option: str) -> list[str]:
-    items = [v.strip() for v in str(value).split(",") if v.strip()]
-    bad = [v for v in items if v not in choices]
-    if bad or not items:
-        p.error(f"{option} takes a comma-separated subset of {list(choices)}, got {value!r}")
-    return items
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = parser(__doc__, smoke="tiny model on CPU, a few seconds", plot=True)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="'memory': script 2's table")
     p.add_argument(
-        "--preset",
-        choices=sorted(PRESETS),
-        help="named sweep; 'memory' = script 2's table (overrides size/context/dtype/mode/steps)",
+        "--size", default="small", help=f"model size(s) from {list(MODEL_SIZES)} (small)"
     )
-    p.add_argument(
-        "--size",
-        default="small",
-        help=f"model size(s), comma-separated, from {list(MODEL_SIZES)} (small)",
-    )
-    p.add_argument(
-        "--context-length", default="512", help="sequence length(s), comma-separated (512)"
-    )
+    p.add_argument("--context-length", default="512", help="sequence length(s) (512)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step (4)")
     p.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (10000)")
+    p.add_argument("--attention", default="sdpa", help=f"from {list(ATTENTION_CHOICES)} (sdpa)")
     p.add_argument(
-        "--attention",
-        default="sdpa",
-        help=f"attention implementation(s), comma-separated, from {list(ATTENTION_CHOICES)} (sdpa)",
+        "--dtype", help="fp32 (no autocast) and/or bf16 (autocast) (fp32; --smoke: both)"
     )
+    p.add_argument("--mode", default=",".join(MODES), help=f"subset of {list(MODES)} (all)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (5)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps (10)")
     p.add_argument(
-        "--dtype",
-        default=None,
-        help="fp32 (no autocast) and/or bf16 (autocast), comma-separated (fp32; --smoke: both)",
+        "--compile", action="store_true", help="torch.compile the model (in the warm-up)"
     )
-    p.add_argument(
-        "--mode", default=",".join(MODES), help=f"comma-separated subset of {list(MODES)} (all)"
-    )
-    p.add_argument(
-        "--warmup", type=int, default=5, help="untimed warm-up steps w per configuration (5)"
-    )
-    p.add_argument("--steps", type=int, default=10, help="measured steps n per configuration (10)")
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the model (compile time falls in the warm-up)",
-    )
-    p.add_argument(
-        "--lr", type=float, default=1e-4, help="AdamW learning rate for --mode train (1e-4)"
-    )
-    p.add_argument(
-        "--matmul-precision",
-        default="highest",
-        choices=["highest", "high", "medium"],
-        help="torch.set_float32_matmul_precision for fp32 matmuls; 'high' allows TF32 (highest)",
-    )
-    p.add_argument(
-        "--memory-profile",
-        metavar="PATH",
-        help="record allocations in the measured steps and write a memory_viz snapshot (.pickle)"
-        "; with several configurations, one file each (PATH stem + config)",
-    )
-    p.add_argument(
-        "--memory-max-entries",
-        type=int,
-        default=100_000,
-        help="keep the last N allocator events in the snapshot (100000); fewer makes smaller files",
-    )
-    p.add_argument(
-        "--device", default="auto", help="cuda, cpu or auto (cuda when available) (auto)"
-    )
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate for train (1e-4)")
+    p.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
+                   help="torch.set_float32_matmul_precision; 'high' allows TF32 (highest)")  # fmt: skip
+    p.add_argument("--memory-profile", metavar="PATH",
+                   help="write a memory_viz snapshot of the measured steps (one per configuration)")  # fmt: skip
+    p.add_argument("--memory-max-entries", type=int, default=100_000,
+                   help="keep the last N allocator events in the snapshot (100000)")  # fmt: skip
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (auto)")
     p.add_argument("--seed", type=int, default=0, help="seed for parameters and data (0)")
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few seconds")
-    p.add_argument("--out", help="write rows to a .json or .csv file")
-    p.add_argument(
-        "--plot",
-        help="save a PNG: mean step time per size (memory preset: peak memory per context length)",
-    )
     args = p.parse_args(argv)
-    if args.preset:
-        for key, value in PRESETS[args.preset].items():
-            setattr(args, key, value)
+    for key, value in PRESETS.get(args.preset, {}).items():
+        setattr(args, key, value)
     if args.smoke:
         args.size, args.context_length, args.batch, args.vocab = "tiny", "16", 2, 100
         args.warmup, args.steps, args.device = 1, 2, "cpu"
         args.dtype = args.dtype or "fp32,bf16"
-    args.dtype = args.dtype or "fp32"
-    args.sizes = _csv(p, args.size, MODEL_SIZES, "--size")
-    args.attentions = _csv(p, args.attention, ATTENTION_CHOICES, "--attention")
-    args.dtypes = _csv(p, args.dtype, DTYPES, "--dtype")
-    args.modes = _csv(p, args.mode, MODES, "--mode")
-    try:
-        args.contexts = [int(c) for c in str(args.context_length).split(",")]
-    except ValueError:
-        p.error(f"--context-length takes comma-separated integers, got {args.context_length!r}")
-    for name in ("batch", "vocab", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    args.sizes = csv_list(p, args.size, "--size", choices=MODEL_SIZES)
+    args.attentions = csv_list(p, args.attention, "--attention", choices=ATTENTION_CHOICES)
+    args.dtypes = csv_list(p, args.dtype or "fp32", "--dtype", choices=DTYPES)
+    args.modes = csv_list(p, args.mode, "--mode", choices=MODES)
+    args.contexts = csv_list(p, args.context_length, "--context-length", int)
+    if min(args.batch, args.vocab, args.steps) < 1 or args.warmup < 0:
+        p.error("--batch, --vocab and --steps must be >= 1 and --warmup >= 0")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
 
 
-class _Runner:
-    """One (model, dtype, mode): a step function and per-phase wall-clock timings."""
+def _stepper(model, mode: str, dtype, device: torch.device, lr: float, tokens, targets):
+    """One (model, dtype, mode) step: returns its phase times (ms) from :class:`Laps`."""
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr) if mode == "train" else None
+    cuda = device.type == "cuda"
 
-    def __init__(self, model, mode: str, dtype, device: torch.device, lr: float, tokens, targets):
-        self.model, self.mode, self.device = model, mode, device
-        self.tokens, self.targets = tokens, targets
-        self.autocast = (
-            torch.autocast(device.type, dtype=dtype)
-            if dtype is not None
-            else contextlib.nullcontext()
-        )
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr) if mode == "train" else None
-        self.cuda = device.type == "cuda"
+    def step() -> dict[str, float]:
+        laps = Laps()
+        with nvtx_range("forward", cuda), autocast, torch.set_grad_enabled(mode != "fwd"):
+            logits = model(tokens)
+            if mode != "fwd":
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        laps.lap("fwd")
+        if mode != "fwd":
+            with nvtx_range("backward", cuda):
+                loss.backward()
+            laps.lap("bwd")
+            with nvtx_range("optimizer", cuda):
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    model.zero_grad()
+            laps.lap("opt" if opt is not None else "zero_grad")
+        return {
+            **{k: v for k, v in laps.ms.items() if k != "zero_grad"},
+            "step": sum(laps.ms.values()),
+        }
 
-    def _sync(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def step(self) -> dict[str, float]:
-        t0 = self._sync()
-        if self.mode == "fwd":
-            with nvtx_range("forward", self.cuda), torch.no_grad(), self.autocast:
-                self.model(self.tokens)
-            t1 = self._sync()
-            return {"fwd": t1 - t0, "step": t1 - t0}
-        with nvtx_range("forward", self.cuda), self.autocast:
-            logits = self.model(self.tokens)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), self.targets.flatten())
-        t1 = self._sync()
-        with nvtx_range("backward", self.cuda):
-            loss.backward()
-        t2 = self._sync()
-        times = {"fwd": t1 - t0, "bwd": t2 - t1}
-        if self.opt is not None:
-            with nvtx_range("optimizer", self.cuda):
-                self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
-            t3 = self._sync()
-            times["opt"] = t3 - t2
-        else:
-            for p in self.model.parameters():
-                p.grad = None
-            t3 = self._sync()
-        times["step"] = t3 - t0
-        return times
+    return step
 
 
 def _measure(model, ctx: int, args, dtype_name: str, mode: str, device, snapshot_path) -> dict:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     tokens = torch.randint(0, args.vocab, (args.batch, ctx), device=device, generator=gen)
     targets = torch.randint(0, args.vocab, (args.batch, ctx), device=device, generator=gen)
-    runner = _Runner(model, mode, DTYPES[dtype_name], device, args.lr, tokens, targets)
-    with nvtx_range("warmup", runner.cuda):
+    step = _stepper(model, mode, DTYPES[dtype_name], device, args.lr, tokens, targets)
+    cuda = device.type == "cuda"
+    with nvtx_range("warmup", cuda):
         for _ in range(args.warmup):
-            runner.step()
-    if runner.cuda:
+            step()
+    if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     samples: list[dict[str, float]] = []
@@ -237,21 +156,21 @@ def _measure(model, ctx: int, args, dtype_name: str, mode: str, device, snapshot
         if snapshot_path
         else contextlib.nullcontext()
     )
-    with record, nvtx_range("measured", runner.cuda):
+    with record, nvtx_range("measured", cuda):
         for i in range(args.steps):
-            with nvtx_range(f"step {i}", runner.cuda):
-                samples.append(runner.step())
+            with nvtx_range(f"step {i}", cuda):
+                samples.append(step())
     row: dict = {}
     for phase in PHASES:
-        xs = [s[phase] * 1e3 for s in samples if phase in s]
+        xs = [s[phase] for s in samples if phase in s]
         if xs:
             row[f"{phase} ms"] = statistics.fmean(xs)
             row[f"{phase} std"] = statistics.stdev(xs) if len(xs) > 1 else 0.0
     row["tokens/s"] = args.batch * ctx / (row["step ms"] * 1e-3)
-    if runner.cuda:
+    if cuda:
         row["peak MiB"] = torch.cuda.max_memory_allocated(device) / MIB
     if snapshot_path:
-        summary = validate_snapshot_file(snapshot_path, strict=runner.cuda)
+        summary = validate_snapshot_file(snapshot_path, strict=cuda)
         size_mib = os.path.getsize(snapshot_path) / MIB
         print(
             f"memory snapshot {snapshot_path}: {size_mib:.1f} MiB, {summary['n_events']} events, "
@@ -355,7 +274,6 @@ def _plot(rows: list[dict], args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows = run(args)
-    write_results(args.out, rows)
     if args.plot:
         _plot(rows, args)
     cols = ["size", "context", "attention", "dtype", "mode"]
@@ -368,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     title = "Reference LM peak memory" if args.preset == "memory" else "Reference LM end-to-end"
     title += f" (batch {args.batch}, warm-up {args.warmup}, {args.steps} measured steps"
     title += ", torch.compile)" if args.compile else ")"
-    print_report(title, rows, cols)
+    report(args, title, rows, cols)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,12 @@ writes one row per (kernel, config, shape). Example::
     python benchmarks/tune_attention.py --kernels fwd --dims 128 --seqs 16384 --batch-heads 1x16
     python benchmarks/tune_attention.py --smoke     # CPU: the Triton interpreter, one tiny shape
 
+``--kernels decode`` sweeps the split-KV decode kernel's launch settings instead (BLOCK_N, warps,
+stages, programs per SM of ``_triton_decode.CONFIG``) at the varlen preset's decode cases, timing
+``flash_attention(q, k_cache, v_cache, cache_seqlens=...)`` beside SDPA cuDNN and the copy bound::
+
+    python benchmarks/tune_attention.py --kernels decode --out decode.csv
+
 ``--table sm90.json`` writes the fastest config per (kernel, head-dim class, causal, length) as the
 tile table the package reads (``torch_flashsys/attention/tiles/<arch>.json``), with the sweep's
 device, versions, date and command; ``--from-csv tune.csv`` makes it from an earlier sweep's rows
@@ -22,7 +28,6 @@ without a GPU::
 
 from __future__ import annotations
 
-import argparse
 import csv
 import functools
 import itertools
@@ -37,7 +42,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import markdown_table, write_results
+from benchmarks._harness import bench, env_stamp, markdown_table, parser, write_results
+from benchmarks._peers import sdpa_call
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel and head-dim class.
 SMOKE_CANDIDATES = {k: {16: [(16, 16, 4, 1), (32, 16, 4, 1)]} for k in ("fwd", "dq", "dkdv")}
@@ -228,8 +234,8 @@ def write_table(path: str, rows: list[dict], command: str) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--kernels", default="fwd,dq,dkdv", help="subset of fwd,dq,dkdv")
+    p = parser(__doc__, smoke="CPU, Triton interpreter, one tiny shape")
+    p.add_argument("--kernels", default="fwd,dq,dkdv", help="subset of fwd,dq,dkdv, or decode")
     p.add_argument("--dims", default="64,128", help="head dims (64,128)")
     p.add_argument("--seqs", default="1024,4096,16384", help="sequence lengths")
     p.add_argument(
@@ -243,8 +249,6 @@ def main(argv=None):
         help="processes that compile the variants in parallel (default: up to 16 cores)",
     )  # fmt: skip
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per point")
-    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, one tiny shape")
-    p.add_argument("--out", help="write every row to this .csv/.json")
     p.add_argument("--table", help="write the fastest configs as a tile table (.json)")
     p.add_argument("--from-csv", help="make --table from this sweep's rows, without running")
     args = p.parse_args(argv)
@@ -255,6 +259,8 @@ def main(argv=None):
         with open(args.from_csv, newline="") as f:
             write_table(args.table, list(csv.DictReader(f)), command)
         return
+    if args.kernels == "decode":
+        return tune_decode(args)
     os.environ["TORCH_FLASHSYS_AUTOTUNE"] = "0"
     device, candidates = "cuda", CANDIDATES
     if args.smoke:
@@ -263,14 +269,6 @@ def main(argv=None):
         args.dims, args.seqs, args.batch_heads, args.dtype = "16", "40", "1x2", "float16"
     elif not torch.cuda.is_available():
         p.error("needs a CUDA GPU (or --smoke)")
-    if device == "cuda":
-        from triton.testing import do_bench
-    else:
-        from benchmarks._harness import time_fn
-
-        def do_bench(fn, warmup, rep):
-            return time_fn(fn, warmup=1, reps=2)["median_ms"]
-
     kernels = args.kernels.split(",")
     dims = [int(x) for x in args.dims.split(",")]
     causals = [c == "1" for c in args.causal.split(",")]
@@ -303,7 +301,7 @@ def main(argv=None):
                 else:
                     try:
                         fn = functools.partial(prob.launch, k, cfg)
-                        ms = do_bench(fn, warmup=10, rep=args.rep_ms)
+                        ms = bench(fn, device, rep_ms=args.rep_ms)["median_ms"]
                         row["ms"] = ms
                         row["tflops"] = flops(k, b, h, seq, d, c) / ms / 1e9
                         row["max_diff"] = prob.max_diff(k)
@@ -315,8 +313,6 @@ def main(argv=None):
             torch.cuda.empty_cache()
     write_results(args.out, rows)
     if args.table:
-        from benchmarks._harness import env_stamp
-
         write_table(args.table, [{**env_stamp(), "command": command, **r} for r in rows], command)
     best = []
     for key, group in itertools.groupby(
@@ -338,6 +334,59 @@ def main(argv=None):
     for name, e in list(bad.items())[:8]:
         print(f"failed: {name}: {e}")
     print(markdown_table(best, list(best[0]) if best else []))
+
+
+DECODE_GRID = {"BLOCK_N": [64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4],
+               "programs_per_sm": [1, 2, 4]}  # fmt: skip
+
+
+def tune_decode(args) -> None:
+    """Every launch setting of DECODE_GRID at batch 8 / cache 32768 and 64 / 1024 (32 query heads,
+    8 KV heads, d 128, bf16); SDPA cuDNN and half a cache copy (K and V read once) beside them."""
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    cases, grid, dims = [(8, 32768), (64, 1024)], DECODE_GRID, (32, 8, 128, torch.bfloat16)
+    if args.smoke:
+        cases, dims = [(2, 256)], (4, 2, 16, torch.float32)
+        grid = {**{k: v[:1] for k, v in DECODE_GRID.items()}, "programs_per_sm": [1, 2]}
+    elif device != "cuda":
+        sys.exit("tune_attention.py --kernels decode needs a CUDA device (or --smoke)")
+    with torch.no_grad():
+        rows = [r for batch, cache in cases for r in _decode_rows(batch, cache, dims, grid, device)]
+    write_results(args.out, rows)
+    rows.sort(key=lambda r: (r["case"], r["ms"]))
+    print(f"config: {'x'.join(grid)}; {dims[0]}/{dims[1]} heads, d {dims[2]}\n")
+    print(markdown_table(rows, ["case", "config", "ms"]))
+
+
+def _decode_rows(batch, cache, dims, grid, device) -> list[dict]:
+    from torch_flashsys import flash_attention
+    from torch_flashsys.attention import _triton_decode
+
+    heads, kv_heads, dim, dtype = dims
+    q = torch.randn(batch, heads, 1, dim, device=device, dtype=dtype)
+    kc, vc = (
+        torch.randn(batch, kv_heads, cache, dim, device=device, dtype=dtype) for _ in range(2)
+    )
+    lens, dst = torch.full((batch,), cache, device=device, dtype=torch.int32), torch.empty_like(kc)
+    sdpa = sdpa_call("CUDNN_ATTENTION" if device == "cuda" else "MATH", enable_gqa=True)
+    case, default = f"b{batch} c{cache}", dict(_triton_decode.CONFIG)
+    rows = [
+        {"case": case, "config": "SDPA", "ms": bench(lambda: sdpa(q, kc, vc), device)["median_ms"]}
+    ]
+    copy = bench(lambda: (dst.copy_(kc), dst.copy_(vc)), device)["median_ms"] / 2
+    rows.append({"case": case, "config": "copy bandwidth (K and V read once)", "ms": copy})
+    ours = lambda: flash_attention(q, kc, vc, cache_seqlens=lens, enable_gqa=True)
+    for values in itertools.product(*grid.values()):
+        config = dict(zip(grid, values, strict=True))
+        _triton_decode.CONFIG.update(config)
+        try:
+            ms = bench(ours, device)["median_ms"]
+        except Exception:  # a config that does not compile or fit: no time
+            ms = float("inf")
+        name = "x".join(map(str, values)) + (" (current)" if config == default else "")
+        rows.append({"case": case, "config": name, **config, "ms": ms})
+    _triton_decode.CONFIG.update(default)
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Every script in benchmarks/ runs in --smoke mode, prints a markdown table last, writes --out
-and documents every option in --help. Scripts are found by globbing, so a new one is covered
-the day it lands.
+and documents every option in --help; so does every mode a script has beside its default one
+(MODES). Scripts are found by globbing, so a new one is covered the day it lands.
 
 Each script runs in its own process (as a user would start it) on CPU. TRITON_INTERPRET is
 removed from the children's environment: the smoke runs check the scripts, not the kernels
@@ -82,10 +82,47 @@ def options() -> dict:
     return {Path(p).name: v for p, v in json.loads(line[4:]).items()}
 
 
+# The other entry points: every mode that runs other code than the script's default.
+MODES = [
+    ("flash.py", ["--profile", "--features", "causal,key-padding,float-mask,dropout"]),
+    ("flash.py", ["--preset", "peers", "--host-overhead"]),
+    ("flash.py", ["--preset", "features"]),
+    ("flash.py", ["--preset", "varlen"]),
+    ("flash.py", ["--host-overhead", "--profile-host"]),
+    ("tune_attention.py", ["--kernels", "decode"]),
+    (
+        "ddp.py",
+        ["--preset", "sharded", "--variants", "torch-ddp,torch-ddp-zero-view,torch-ddp-sharded"],
+    ),
+    ("ddp.py", ["--profile", "PROFILE_DIR", "--variants", "plain,ours-ddp"]),
+]
+
+
 def test_scripts_found():
     # The issue's scripts 1-5 (3 is flash.py's sweep) plus the feature benchmarks.
-    for name in ("model.py", "allreduce.py", "mixed_precision.py", "flash.py"):
+    for name in ("model.py", "allreduce.py", "mixed_precision.py", "flash.py", "ddp.py"):
         assert name in SCRIPTS
+    for name, _ in MODES:
+        assert name in SCRIPTS, name
+
+
+def test_gpu_checks_live_in_their_folder():
+    """Device scripts sit in benchmarks/gpu_checks/, not among the benchmarks, and parse."""
+    assert not list(BENCH.glob("*.sh")), "GPU check scripts belong in benchmarks/gpu_checks/"
+    for script in (BENCH / "gpu_checks").glob("*.sh"):
+        subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_tests_never_import_benchmarks():
+    """tests/ checks the package; the benchmarks are run as scripts (subprocesses), not imported."""
+    for path in Path(__file__).parent.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            bad = [n for n in names if n == "benchmarks" or n.startswith("benchmarks.")]
+            assert not bad, f"{path.relative_to(ROOT)}:{node.lineno} imports {bad}"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -147,6 +184,19 @@ def test_smoke(options, script, tmp_path):
         assert all(key in r for r in rows), f"{script}: rows lack the {key!r} stamp"
     if "--plot" in cmd:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{script}: --plot wrote no PNG"
+
+
+@pytest.mark.parametrize(
+    ("script", "extra"), MODES, ids=lambda v: " ".join(v) if isinstance(v, list) else v
+)
+def test_smoke_modes(script, extra, tmp_path):
+    out = tmp_path / "rows.json"
+    extra = [str(tmp_path / "profile") if a == "PROFILE_DIR" else a for a in extra]
+    cmd = [sys.executable, str(BENCH / script), "--smoke", *extra, "--out", str(out)]
+    proc = _run(cmd, tmp_path)
+    assert _last_table(proc.stdout), f"{cmd}: no markdown table at the end:\n{proc.stdout[-1500:]}"
+    rows = json.loads(out.read_text())
+    assert rows and all("device" in r and "command" in r for r in rows), rows[:2]
 
 
 def test_allreduce_under_torchrun(tmp_path):

@@ -1,4 +1,4 @@
-"""benchmarks/_snapshot.py: memory snapshots in the format pytorch.org/memory_viz loads.
+"""torch_flashsys/_memory.py: memory snapshots in the format pytorch.org/memory_viz loads.
 
 Valid snapshots come from torch itself (its profiler's memory timeline converted by
 ``torch.cuda._memory_viz._profile_to_snapshot`` on CPU; ``_record_memory_history`` on a GPU) and
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.cuda import _memory_viz
 
-from benchmarks._snapshot import (
+from torch_flashsys._memory import (
     SnapshotError,
     check_pickle_bytes,
     dump_snapshot,

@@ -33,14 +33,9 @@ class TransformerBlock(nn.Module):
         self.norm2 = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.ffn = SwiGLU(config.d_model, config.d_ff, **kw)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: RotaryEmbedding,
-        cache: KVCache | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, cache, positions)
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, *state) -> torch.Tensor:
+        """``state``: (cache, positions) as :meth:`CausalSelfAttention.forward` takes them."""
+        x = x + self.attn(self.norm1(x), rope, *state)
         return x + self.ffn(self.norm2(x))
 
 

@@ -1,5 +1,8 @@
 """Memory snapshots for pytorch.org/memory_viz: record one, write it, and check that it will load.
 
+Private: ``benchmarks/model.py --memory-profile`` records and checks its snapshots with it (the
+snapshot tests, tests/test_memory_snapshot.py, check it here, in the package).
+
 A snapshot is the dict ``torch.cuda.memory._snapshot()`` returns (documented there)::
 
     {"segments": [{"device", "address", "total_size", "stream", "blocks": [{"size", "state",

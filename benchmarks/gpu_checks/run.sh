@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# GPU box: the GPU tests and benchmarks of the committed code, one section per call (each fits a
+# 10-minute limit); logs, CSVs and tables under ${OUT:-/tmp/flashsys}, short tables printed last.
+#   bash benchmarks/gpu_checks/run.sh SECTION...     (from the repository root)
+# Sections:
+#   tests     pytest -m gpu ${TESTS:-tests} on ${WORKERS:-8} xdist workers (TORCH_FLASHSYS_AUTOTUNE=0)
+#             and the issue-10 single shapes beside SDPA cuDNN/flash with the host overhead (BENCH=0: no)
+#   attention host overhead (+ cProfile), the peer grid (--preset peers), fwd+bwd (1, 16, 4096, 64)
+#             and the longest sequence (1, 16, 262144, 64)
+#   features  --preset features, --preset varlen, torch.profiler of fwd+bwd (flash.py --profile)
+#   startup   flash.py --first-call, --preset varlen, --host-overhead
+#   tune      tune_attention.py (TUNE_ARGS), the decode launch sweep, the attention GPU tests
+#   harness   model.py (Table-1 sizes, fp32/bf16), --preset memory, one 2.7B train step as a
+#             memory_viz snapshot, flash.py --preset sweep in the time left (TOTAL_BUDGET, 450 s)
+#   ddp       pytest -m gpu tests/distributed (SKIP_TESTS=1: no), ddp.py --preset 2.0B on NPROC GPUs
+#             (every variant, rounds while BUDGET allows), then a torch.profiler pass
+#   sharded   ddp.py --preset sharded (xl: AdamW, ZeRO, ShardedOptimizer memory under torch DDP)
+#   context_parallel  pytest tests/distributed/test_context_parallel.py, context_parallel.py on NPROC (<= 2)
+# BENCH_ARGS=--smoke runs the ddp/sharded/context_parallel benchmarks as a dry run on CPU.
+set -u
+OUT=${OUT:-/tmp/flashsys}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+start=$SECONDS
+py() { python3 "$@"; }
+left() { echo $((${BUDGET:-$1} - (SECONDS - start))); }  # left DEFAULT_BUDGET: seconds left
+step() {  # step NAME SECONDS CMD...: stdout to NAME.md, stderr to NAME.err, exit code and time last
+  local name=$1 secs=$2
+  shift 2
+  timeout --kill-after=10 "$secs" "$@" >"$OUT/$name.md" 2>"$OUT/$name.err"
+  echo "$name exit $?, $((SECONDS - start)) s" >>"$OUT/$name.err"
+}
+show() {  # show NAME [LINES]: the step's exit line and the tail of its output
+  echo "== $1"
+  tail -n 1 "$OUT/$1.err"
+  tail -n "${2:-24}" "$OUT/$1.md"
+}
+ngpus() { python3 -c "import torch; print(min(${1:-64}, torch.cuda.device_count()))"; }
+HOST=(--batch 1 --heads 4 --seq 128 --dim 64 --modes fwd --no-check --host-overhead)
+PEERS="flash_attention,sdpa cudnn_attention,sdpa flash_attention"
+
+tests() {
+  TORCH_FLASHSYS_AUTOTUNE=0 HYPOTHESIS_PROFILE=gpu step gpu_tests "${TEST_TIMEOUT:-480}" \
+    py -m pytest -v -p no:cacheprovider -m gpu -n "${WORKERS:-8}" ${TESTS:-tests} -rf
+  if [ "${BENCH:-1}" = 1 ] && [ "$(left 560)" -gt 60 ]; then
+    step final_shapes $(($(left 560) - 10)) py benchmarks/flash.py --batch 1 --heads 16 \
+      --seq 16384,4096 --dim 64,128 --modes fwd,fwd+bwd --impls "$PEERS" --host-overhead \
+      --no-check --out "$OUT/final_shapes.csv"
+  fi
+  grep -E "PASSED|FAILED|ERROR" "$OUT/gpu_tests.md" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' \
+    | sort | cut -c1-120
+  show gpu_tests 3
+  [ -f "$OUT/final_shapes.md" ] && show final_shapes
+}
+
+attention() {
+  step overhead 120 py benchmarks/flash.py "${HOST[@]}" --impls flash_attention --profile-host
+  step peers "${PEERS_TIMEOUT:-420}" py benchmarks/flash.py --preset peers --workers 8 \
+    --out "$OUT/attention_peers_h100.csv"
+  step target_4096 120 py benchmarks/flash.py --batch 1 --heads 16 --seq 4096 --dim 64 \
+    --modes fwd+bwd --impls "$PEERS" --out "$OUT/target_4096.csv"
+  step longest 120 py benchmarks/flash.py --batch 1 --heads 16 --seq 262144 --dim 64 \
+    --modes fwd+bwd --impls flash_attention --no-check
+  grep -E "us/call|tottime|^ +[0-9]" "$OUT/overhead.err" | head -24
+  show longest 3
+  show target_4096 6
+  show overhead 9
+  show peers 60
+}
+
+features() {
+  step features "${FEATURES_TIMEOUT:-240}" py benchmarks/flash.py --preset features \
+    --out "$OUT/attention_features_h100.csv"
+  step varlen "${VARLEN_TIMEOUT:-200}" py benchmarks/flash.py --preset varlen \
+    --out "$OUT/attention_varlen_h100.csv"
+  [ "${PROFILE:-1}" = 1 ] && step profile 120 py benchmarks/flash.py --profile
+  show profile 30
+  show varlen 16
+  show features 30
+}
+
+startup() {
+  step startup 240 py benchmarks/flash.py --first-call --out "$OUT/attention_startup.csv"
+  step varlen 150 py benchmarks/flash.py --preset varlen --out "$OUT/attention_varlen.csv"
+  step host 120 py benchmarks/flash.py "${HOST[@]}" --impls "$PEERS" --out "$OUT/attention_host.csv"
+  show startup 40
+  show varlen 40
+  show host 40
+}
+
+tune() {
+  step tune "${TUNE_TIMEOUT:-330}" py benchmarks/tune_attention.py ${TUNE_ARGS:-} --out "$OUT/tune.csv"
+  step tune_decode 120 py benchmarks/tune_attention.py --kernels decode --out "$OUT/tune_decode.csv"
+  TORCH_FLASHSYS_AUTOTUNE=0 HYPOTHESIS_PROFILE=gpu step attention_tests "${TEST_TIMEOUT:-240}" \
+    py -m pytest -q -m gpu tests/attention -x -p no:cacheprovider
+  show attention_tests 12
+  show tune_decode 16
+  show tune 60
+}
+
+harness() {
+  local deadline=$((SECONDS + ${TOTAL_BUDGET:-450}))
+  step snapshot_tests 45 py -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_snapshot.py
+  step model "${MODEL_TIMEOUT:-100}" py benchmarks/model.py --size small,medium,large,xl,2.7B \
+    --context-length 512 --dtype fp32,bf16 --mode fwd,fwd+bwd --warmup 2 --steps 5 \
+    --out "$OUT/model.csv" --plot "$OUT/model.png"
+  step memory "${MEMORY_TIMEOUT:-80}" py benchmarks/model.py --preset memory \
+    --out "$OUT/memory.csv" --plot "$OUT/memory.png"
+  step snapshot "${SNAPSHOT_TIMEOUT:-45}" py benchmarks/model.py --size 2.7B --context-length 128 \
+    --dtype bf16 --mode train --warmup 1 --steps 1 --memory-max-entries "${SNAPSHOT_ENTRIES:-30000}" \
+    --memory-profile "$OUT/snapshot.pickle"
+  # The sweep gets what is left: configurations it cannot start in time are rows marked
+  # 'skipped (time budget)'. SWEEP_AUTOTUNE=0: default kernel configs (faster to run).
+  local budget=$((deadline - SECONDS - 45))
+  TORCH_FLASHSYS_AUTOTUNE="${SWEEP_AUTOTUNE:-1}" step sweep $((budget + 40)) py benchmarks/flash.py \
+    --preset sweep --dtype bf16 --modes fwd,bwd --time-budget "$budget" --out "$OUT/sweep.csv" \
+    --impls "flash_attention,naive,naive (compiled),sdpa flash_attention" --plot "$OUT/sweep.png"
+  show snapshot_tests 3
+  show snapshot 3
+  tail -n 2 "$OUT/snapshot.err"
+  show model 24
+  show memory 16
+  show sweep 8
+}
+
+ddp() {
+  local n=${NPROC:-$(ngpus)} marker=gpu
+  [ "$n" -ge 2 ] && marker="gpu or multigpu"
+  [ "${SKIP_TESTS:-0}" != 1 ] && step ddp_tests 200 py -m pytest -q -p no:cacheprovider \
+    -m "$marker" tests/distributed
+  # The benchmark gets what is left but ~150 s kept for the profile; it starts no round that
+  # would not fit (round 1 always runs: about 80 s on one H200 for the 11 variants).
+  local bench=$(($(left 530) - 150)) v=plain,torch-ddp,torch-ddp-zero,torch-fsdp2,torch-fsdp2-noreshard
+  v=$v,torch-fsdp2-bf16,torch-fsdp2-bf16-noreshard,ours-ddp,ours-ddp-copy,ours-ddp-zero1,ours-ddp-zero2
+  step ddp_bench $((bench + 90)) torchrun --standalone --nproc_per_node="$n" benchmarks/ddp.py \
+    ${BENCH_ARGS:---preset 2.0B} --variants "$v" --time-budget "$bench"
+  cp docs/data/ddp_"$n"x*.csv "$OUT"/ 2>/dev/null
+  local prof=$(($(left 530) - 25))
+  [ "$prof" -gt 45 ] && step ddp_profile $((prof + 20)) torchrun --standalone \
+    --nproc_per_node="$n" benchmarks/ddp.py ${BENCH_ARGS:---preset 2.0B} --profile "$OUT/profile" \
+    --warmup 2 --profile-steps 3 --time-budget "$prof" \
+    --variants plain,torch-ddp,ours-ddp,ours-ddp-copy,torch-ddp-zero,ours-ddp-zero2
+  [ -f "$OUT/ddp_tests.md" ] && show ddp_tests 4
+  [ -f "$OUT/ddp_profile.md" ] && show ddp_profile 24
+  show ddp_bench 18
+}
+
+sharded() {
+  step sharded_bench "${BENCH_TIMEOUT:-500}" torchrun --standalone \
+    --nproc_per_node="${NPROC:-2}" benchmarks/ddp.py ${BENCH_ARGS:---preset sharded} \
+    --variants torch-ddp,torch-ddp-zero,torch-ddp-zero-view,torch-ddp-sharded \
+    --out "$OUT/sharded_optimizer.csv"
+  show sharded_bench 12
+}
+
+context_parallel() {
+  local n=${NPROC:-$(ngpus 2)} marker=gpu modes=ring
+  [ "$n" -ge 2 ] && marker="gpu or multigpu" && modes=ring,ulysses
+  step cp_tests 150 py -m pytest -q -p no:cacheprovider -m "$marker" \
+    tests/distributed/test_context_parallel.py
+  step cp_bench "$(left 300)" py benchmarks/context_parallel.py --nproc "$n" \
+    --modes "$modes" ${BENCH_ARGS:---time-budget ${SEARCH_S:-100}} --out "$OUT/context_parallel.csv"
+  show cp_tests 4
+  show cp_bench 16
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
+py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$OUT/env.txt"
+echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: \
+$(git status --porcelain 2>/dev/null | wc -l))" | tee -a "$OUT/env.txt"
+for section in "${@:-tests}"; do
+  case $section in
+    tests | attention | features | startup | tune | harness | ddp | sharded | context_parallel) "$section" ;;
+    *) echo "unknown section $section (see the top of $0)" >&2 && exit 2 ;;
+  esac
+done
+echo "== done in $((SECONDS - start)) s"
