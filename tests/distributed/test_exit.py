@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.distributed.harness import _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +82,34 @@ def test_exit_without_destroy_process_group_is_clean(tmp_path):
     logs = {path.name: path.read_text()[-300:] for path in sorted(tmp_path.glob("*.log"))}
     bad_logs = {name: text for name, text in logs.items() if text.strip()}
     assert not failed["ours"] and not failed["sharded"], f"{summary}\n{bad_logs}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_exit_waits_for_runnable_threads_but_not_forever():
+    """The exit hook's second wait: while another thread is runnable it polls on, bounded."""
+    import threading
+
+    from torch_flashsys.distributed import _release
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))  # runnable: it computes (and takes turns at the GIL)
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    try:
+        time.sleep(0.05)
+        assert _release._others_runnable()
+        start = time.monotonic()
+        _release._wait_for_quiet_threads()
+        waited = time.monotonic() - start
+        assert _release._QUIET_WAIT_S * 0.9 <= waited < _release._QUIET_WAIT_S + 1.0
+    finally:
+        stop.set()
+        worker.join()
+    time.sleep(0.05)
+    start = time.monotonic()
+    _release._wait_for_quiet_threads()  # nothing runnable: three quick polls
+    assert time.monotonic() - start < _release._QUIET_WAIT_S

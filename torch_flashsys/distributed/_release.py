@@ -18,11 +18,22 @@ a weak reference: the alias dies when the Work is destroyed, after the Work's ot
 objects (``ProcessGroupGloo::AsyncWork`` releases its captured state before its tensors). An
 ``atexit`` hook, which runs before finalization begins, waits (GIL released, at most
 ``_EXIT_WAIT_S``) until every such alias is gone, so no worker thread needs the GIL afterwards.
+
+The same race hits any collective's Work whose last holder is a backend thread that has not run
+since (the demo, whose last collectives are its own ``dist.all_reduce`` calls, aborted this way
+once in 34 runs on a loaded 2-core machine, faulthandler showing the main thread already without
+a Python frame and the abort on another thread, after ``destroy_process_group()``). So the hook
+then also waits, on Linux, until no other thread of the process is runnable (``/proc`` state
+``R``) on ``_QUIET_POLLS`` polls in a row, at most ``_QUIET_WAIT_S``: a backend thread that was
+descheduled with a Work to release runs now, while the interpreter can still give it the GIL.
+Idle threads sleep (state ``S``), so a normal exit costs a few milliseconds.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import threading
 import time
 import weakref
 
@@ -30,6 +41,8 @@ import torch
 
 _EXIT_WAIT_S = 5.0  # a descheduled worker thread needs milliseconds; never hold exit longer
 _POLL_S = 0.001
+_QUIET_POLLS = 3  # polls in a row with no other thread runnable
+_QUIET_WAIT_S = 0.5  # a busy thread of the user's own never holds exit longer than this
 
 _handed: list[weakref.ref] = []  # aliases of finished collectives, maybe still held by a backend
 _prune_at = 64  # prune dead references when the list reaches this length (amortized O(1))
@@ -54,8 +67,34 @@ def _held() -> bool:
     return any(ref() is not None for ref in _handed)
 
 
+def _others_runnable(task_dir: str = "/proc/self/task") -> bool:
+    """Whether a thread of this process other than the caller is running or waiting for a core."""
+    me = threading.get_native_id()
+    for tid in os.listdir(task_dir):
+        if int(tid) == me:
+            continue
+        try:
+            with open(f"{task_dir}/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if stat[stat.rindex(")") + 2] == "R":  # the state follows the "(name)" field
+            return True
+    return False
+
+
+def _wait_for_quiet_threads() -> None:
+    if not os.path.isdir("/proc/self/task"):
+        return
+    deadline, quiet = time.monotonic() + _QUIET_WAIT_S, 0
+    while quiet < _QUIET_POLLS and time.monotonic() < deadline:
+        quiet = 0 if _others_runnable() else quiet + 1
+        time.sleep(_POLL_S)
+
+
 @atexit.register
 def _wait_for_backend_threads() -> None:
     deadline = time.monotonic() + _EXIT_WAIT_S
     while _held() and time.monotonic() < deadline:
         time.sleep(_POLL_S)  # releases the GIL: the worker thread can finish its destructor
+    _wait_for_quiet_threads()
