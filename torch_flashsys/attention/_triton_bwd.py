@@ -20,6 +20,7 @@ from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, r
 from torch_flashsys.attention._triton_common import (
     LOG2E,
     batch_strides,
+    check_blocks,
     dropout_keep,
     empty_if,
     head_scalars,
@@ -136,8 +137,7 @@ def _attn_bwd_dq(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(not SEQUSED)  # KV-cache decoding is forward only
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
     # Setup: this program's query tile (causal: longest first), its Q, dO, D and LSE rows.
@@ -285,8 +285,7 @@ def _attn_bwd_dkdv(
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(not SEQUSED)  # KV-cache decoding is forward only
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
     # Setup: this program's key tile of one key/value head; its K and V stay resident.

@@ -220,6 +220,17 @@ def segment(SEG: tl.constexpr, lo, mid_lo, mid_hi, hi):
 
 
 @triton.jit
+def check_blocks(
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Compile-time checks of a launch's blocks: the head dims fit their (power-of-two) blocks,
+    and the tiles are at least tl.dot's minimum of 16."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+
+
+@triton.jit
 def program_setup(
     CuQ, CuK, seq_q, seq_k, n_heads,
     BLOCK: tl.constexpr, KEY_TILES: tl.constexpr, REVERSE: tl.constexpr, VARLEN: tl.constexpr,

@@ -25,6 +25,7 @@ from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
 from torch_flashsys.attention._triton_common import (
     LOG2E,
+    check_blocks,
     keep_scores,
     kernel_constexprs,
     load_rows,
@@ -67,7 +68,7 @@ def _attn_decode_split(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
     bhk = tl.program_id(0)

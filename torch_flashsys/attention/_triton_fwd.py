@@ -19,6 +19,7 @@ from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._triton_common import (
     LOG2E,
     batch_strides,
+    check_blocks,
     dropout_keep,
     empty_if,
     head_scalars,
@@ -127,8 +128,7 @@ def _attn_fwd(
     VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr,
     FOLD_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)  # tl.dot's minimum tile
+    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
     # Setup: this program's query tile; causal: longest (most key tiles) first.
