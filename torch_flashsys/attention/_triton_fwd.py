@@ -190,7 +190,8 @@ def _attn_fwd(
     out = softmax_finish(acc, l_i, MAY_EMPTY)  # a row with no key: out 0, lse -inf
     store_rows(tile_ptrs(O, b, h, stride_ob, stride_oh, rows, stride_om, offs_dv), out, row_ok,
                mask_dv, EVEN_DV)  # fmt: skip
-    tl.store(LSE + b * stride_lb + h * stride_lh + rows, softmax_lse(m_i, l_i), mask=row_ok)
+    lse = softmax_lse(m_i, l_i)
+    tl.store(LSE + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
 
 
 _attn_fwd_tuned = make_autotune(_attn_fwd, FWD_SHAPES, _fwd_footprint)
