@@ -13,26 +13,33 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
 from torch_flashsys.attention._triton_common import (
     LOG2E,
     batch_strides,
+    check_blocks,
     dropout_keep,
     empty_if,
+    head_scalars,
     keep_scores,
+    kernel_constexprs,
     kernel_extras,
     key_tile_range,
-    load_mask,
     load_rows,
     make_autotune,
+    mask_tile,
     mod_scores,
-    next_pow2,
     plan_tile,
     problem_dims,
+    program_scalars,
+    program_setup,
     query_tile_range,
-    seq_bounds,
+    segment,
+    store_rows,
+    tile_ptrs,
     tune_len,
 )
 
@@ -70,45 +77,39 @@ def _dq_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int:
 # (times 1 - tanh^2 under softcap);  dQ_i = scale * sum_j dS K_j
 @triton.jit
 def _attn_bwd_dq_inner(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n, mask_d, mask_dv,
-    row_ok,
-    lo, hi, seq_k, qk_scale, sm_scale, left, right, softcap, slope, mask_base,
-    stride_mm, stride_mn, seed, bh, threshold, inv_keep,
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, strides, offs_m, offs_n, dmasks, row_ok, lo, hi,
+    seq_k, mods, window, mask, drop,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """Key tiles [lo, hi) into dq; the bundles as in ``_attn_fwd_inner``."""
+    stride_kn, stride_vn = strides
+    mask_d, mask_dv = dmasks
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = load_rows(k_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
         v = load_rows(v_ptrs, cols, seq_k, mask_dv, MASKED, EVEN_DV)
-        mvals = 0.0
-        if MASK_KIND != 0:  # issued before the dot, so the load overlaps it
-            col_ok = cols < seq_k
-            if MASK_ROWS:
-                ptrs = mask_base + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn
-                mvals = load_mask(ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
-            else:
-                mvals = load_mask(mask_base + cols * stride_mn, col_ok, MASK_KIND)[None, :]
+        mvals = mask_tile(  # issued before the dot, so the load overlaps it
+            mask, offs_m, cols, row_ok, cols < seq_k, MASK_KIND, MASK_ROWS, False
+        )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s, dcap = mod_scores(
-            qk, offs_m[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
-            SOFTCAP, ALIBI, MASK_KIND == 2,
+            qk, offs_m[:, None], cols[None, :], mods, mvals, SOFTCAP, ALIBI, MASK_KIND == 2
         )  # fmt: skip
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
-            keep = keep_scores(
-                offs_m[:, None], cols[None, :], seq_k, left, right, HAS_LEFT, HAS_RIGHT
-            )
+            keep = keep_scores(offs_m[:, None], cols[None, :], seq_k, window, HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, p, 0.0)
         if MASK_KIND == 1:
             p = tl.where(mvals, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if DROPOUT:
-            keep_r = dropout_keep(seed, offs_m, start_n, bh, threshold, BLOCK_N, False)
-            dp = tl.where(keep_r, dp * inv_keep, 0.0)
+            keep_r = dropout_keep(drop, offs_m, start_n, BLOCK_N, False)
+            dp = tl.where(keep_r, dp * drop[3], 0.0)  # drop[3]: 1 / keep probability
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * dcap  # 1 - tanh^2
@@ -136,23 +137,14 @@ def _attn_bwd_dq(
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(not SEQUSED)  # KV-cache decoding is forward only
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
-    n_m_tiles = tl.cdiv(seq_q, BLOCK_M)
-    pid = tl.program_id(0)
-    bh = pid // n_m_tiles
-    tile_m = pid % n_m_tiles
-    if HAS_RIGHT:
-        tile_m = n_m_tiles - 1 - tile_m  # longest first
-    b = (bh // n_heads).to(tl.int64)
-    h = (bh % n_heads).to(tl.int64)
+    # Setup: this program's query tile (causal: longest first), its Q, dO, D and LSE rows.
+    bh, b, h, start_m, q_start, seq_q, k_start, seq_k = program_setup(
+        CuQ, CuK, seq_q, seq_k, n_heads, BLOCK_M, False, HAS_RIGHT, VARLEN
+    )
     hk = h // group
-    start_m = tile_m * BLOCK_M
-    q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
-    k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
-
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -160,21 +152,14 @@ def _attn_bwd_dq(
     mask_d = offs_d < HEAD_DIM
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < HEAD_DIM_V
-    rows = offs_m.to(tl.int64)
-    q = load_rows(
-        Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
-        offs_m, seq_q, mask_d, True, EVEN_D,
-    )  # fmt: skip
-    do = load_rows(
-        DO + b * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dom
-        + offs_dv[None, :],
-        offs_m, seq_q, mask_dv, True, EVEN_DV,
-    )  # fmt: skip
-    o = load_rows(
-        O + b * stride_ob + h * stride_oh + (q_start + rows)[:, None] * stride_om + offs_dv[None, :],
-        offs_m, seq_q, mask_dv, True, EVEN_DV,
-    )  # fmt: skip
-    row_ptrs = b * stride_lb + h * stride_lh + q_start + rows  # LSE, dLSE and D: one layout
+    rows = q_start + offs_m.to(tl.int64)
+    q = load_rows(tile_ptrs(Q, b, h, stride_qb, stride_qh, rows, stride_qm, offs_d),
+                  offs_m, seq_q, mask_d, True, EVEN_D)  # fmt: skip
+    do = load_rows(tile_ptrs(DO, b, h, stride_dob, stride_doh, rows, stride_dom, offs_dv),
+                   offs_m, seq_q, mask_dv, True, EVEN_DV)  # fmt: skip
+    o = load_rows(tile_ptrs(O, b, h, stride_ob, stride_oh, rows, stride_om, offs_dv),
+                  offs_m, seq_q, mask_dv, True, EVEN_DV)  # fmt: skip
+    row_ptrs = b * stride_lb + h * stride_lh + rows  # LSE, dLSE and D: one layout
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:  # gradient flowing into the returned lse: dS gains + dLSE * P
         delta -= tl.load(DLSE + row_ptrs, mask=row_ok, other=0.0)
@@ -182,67 +167,38 @@ def _attn_bwd_dq(
     lse2 = tl.load(LSE + row_ptrs, mask=row_ok, other=0.0) * _LOG2E
     if MAY_EMPTY:  # a row that attended nothing (lse -inf): +inf makes its P zero
         lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(Seed)
-    mask_base = Mask + b * stride_mb + h * stride_mh
-    if MASK_CONTIG:  # a constant: Triton sees contiguous keys and vectorizes the loads
-        stride_mn = 1
+    slope, mask_base = head_scalars(
+        Alibi, Mask, b, h, stride_ab, stride_ah, stride_mb, stride_mh, ALIBI
+    )
+    seed, stride_mn = program_scalars(Seed, stride_mn, DROPOUT, MASK_CONTIG)
+    mask = (mask_base, stride_mm, stride_mn)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
     lo, mid_lo, mid_hi, hi = key_tile_range(
         start_m, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     if VARLEN:  # a query tile past this sequence's end: no key tiles, every store masked
         lo, mid_lo, mid_hi, hi = empty_if(start_m >= seq_q, lo, mid_lo, mid_hi, hi)
-    cols = offs_n.to(tl.int64)
-    k_base = (
-        K + b * stride_kb + hk * stride_kh + (k_start + cols)[:, None] * stride_kn + offs_d[None, :]
-    )
-    v_base = (
-        V
-        + b * stride_vb
-        + hk * stride_vh
-        + (k_start + cols)[:, None] * stride_vn
-        + offs_dv[None, :]
-    )
-    bh32 = bh.to(tl.int32)
+    cols = k_start + offs_n.to(tl.int64)
+    k_base = tile_ptrs(K, b, hk, stride_kb, stride_kh, cols, stride_kn, offs_d)
+    v_base = tile_ptrs(V, b, hk, stride_vb, stride_vh, cols, stride_vn, offs_dv)
+    mods = (qk_scale, sm_scale, softcap, slope)
+    drop = (seed, bh.to(tl.int32), threshold, inv_keep)
+    # Loop: the key tiles in three segments (as the forward).
     for seg in tl.static_range(3):
-        if seg == 0:
-            seg_lo = lo
-            seg_hi = mid_lo
-        elif seg == 1:
-            seg_lo = mid_lo
-            seg_hi = mid_hi
-        else:
-            seg_lo = mid_hi
-            seg_hi = hi
+        seg_lo, seg_hi = segment(seg, lo, mid_lo, mid_hi, hi)
         if seg != 0 or HAS_LEFT:
             dq = _attn_bwd_dq_inner(
                 dq, q, do, lse2, delta,
                 k_base + seg_lo.to(tl.int64) * stride_kn, v_base + seg_lo.to(tl.int64) * stride_vn,
-                stride_kn, stride_vn, offs_m, offs_n, mask_d, mask_dv, row_ok, seg_lo, seg_hi,
-                seq_k, qk_scale, sm_scale, left, right, softcap, slope, mask_base, stride_mm,
-                stride_mn, seed, bh32, threshold, inv_keep,
+                (stride_kn, stride_vn), offs_m, offs_n, (mask_d, mask_dv), row_ok, seg_lo, seg_hi,
+                seq_k, mods, (left, right), mask, drop,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
-                EVEN_D, EVEN_DV, PRECISION, BLOCK_N,
+                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, BLOCK_N,
             )  # fmt: skip
-
+    # Epilogue: dQ = scale * sum_j dS K_j.
     dq *= sm_scale
-    dq_ptrs = (
-        DQ
-        + b * stride_dqb
-        + h * stride_dqh
-        + (q_start + rows)[:, None] * stride_dqm
-        + offs_d[None, :]
-    )
-    if EVEN_D:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
+    store_rows(tile_ptrs(DQ, b, h, stride_dqb, stride_dqh, rows, stride_dqm, offs_d), dq, row_ok,
+               mask_d, EVEN_D)  # fmt: skip
 
 
 # For one key tile j, over query tiles i:  P = exp(S_ij - LSE_i);  dV_j += dropout(P)^T dO_i;
@@ -250,16 +206,19 @@ def _attn_bwd_dq(
 # (P^T, dS^T computed directly)
 @triton.jit
 def _attn_bwd_dkdv_inner(
-    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, stride_qm, stride_dom,
-    offs_n, offs_m0, mask_d, mask_dv, key_ok, lo, hi, seq_q, seq_k, qk_scale, sm_scale,
-    left, right, softcap, slope, mask_base, mask_keys, stride_mm, stride_mn,
-    seed, bh, threshold, inv_keep, start_n,
+    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, strides, offs_n, offs_m0, dmasks,
+    key_ok, lo, hi, seq_q, seq_k, mods, window, mask, mask_keys, drop, start_n,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """Query tiles [lo, hi) into (dk, dv); strides are Q's and dO's row strides, mask_keys a
+    key-padding mask loaded once per key tile; the other bundles as in ``_attn_bwd_dq_inner``."""
+    stride_qm, stride_dom = strides
+    mask_d, mask_dv = dmasks
+    inv_keep = drop[3]  # 1 / keep probability
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
@@ -274,29 +233,24 @@ def _attn_bwd_dkdv_inner(
         lse2 = lse * _LOG2E
         if MAY_EMPTY:
             lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
-        mvals = 0.0
-        if MASK_KIND != 0:  # issued before the dot, so the load overlaps it
-            if MASK_ROWS:
-                ptrs = mask_base + offs_m[None, :] * stride_mm + offs_n[:, None] * stride_mn
-                mvals = load_mask(ptrs, key_ok[:, None] & (offs_m < seq_q)[None, :], MASK_KIND)
-            else:
-                mvals = mask_keys  # a key-padding mask: loaded once per key tile
+        mvals = mask_keys  # a key-padding mask: loaded once per key tile
+        if MASK_ROWS:  # issued before the dot, so the load overlaps it
+            mvals = mask_tile(
+                mask, offs_m, offs_n, offs_m < seq_q, key_ok, MASK_KIND, MASK_ROWS, True
+            )  # fmt: skip
         qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         sT, dcapT = mod_scores(
-            qkT, offs_m[None, :], offs_n[:, None], sm_scale, qk_scale, softcap, slope, mvals,
-            SOFTCAP, ALIBI, MASK_KIND == 2,
+            qkT, offs_m[None, :], offs_n[:, None], mods, mvals, SOFTCAP, ALIBI, MASK_KIND == 2
         )  # fmt: skip
         pT = tl.math.exp2(sT - lse2[None, :])
         if MASKED:
-            keep = keep_scores(
-                offs_m[None, :], offs_n[:, None], seq_k, left, right, HAS_LEFT, HAS_RIGHT
-            )
+            keep = keep_scores(offs_m[None, :], offs_n[:, None], seq_k, window, HAS_LEFT, HAS_RIGHT)
             pT = tl.where(keep & (offs_m < seq_q)[None, :], pT, 0.0)
         if MASK_KIND == 1:
             pT = tl.where(mvals, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT:
-            keep_r = dropout_keep(seed, offs_m, start_n, bh, threshold, BLOCK_N, True)
+            keep_r = dropout_keep(drop, offs_m, start_n, BLOCK_N, True)
             dv = tl.dot(tl.where(keep_r, pT * inv_keep, 0.0).to(do.dtype), do, dv,
                         input_precision=PRECISION)  # fmt: skip
             dpT = tl.where(keep_r, dpT * inv_keep, 0.0)
@@ -331,19 +285,13 @@ def _attn_bwd_dkdv(
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(not SEQUSED)  # KV-cache decoding is forward only
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
-    n_n_tiles = tl.cdiv(seq_k, BLOCK_N)
-    pid = tl.program_id(0)
-    bhk = pid // n_n_tiles
-    start_n = (pid % n_n_tiles) * BLOCK_N
-    b = (bhk // n_kv_heads).to(tl.int64)
-    hk = (bhk % n_kv_heads).to(tl.int64)
-    q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
-    k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
-
+    # Setup: this program's key tile of one key/value head; its K and V stay resident.
+    _bhk, b, hk, start_n, q_start, seq_q, k_start, seq_k = program_setup(
+        CuQ, CuK, seq_q, seq_k, n_kv_heads, BLOCK_N, True, False, VARLEN
+    )
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -351,23 +299,14 @@ def _attn_bwd_dkdv(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < HEAD_DIM_V
     key_ok = offs_n < seq_k
-    cols = offs_n.to(tl.int64)
-    k = load_rows(
-        K + b * stride_kb + hk * stride_kh + (k_start + cols)[:, None] * stride_kn + offs_d[None, :],
-        offs_n, seq_k, mask_d, True, EVEN_D,
-    )  # fmt: skip
-    v = load_rows(
-        V + b * stride_vb + hk * stride_vh + (k_start + cols)[:, None] * stride_vn + offs_dv[None, :],
-        offs_n, seq_k, mask_dv, True, EVEN_DV,
-    )  # fmt: skip
+    cols = k_start + offs_n.to(tl.int64)
+    k = load_rows(tile_ptrs(K, b, hk, stride_kb, stride_kh, cols, stride_kn, offs_d),
+                  offs_n, seq_k, mask_d, True, EVEN_D)  # fmt: skip
+    v = load_rows(tile_ptrs(V, b, hk, stride_vb, stride_vh, cols, stride_vn, offs_dv),
+                  offs_n, seq_k, mask_dv, True, EVEN_DV)  # fmt: skip
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(Seed)
-    if MASK_CONTIG:  # a constant: Triton sees contiguous keys and vectorizes the loads
-        stride_mn = 1
-
+    seed, stride_mn = program_scalars(Seed, stride_mn, DROPOUT, MASK_CONTIG)
     # Query tiles: [lo, mid_lo) and [mid_hi, hi) cross a window edge, the causal diagonal or the
     # ragged end (masked); [mid_lo, mid_hi) need no position mask. Keys past seq_k are not masked
     # in the middle: they only touch rows of dK/dV that are never stored.
@@ -376,66 +315,41 @@ def _attn_bwd_dkdv(
     )
     if VARLEN:  # a key tile past this sequence's end: no query tiles, every store masked
         lo, mid_lo, mid_hi, hi = empty_if(start_n >= seq_k, lo, mid_lo, mid_hi, hi)
+    # Loop: the query heads that share this key/value head, each in three segments.
     for g in range(0, group):
-        h = hk * group + g  # the query heads that share this key/value head
+        h = hk * group + g
         q_base = Q + b * stride_qb + h * stride_qh + q_start * stride_qm
         do_base = DO + b * stride_dob + h * stride_doh + q_start * stride_dom
         row_base = b * stride_lb + h * stride_lh + q_start
-        slope = 0.0
-        if ALIBI:
-            slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
-        mask_base = Mask + b * stride_mb + h * stride_mh
+        slope, mask_base = head_scalars(
+            Alibi, Mask, b, h, stride_ab, stride_ah, stride_mb, stride_mh, ALIBI
+        )
+        mask = (mask_base, stride_mm, stride_mn)
         mask_keys = key_ok[:, None]
-        if MASK_KIND != 0 and not MASK_ROWS:
-            mask_keys = load_mask(mask_base + offs_n * stride_mn, key_ok, MASK_KIND)[:, None]
-        bh32 = (b * n_heads + h).to(tl.int32)
+        if not MASK_ROWS:
+            mask_keys = mask_tile(mask, offs_m0, offs_n, offs_m0 < seq_q, key_ok, MASK_KIND, False,
+                                  True)  # fmt: skip
+        mods = (qk_scale, sm_scale, softcap, slope)
+        drop = (seed, (b * n_heads + h).to(tl.int32), threshold, inv_keep)
         for seg in tl.static_range(3):
-            if seg == 0:
-                seg_lo = lo
-                seg_hi = mid_lo
-            elif seg == 1:
-                seg_lo = mid_lo
-                seg_hi = mid_hi
-            else:
-                seg_lo = mid_hi
-                seg_hi = hi
+            seg_lo, seg_hi = segment(seg, lo, mid_lo, mid_hi, hi)
             rows = (seg_lo + offs_m0).to(tl.int64)
             dk, dv = _attn_bwd_dkdv_inner(
                 dk, dv, k, v,
                 q_base + rows[:, None] * stride_qm + offs_d[None, :],
                 do_base + rows[:, None] * stride_dom + offs_dv[None, :],
-                LSE + row_base + rows, Delta + row_base + rows, stride_qm, stride_dom,
-                offs_n, offs_m0, mask_d, mask_dv, key_ok, seg_lo, seg_hi, seq_q, seq_k, qk_scale,
-                sm_scale,
-                left, right, softcap, slope, mask_base, mask_keys, stride_mm, stride_mn,
-                seed, bh32, threshold, inv_keep, start_n,
+                LSE + row_base + rows, Delta + row_base + rows, (stride_qm, stride_dom),
+                offs_n, offs_m0, (mask_d, mask_dv), key_ok, seg_lo, seg_hi, seq_q, seq_k, mods,
+                (left, right), mask, mask_keys, drop, start_n,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
                 MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, BLOCK_M, BLOCK_N,
             )  # fmt: skip
-
+    # Epilogue: dK = scale * sum dS^T Q, dV.
     dk *= sm_scale
-    dk_ptrs = (
-        DK
-        + b * stride_dkb
-        + hk * stride_dkh
-        + (k_start + cols)[:, None] * stride_dkn
-        + offs_d[None, :]
-    )
-    dv_ptrs = (
-        DV
-        + b * stride_dvb
-        + hk * stride_dvh
-        + (k_start + cols)[:, None] * stride_dvn
-        + offs_dv[None, :]
-    )
-    if EVEN_D:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-    else:
-        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & mask_d[None, :])
-    if EVEN_DV:
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
-    else:
-        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None] & mask_dv[None, :])
+    dk_ptrs = tile_ptrs(DK, b, hk, stride_dkb, stride_dkh, cols, stride_dkn, offs_d)
+    dv_ptrs = tile_ptrs(DV, b, hk, stride_dvb, stride_dvh, cols, stride_dvn, offs_dv)
+    store_rows(dk_ptrs, dk, key_ok, mask_d, EVEN_D)
+    store_rows(dv_ptrs, dv, key_ok, mask_dv, EVEN_DV)
 
 
 _attn_bwd_dq_tuned = make_autotune(_attn_bwd_dq, DQ_SHAPES, _dq_footprint)
@@ -448,16 +362,9 @@ _PLANS: dict[tuple, tuple[Plan, Plan]] = {}  # shapes, strides, flags, scalars -
 
 
 def attention_backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    scale: float,
-    ex: Extras,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Tensor | None,
+    scale: float, ex: Extras,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """Launch the two backward kernels on 4-D views; ``lse``/``dlse`` are contiguous (B, H, L)
     ((1, H, total) for a packed batch).
 
@@ -508,10 +415,8 @@ def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precisio
     )
     group = n_heads // n_kv_heads
     tl_len = tune_len(seq_q, seq_k)
-    block_d, block_dv = next_pow2(head_dim), next_pow2(dim_v)
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HEAD_DIM_V": dim_v,
-                  "BLOCK_DV": block_dv, **flags._asdict(), "PRECISION": precision}  # fmt: skip
-    tile = (q, max(head_dim, dim_v), max(block_d, block_dv), precision, flags, max(seq_q, seq_k))
+    constexprs = kernel_constexprs(head_dim, dim_v, precision, flags._asdict())
+    tile = (q, constexprs, flags, max(seq_q, seq_k))
     dq_ints = (*qs, *ks, *vs, *os_, *dos, *dqs, *lse_strides, *runtime[:6],
                n_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
     dkdv_ints = (*qs, *ks, *vs, *dos, *dks, *dvs, *lse_strides, *runtime[:6],

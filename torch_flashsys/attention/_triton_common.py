@@ -26,13 +26,15 @@ from torch_flashsys.attention._kernel_config import (
 LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, so scores are pre-multiplied by it
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)  # ln(2): turns a base-2 logsumexp into a natural one
 
 
 @triton.jit
-def keep_scores(q_idx, k_idx, seq_k, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+def keep_scores(q_idx, k_idx, seq_k, window, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """True where query ``q_idx`` may attend key ``k_idx`` (broadcast shapes) by position: the key
-    is inside the sequence and inside the window ``[q - left, q + right]`` (is_causal: right = 0,
-    top-left aligned)."""
+    is inside the sequence and inside the window ``(left, right)``: ``[q - left, q + right]``
+    (is_causal: right = 0, top-left aligned)."""
+    left, right = window
     keep = k_idx < seq_k
     if HAS_LEFT:
         keep = keep & (k_idx >= q_idx - left)
@@ -71,12 +73,14 @@ def _tanh_and_slope(x):
 
 @triton.jit
 def mod_scores(
-    qk, q_idx, k_idx, sm_scale, qk_scale, softcap, slope, mask_vals,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, FLOAT_MASK: tl.constexpr,
+    qk, q_idx, k_idx, mods, mask_vals, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    FLOAT_MASK: tl.constexpr,
 ):  # fmt: skip
     """Raw ``q . k`` tile -> base-2 scores ``log2(e) * s`` with the score modifications applied:
-    ``s = softcap * tanh(scale * qk / softcap)``, ``s -= slope * |i - j|``, ``s += mask``.
-    Also returns softcap's gradient factor ``d s / d (scale * qk) = 1 - tanh^2`` (qk when unused)."""
+    ``s = softcap * tanh(scale * qk / softcap)``, ``s -= slope * |i - j|``, ``s += mask``;
+    ``mods`` is ``(qk_scale = log2(e) * scale, scale, softcap, slope)``. Also returns softcap's
+    gradient factor ``d s / d (scale * qk) = 1 - tanh^2`` (qk when unused)."""
+    qk_scale, sm_scale, softcap, slope = mods
     dcap = qk
     if (SOFTCAP or ALIBI) or FLOAT_MASK:  # (Triton refuses a chain A or B or C)
         s = qk * sm_scale
@@ -116,16 +120,15 @@ def _quad(r0, r1, r2, r3, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def dropout_keep(
-    seed, q_idx, key_start, bh, threshold, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr
-):
+def dropout_keep(drop, q_idx, key_start, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):
     """Dropout keep mask for queries ``q_idx`` (a vector) and the ``BLOCK_N`` keys from
-    ``key_start`` (a multiple of 16) of head ``bh``: ``(len(q_idx), BLOCK_N)``, or its transpose
-    when ``KEYS_FIRST``. Key ``j`` of query ``i`` uses byte ``j % 4`` of word ``(j % 16) // 4`` of
+    ``key_start`` (a multiple of 16) of head ``bh``, ``drop = (seed, bh, threshold, 1 / keep
+    probability)``: ``(len(q_idx), BLOCK_N)``, or its transpose when ``KEYS_FIRST``. Key ``j`` of query ``i`` uses byte ``j % 4`` of word ``(j % 16) // 4`` of
     Philox4x32-10(seed, counter=(j // 16, i, bh, 0)) and is kept when that byte is at least
     ``threshold`` (one Philox call serves 16 elements); ``torch_flashsys.attention._dropout``
     computes the same bytes in PyTorch."""
     tl.static_assert(BLOCK_N % 16 == 0)
+    seed, bh, threshold, _inv_keep = drop
     groups = key_start // 16 + tl.arange(0, BLOCK_N // 16)
     c0 = groups[None, :] + q_idx[:, None] * 0
     c1 = q_idx[:, None] + c0 * 0
@@ -156,6 +159,30 @@ def load_mask(ptrs, valid, MASK_KIND: tl.constexpr):
 
 
 @triton.jit
+def _tile_range(
+    start, seq, before, after,
+    HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr,
+):  # fmt: skip
+    """For the ``BLOCK`` positions [start, start + BLOCK) on one side, the range [lo, hi) of the
+    other side (tiles of ``BLOCK_OTHER``, ``seq`` long) some of them may see, and [mid_lo, mid_hi)
+    (whole tiles) where each of them sees each position; a position ``p`` sees
+    [p - before, p + after]."""
+    lo = start * 0
+    hi = seq + lo
+    mid_lo = lo
+    mid_hi = (seq // BLOCK_OTHER) * BLOCK_OTHER + lo
+    if HAS_BEFORE:
+        lo = (tl.maximum(start - before, 0) // BLOCK_OTHER) * BLOCK_OTHER
+        mid_lo = tl.cdiv(tl.maximum(start + BLOCK - 1 - before, 0), BLOCK_OTHER) * BLOCK_OTHER
+    if HAS_AFTER:
+        hi = tl.minimum(hi, start + BLOCK + after)
+        mid_hi = tl.minimum(mid_hi, (tl.maximum(start + after + 1, 0) // BLOCK_OTHER) * BLOCK_OTHER)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
 def key_tile_range(
     start_m, seq_k, left, right,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -163,19 +190,7 @@ def key_tile_range(
     """For query rows [start_m, start_m + BLOCK_M): the key range [lo, hi) some row may attend,
     and [mid_lo, mid_hi) (multiples of BLOCK_N) where every row may attend every key by position.
     Tiles outside [lo, hi) are skipped: the cost follows the window, not the sequence."""
-    lo = start_m * 0
-    hi = seq_k + lo
-    mid_lo = lo
-    mid_hi = (seq_k // BLOCK_N) * BLOCK_N + lo
-    if HAS_LEFT:
-        lo = (tl.maximum(start_m - left, 0) // BLOCK_N) * BLOCK_N
-        mid_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 - left, 0), BLOCK_N) * BLOCK_N
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, start_m + BLOCK_M + right)
-        mid_hi = tl.minimum(mid_hi, (tl.maximum(start_m + right + 1, 0) // BLOCK_N) * BLOCK_N)
-    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
-    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
-    return lo, mid_lo, mid_hi, hi
+    return _tile_range(start_m, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -185,20 +200,63 @@ def query_tile_range(
 ):  # fmt: skip
     """For keys [start_n, start_n + BLOCK_N): the query range [lo, hi) whose rows may attend one of
     them, and [mid_lo, mid_hi) (multiples of BLOCK_M, full query tiles) where every row may attend
-    every key by position."""
-    lo = start_n * 0
-    hi = seq_q + lo
-    mid_lo = lo
-    mid_hi = (seq_q // BLOCK_M) * BLOCK_M + lo
-    if HAS_RIGHT:
-        lo = (tl.maximum(start_n - right, 0) // BLOCK_M) * BLOCK_M
-        mid_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - right, 0), BLOCK_M) * BLOCK_M
-    if HAS_LEFT:
-        hi = tl.minimum(hi, start_n + BLOCK_N + left)
-        mid_hi = tl.minimum(mid_hi, ((start_n + left + 1) // BLOCK_M) * BLOCK_M)
-    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
-    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
-    return lo, mid_lo, mid_hi, hi
+    every key by position (key j is seen by queries [j - right, j + left])."""
+    return _tile_range(start_n, seq_q, right, left, HAS_RIGHT, HAS_LEFT, BLOCK_N, BLOCK_M)
+
+
+@triton.jit
+def segment(SEG: tl.constexpr, lo, mid_lo, mid_hi, hi):
+    """Bounds of segment ``SEG`` of a tile range: 0 is [lo, mid_lo) (the window's leading edge),
+    1 is [mid_lo, mid_hi) (no position mask), 2 is [mid_hi, hi) (causal diagonal / ragged end)."""
+    seg_lo = lo
+    seg_hi = mid_lo
+    if SEG == 1:
+        seg_lo = mid_lo
+        seg_hi = mid_hi
+    elif SEG == 2:
+        seg_lo = mid_hi
+        seg_hi = hi
+    return seg_lo, seg_hi
+
+
+@triton.jit
+def check_blocks(
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Compile-time checks of a launch's blocks: the head dims fit their (power-of-two) blocks,
+    and the tiles are at least tl.dot's minimum of 16."""
+    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+
+
+@triton.jit
+def program_setup(
+    CuQ, CuK, seq_q, seq_k, n_heads,
+    BLOCK: tl.constexpr, KEY_TILES: tl.constexpr, REVERSE: tl.constexpr, VARLEN: tl.constexpr,
+):  # fmt: skip
+    """What program ``program_id(0)`` of a 1-D grid works on: ``(bh, b, h, start, q_start, seq_q,
+    k_start, seq_k)``. The grid is (batch x heads) x tiles of ``BLOCK`` query rows (key rows when
+    KEY_TILES); consecutive programs share a head, so K/V stay in L2, and there is no 65535 limit
+    on batch x heads. REVERSE: a head's tiles from the last (most work when causal) first, for a
+    better tail balance. ``b``, ``h`` are int64; ``start`` the tile's first row; ``q_start`` /
+    ``k_start`` and the lengths are the sequence's own (a packed batch: b is the sequence, the
+    lengths passed in the longest)."""
+    length = seq_q
+    if KEY_TILES:
+        length = seq_k
+    n_tiles = tl.cdiv(length, BLOCK)
+    pid = tl.program_id(0)
+    bh = pid // n_tiles
+    tile = pid % n_tiles
+    if REVERSE:
+        tile = n_tiles - 1 - tile
+    start = tile * BLOCK
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
+    k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
+    return bh, b, h, start, q_start, seq_q, k_start, seq_k
 
 
 @triton.jit
@@ -221,6 +279,114 @@ def empty_if(cond, lo, mid_lo, mid_hi, hi):
         tl.where(cond, 0, lo), tl.where(cond, 0, mid_lo), tl.where(cond, 0, mid_hi),
         tl.where(cond, 0, hi),
     )  # fmt: skip
+
+
+@triton.jit
+def head_scalars(
+    Alibi, Mask, b, h, stride_ab, stride_ah, stride_mb, stride_mh, ALIBI: tl.constexpr
+):
+    """(ALiBi slope (0.0 when off), mask base pointer) of head ``h`` of batch entry ``b``."""
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
+    return slope, Mask + b * stride_mb + h * stride_mh
+
+
+@triton.jit
+def program_scalars(Seed, stride_mn, DROPOUT: tl.constexpr, MASK_CONTIG: tl.constexpr):
+    """(dropout seed (0 when off), the mask's key stride): a contiguous mask's stride becomes the
+    constant 1, so Triton sees contiguous keys and vectorizes the mask loads."""
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+    if MASK_CONTIG:
+        stride_mn = 1
+    return seed, stride_mn
+
+
+@triton.jit
+def tile_ptrs(X, b, h, stride_b, stride_h, rows, stride_row, cols):
+    """Pointers to the (rows, cols) tile of head ``h`` of batch entry ``b``: ``rows`` (64-bit)
+    along the sequence, ``cols`` along the contiguous head dim."""
+    return X + b * stride_b + h * stride_h + rows[:, None] * stride_row + cols[None, :]
+
+
+@triton.jit
+def mask_tile(
+    mask, q_idx, k_idx, q_ok, k_ok,
+    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, KEYS_FIRST: tl.constexpr,
+):  # fmt: skip
+    """The attention mask ``(base pointer, query stride, key stride)`` for queries ``q_idx`` x
+    keys ``k_idx`` (:func:`load_mask`; 0.0 when MASK_KIND is 0): (queries, keys), or (keys,
+    queries) when KEYS_FIRST. A key-padding mask (not MASK_ROWS) is one vector over the keys,
+    broadcast along the queries."""
+    mask_base, stride_mm, stride_mn = mask
+    mvals = 0.0
+    if MASK_KIND != 0:
+        if MASK_ROWS:
+            if KEYS_FIRST:
+                ptrs = mask_base + q_idx[None, :] * stride_mm + k_idx[:, None] * stride_mn
+                mvals = load_mask(ptrs, k_ok[:, None] & q_ok[None, :], MASK_KIND)
+            else:
+                ptrs = mask_base + q_idx[:, None] * stride_mm + k_idx[None, :] * stride_mn
+                mvals = load_mask(ptrs, q_ok[:, None] & k_ok[None, :], MASK_KIND)
+        else:
+            keys = load_mask(mask_base + k_idx * stride_mn, k_ok, MASK_KIND)
+            if KEYS_FIRST:
+                mvals = keys[:, None]
+            else:
+                mvals = keys[None, :]
+    return mvals
+
+
+@triton.jit
+def softmax_step(s, m_i, l_i, qk_scale, FOLD_SCALE: tl.constexpr, MAY_EMPTY: tl.constexpr):
+    """One online-softmax step (base 2) over a score tile ``s``: ``(p, alpha, m_new, l_new)`` with
+    ``p = exp2(s - m_new)``, ``alpha = exp2(m_i - m_new)`` (the rescale of what came before) and
+    ``l_new = alpha l_i + rowsum(p)``. FOLD_SCALE: ``s`` are raw ``q.k`` and ``qk_scale > 0`` is
+    applied in the exponent (one FMA per score). MAY_EMPTY: a row that has seen no allowed key
+    (max -inf) subtracts 0 instead."""
+    if FOLD_SCALE:  # max(qk) * qk_scale is the max of the scaled scores
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MAY_EMPTY:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if FOLD_SCALE:
+        p = tl.math.exp2(s * qk_scale - m_use[:, None])
+    else:
+        p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def softmax_finish(acc, l_i, MAY_EMPTY: tl.constexpr):
+    """The output rows ``acc / l``; a row that attended nothing (l = 0, when MAY_EMPTY) gives 0."""
+    l_safe = l_i
+    if MAY_EMPTY:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    return acc / l_safe[:, None]
+
+
+@triton.jit
+def softmax_lse(m_i, l_i):
+    """The natural logsumexp of the rows from the base-2 running max and sum (-inf for a row
+    that attended nothing). Separate from :func:`softmax_finish` so that a kernel keeps its
+    order of stores and this arithmetic (it changes the register allocation)."""
+    return (m_i + tl.math.log2(l_i)) * _LN2
+
+
+@triton.jit
+def store_rows(ptrs, tile, row_ok, mask_d, EVEN_D: tl.constexpr):
+    """Store a float32 (rows, BLOCK_D) tile in the destination's dtype: rows where ``row_ok``
+    and, unless EVEN_D, the head dims of ``mask_d`` (the padding to BLOCK_D is not written)."""
+    if EVEN_D:
+        tl.store(ptrs, tile.to(ptrs.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, tile.to(ptrs.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -373,16 +539,29 @@ def make_autotune(kernel, shapes: dict[int, Sequence[Tile]], footprint: Callable
 _AUTOTUNE_CACHES = "cache_results" in inspect.signature(triton.autotune).parameters
 
 
+def kernel_constexprs(head_dim: int, dim_v: int, precision: str, flags: dict) -> dict:
+    """The constexprs every kernel takes: the head dims of query/key and of value with their
+    power-of-two blocks, the feature ``flags`` (:class:`Flags` as a dict, or the decode kernel's
+    subset) and ``tl.dot``'s input precision."""
+    return {
+        "HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim), "HEAD_DIM_V": dim_v,
+        "BLOCK_DV": next_pow2(dim_v), **flags, "PRECISION": precision,
+    }  # fmt: skip
+
+
 def plan_tile(
-    kernel: str, q: torch.Tensor, head_dim: int, block_d: int, precision: str, flags: Flags,
-    seq_len: int, shapes: dict[int, Sequence[Tile]], footprint: Callable[..., int],
+    kernel: str, q: torch.Tensor, constexprs: dict, flags: Flags, seq_len: int,
+    shapes: dict[int, Sequence[Tile]], footprint: Callable[..., int],
 ) -> dict[str, int]:  # fmt: skip
-    """The launch keywords of ``kernel``'s tile for this problem (none when autotuning)."""
+    """The launch keywords of ``kernel``'s tile for this problem (none when autotuning), from
+    the head dims and precision of its :func:`kernel_constexprs`."""
     if AUTOTUNE:
         return {}
     tile = pick_tile(
-        kernel, q.device, head_dim, block_d, q.element_size(), precision, flags.HAS_RIGHT,
-        seq_len, shapes, footprint, flags == _SWEPT[flags.HAS_RIGHT],
+        kernel, q.device, max(constexprs["HEAD_DIM"], constexprs["HEAD_DIM_V"]),
+        max(constexprs["BLOCK_D"], constexprs["BLOCK_DV"]), q.element_size(),
+        constexprs["PRECISION"], flags.HAS_RIGHT, seq_len, shapes, footprint,
+        flags == _SWEPT[flags.HAS_RIGHT],
     )  # fmt: skip
     return tile_meta(tile)
 

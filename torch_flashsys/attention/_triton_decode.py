@@ -25,13 +25,18 @@ from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
 from torch_flashsys.attention._triton_common import (
     LOG2E,
+    check_blocks,
     keep_scores,
+    kernel_constexprs,
     load_rows,
     mod_scores,
     next_pow2,
+    softmax_finish,
+    softmax_lse,
+    softmax_step,
+    store_rows,
 )
 
-_LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
 # Keys per step of a chunk, the launch's warps/stages and the programs per SM the chunks aim for
 # (benchmarks/tune_decode.py sweeps these on the device).
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2}
@@ -63,7 +68,7 @@ def _attn_decode_split(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
     bhk = tl.program_id(0)
@@ -111,25 +116,21 @@ def _attn_decode_split(
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s, _t = mod_scores(
-            qk, pos[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, qk,
+            qk, pos[:, None], cols[None, :], (qk_scale, sm_scale, softcap, slope), qk,
             SOFTCAP, ALIBI, False,
         )  # fmt: skip
-        keep = keep_scores(pos[:, None], cols[None, :], hi, left, right, HAS_LEFT, HAS_RIGHT)
+        keep = keep_scores(pos[:, None], cols[None, :], hi, (left, right), HAS_LEFT, HAS_RIGHT)
         s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, qk_scale, False, True)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
 
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = (m_i + tl.math.log2(l_i)) * _LN2  # -inf where the chunk held no allowed key
-    # partial results: OP (B, H, seq_q, n_chunks, BLOCK_DV) float32, LP (B, H, seq_q, n_chunks)
+    # Epilogue: -inf where the chunk held no allowed key. Partial results: OP (B, H, seq_q,
+    # n_chunks, BLOCK_DV) float32 (padded: every column written), LP (B, H, seq_q, n_chunks).
+    out = softmax_finish(acc, l_i, True)
+    lse = softmax_lse(m_i, l_i)
     row = ((b * n_heads + h) * seq_q + i) * n_chunks + c
-    tl.store(OP + row[:, None] * BLOCK_DV + offs_dv[None, :], acc, mask=row_ok[:, None])
+    store_rows(OP + row[:, None] * BLOCK_DV + offs_dv[None, :], out, row_ok, mask_dv, True)
     tl.store(LP + row, lse, mask=row_ok)
 
 
@@ -231,12 +232,12 @@ def _plan(q, k, v, scale: float, ex: Extras) -> tuple[Plan, Plan, int, int]:
         n_heads, n_kv_heads, group, seq_q, chunk, n_chunks, scale * LOG2E, scale,
         ex.left, ex.right, ex.softcap,
     )  # fmt: skip
+    flags = {"HAS_LEFT": ex.left >= 0, "HAS_RIGHT": ex.right >= 0, "SOFTCAP": ex.softcap > 0,
+             "ALIBI": ex.alibi is not None}  # fmt: skip
     split_meta = {
-        "HEAD_DIM": head_dim, "BLOCK_D": next_pow2(head_dim), "HEAD_DIM_V": dim_v,
-        "BLOCK_DV": block_dv, "HAS_LEFT": ex.left >= 0, "HAS_RIGHT": ex.right >= 0,
-        "SOFTCAP": ex.softcap > 0, "ALIBI": ex.alibi is not None,
-        "PRECISION": dot_precision(q.dtype), "BLOCK_M": max(16, next_pow2(group * seq_q)),
-        "BLOCK_N": block_n, "num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"],
+        **kernel_constexprs(head_dim, dim_v, dot_precision(q.dtype), flags),
+        "BLOCK_M": max(16, next_pow2(group * seq_q)), "BLOCK_N": block_n,
+        "num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"],
     }  # fmt: skip
     split_grid = (batch * n_kv_heads, n_chunks)
     # out is allocated contiguous: its strides follow from its shape

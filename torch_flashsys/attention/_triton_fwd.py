@@ -19,23 +19,30 @@ from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._triton_common import (
     LOG2E,
     batch_strides,
+    check_blocks,
     dropout_keep,
     empty_if,
+    head_scalars,
     keep_scores,
+    kernel_constexprs,
     kernel_extras,
     key_tile_range,
-    load_mask,
     load_rows,
     make_autotune,
+    mask_tile,
     mod_scores,
-    next_pow2,
     plan_tile,
     problem_dims,
-    seq_bounds,
+    program_scalars,
+    program_setup,
+    segment,
+    softmax_finish,
+    softmax_lse,
+    softmax_step,
+    store_rows,
+    tile_ptrs,
     tune_len,
 )
-
-_LN2 = tl.constexpr(0.6931471805599453)  # ln(2): turns the base-2 logsumexp into a natural one
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim class: the fallback where the tile table
 # (_kernel_config) has no entry is the first that fits; TORCH_FLASHSYS_AUTOTUNE=1 tunes over them.
@@ -52,65 +59,46 @@ def _fwd_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int
 
 @triton.jit
 def _attn_fwd_inner(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_p, offs_n, mask_d, mask_dv,
-    row_ok,
-    lo, hi, seq_k, qk_scale, sm_scale, left, right, softcap, slope, mask_base,
-    stride_mm, stride_mn, seed, bh, threshold,
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, strides, offs_m, offs_p, offs_n, dmasks, row_ok, lo, hi,
+    seq_k, mods, window, mask, drop,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # Key tiles [lo, hi). MASKED tiles may cross the window / causal diagonal or the end of keys.
+    """Key tiles [lo, hi) into (acc, l_i, m_i). MASKED tiles may cross the window / causal
+    diagonal or the end of keys. Bundles: strides (K, V rows), dmasks (head dims of K, V), mods
+    (:func:`mod_scores`), window (left, right), mask (:func:`mask_tile`), drop
+    (:func:`dropout_keep`); the flags as the kernel's."""
+    stride_kn, stride_vn = strides
+    mask_d, mask_dv = dmasks
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         k = load_rows(k_ptrs, cols, seq_k, mask_d, MASKED, EVEN_D)
-        mvals = 0.0
-        if MASK_KIND != 0:  # issued before the dot, so the load overlaps it
-            col_ok = cols < seq_k
-            if MASK_ROWS:
-                ptrs = mask_base + offs_m[:, None] * stride_mm + cols[None, :] * stride_mn
-                mvals = load_mask(ptrs, row_ok[:, None] & col_ok[None, :], MASK_KIND)
-            else:  # a key-padding mask: one vector per key tile
-                mvals = load_mask(mask_base + cols * stride_mn, col_ok, MASK_KIND)[None, :]
+        mvals = mask_tile(  # issued before the dot, so the load overlaps it
+            mask, offs_m, cols, row_ok, cols < seq_k, MASK_KIND, MASK_ROWS, False
+        )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if FOLD_SCALE:  # raw scores: the scale is applied in the exponent's FMA below
+        if FOLD_SCALE:  # raw scores: the scale is applied in the exponent's FMA (softmax_step)
             s = qk
         else:
             s, _t = mod_scores(
-                qk, offs_p[:, None], cols[None, :], sm_scale, qk_scale, softcap, slope, mvals,
-                SOFTCAP, ALIBI, MASK_KIND == 2,
+                qk, offs_p[:, None], cols[None, :], mods, mvals, SOFTCAP, ALIBI, MASK_KIND == 2
             )  # fmt: skip
         if MASKED:  # positions: offs_p (= offs_m, or shifted to the end of a KV cache)
-            keep = keep_scores(
-                offs_p[:, None], cols[None, :], seq_k, left, right, HAS_LEFT, HAS_RIGHT
-            )
+            keep = keep_scores(offs_p[:, None], cols[None, :], seq_k, window, HAS_LEFT, HAS_RIGHT)
             s = tl.where(keep, s, float("-inf"))
         if MASK_KIND == 1:
             s = tl.where(mvals, s, float("-inf"))
-        # Online softmax (base 2). m_use is 0 for a row that has seen no allowed key yet.
-        if FOLD_SCALE:  # qk_scale > 0: max(qk) * qk_scale is the max of the scaled scores
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-        if MAY_EMPTY:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        if FOLD_SCALE:
-            p = tl.math.exp2(s * qk_scale - m_use[:, None])  # one FMA per score
-        else:
-            p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, mods[0], FOLD_SCALE, MAY_EMPTY)
         if DROPOUT:  # dropped after the normalizer: softmax first, then dropout (as SDPA)
-            keep_r = dropout_keep(seed, offs_m, start_n, bh, threshold, BLOCK_N, False)
+            keep_r = dropout_keep(drop, offs_m, start_n, BLOCK_N, False)
             p = tl.where(keep_r, p, 0.0)
         v = load_rows(v_ptrs, cols, seq_k, mask_dv, MASKED, EVEN_DV)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)  # P in V's dtype
-        m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
@@ -140,29 +128,18 @@ def _attn_fwd(
     VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr,
     FOLD_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_D >= HEAD_DIM and BLOCK_DV >= HEAD_DIM_V)
-    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)  # tl.dot's minimum tile
+    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
-    # 1-D grid (no 65535 limit on batch*heads): consecutive programs share a head, so K/V stay in L2.
-    # Packed (VARLEN): b is the sequence, seq_q/seq_k the longest; each program reads its own.
-    n_m_tiles = tl.cdiv(seq_q, BLOCK_M)
-    pid = tl.program_id(0)
-    bh = pid // n_m_tiles
-    tile_m = pid % n_m_tiles
-    if HAS_RIGHT:
-        tile_m = n_m_tiles - 1 - tile_m  # longest (most key tiles) first: better tail balance
-    b = (bh // n_heads).to(tl.int64)
-    h = (bh % n_heads).to(tl.int64)
+    # Setup: this program's query tile; causal: longest (most key tiles) first.
+    bh, b, h, start_m, q_start, seq_q, k_start, seq_k = program_setup(
+        CuQ, CuK, seq_q, seq_k, n_heads, BLOCK_M, False, HAS_RIGHT, VARLEN
+    )
     hk = h // group  # shared key/value head (GQA); group == 1 otherwise
-    start_m = tile_m * BLOCK_M
-    q_start, seq_q = seq_bounds(CuQ, b, seq_q, VARLEN)
-    k_start, seq_k = seq_bounds(CuK, b, seq_k, VARLEN)
     shift = seq_k * 0  # query row i sits at position i + shift
     if SEQUSED:  # a KV cache: seq_k valid keys of this sequence; queries are its last positions
         seq_k = tl.load(SeqUsed + b)
         shift = seq_k - seq_q
-
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_p = offs_m + shift
     offs_n = tl.arange(0, BLOCK_N)
@@ -171,78 +148,50 @@ def _attn_fwd(
     offs_dv = tl.arange(0, BLOCK_DV)  # value head dim (may differ from the query/key one)
     mask_dv = offs_dv < HEAD_DIM_V
     row_ok = offs_m < seq_q
-    rows = offs_m.to(tl.int64)  # 64-bit offsets: a (b, l, h, d) layout can pass 2**31 elements
+    rows = q_start + offs_m.to(tl.int64)  # 64-bit offsets: a (b, l, h, d) layout can pass 2**31
     q = load_rows(
-        Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
+        tile_ptrs(Q, b, h, stride_qb, stride_qh, rows, stride_qm, offs_d),
         offs_m, seq_q, mask_d, True, EVEN_D,
     )  # fmt: skip
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(Alibi + b * stride_ab + h * stride_ah)
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(Seed)
-    mask_base = Mask + b * stride_mb + h * stride_mh
-    if MASK_CONTIG:  # a constant: Triton sees contiguous keys and vectorizes the loads
-        stride_mn = 1
-
+    slope, mask_base = head_scalars(
+        Alibi, Mask, b, h, stride_ab, stride_ah, stride_mb, stride_mh, ALIBI
+    )
+    seed, stride_mn = program_scalars(Seed, stride_mn, DROPOUT, MASK_CONTIG)
+    mask = (mask_base, stride_mm, stride_mn)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-
     lo, mid_lo, mid_hi, hi = key_tile_range(
         start_m + shift, seq_k, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
     )
     if VARLEN:  # a query tile past this sequence's end: no key tiles, every store masked
         lo, mid_lo, mid_hi, hi = empty_if(start_m >= seq_q, lo, mid_lo, mid_hi, hi)
-    cols = offs_n.to(tl.int64)
-    k_base = (
-        K + b * stride_kb + hk * stride_kh + (k_start + cols)[:, None] * stride_kn + offs_d[None, :]
-    )
-    v_base = (
-        V
-        + b * stride_vb
-        + hk * stride_vh
-        + (k_start + cols)[:, None] * stride_vn
-        + offs_dv[None, :]
-    )
-    bh32 = bh.to(tl.int32)
-    for seg in tl.static_range(3):  # masked window edge, unmasked middle, masked diagonal / end
-        if seg == 0:
-            seg_lo = lo
-            seg_hi = mid_lo
-        elif seg == 1:
-            seg_lo = mid_lo
-            seg_hi = mid_hi
-        else:
-            seg_lo = mid_hi
-            seg_hi = hi
+    cols = k_start + offs_n.to(tl.int64)
+    k_base = tile_ptrs(K, b, hk, stride_kb, stride_kh, cols, stride_kn, offs_d)
+    v_base = tile_ptrs(V, b, hk, stride_vb, stride_vh, cols, stride_vn, offs_dv)
+    mods = (qk_scale, sm_scale, softcap, slope)
+    drop = (seed, bh.to(tl.int32), threshold, inv_keep)
+    # Loop: masked window edge, unmasked middle, masked diagonal / end (segment 0 is empty
+    # without a left window).
+    for seg in tl.static_range(3):
+        seg_lo, seg_hi = segment(seg, lo, mid_lo, mid_hi, hi)
         if seg != 0 or HAS_LEFT:
             acc, l_i, m_i = _attn_fwd_inner(
                 acc, l_i, m_i, q,
                 k_base + seg_lo.to(tl.int64) * stride_kn, v_base + seg_lo.to(tl.int64) * stride_vn,
-                stride_kn, stride_vn, offs_m, offs_p, offs_n, mask_d, mask_dv, row_ok, seg_lo, seg_hi, seq_k,
-                qk_scale, sm_scale, left, right, softcap, slope, mask_base, stride_mm, stride_mn,
-                seed, bh32, threshold,
+                (stride_kn, stride_vn), offs_m, offs_p, offs_n, (mask_d, mask_dv), row_ok,
+                seg_lo, seg_hi, seq_k, mods, (left, right), mask, drop,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
                 MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, FOLD_SCALE, BLOCK_N,
             )  # fmt: skip
-
-    l_safe = l_i
-    if MAY_EMPTY:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row that attends nothing: out 0, lse -inf
+    # Epilogue: normalize, store O and the logsumexp.
     if DROPOUT:
         acc = acc * inv_keep  # kept probabilities are scaled by 1 / (1 - dropout_p)
-    acc = acc / l_safe[:, None]
-    o_ptrs = (
-        O + b * stride_ob + h * stride_oh + (q_start + rows)[:, None] * stride_om + offs_dv[None, :]
-    )
-    if EVEN_DV:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_ok[:, None] & mask_dv[None, :])
-    lse = (m_i + tl.math.log2(l_i)) * _LN2
-    tl.store(LSE + b * stride_lb + h * stride_lh + q_start + rows, lse, mask=row_ok)
+    out = softmax_finish(acc, l_i, MAY_EMPTY)  # a row with no key: out 0, lse -inf
+    store_rows(tile_ptrs(O, b, h, stride_ob, stride_oh, rows, stride_om, offs_dv), out, row_ok,
+               mask_dv, EVEN_DV)  # fmt: skip
+    lse = softmax_lse(m_i, l_i)
+    tl.store(LSE + b * stride_lb + h * stride_lh + rows, lse, mask=row_ok)
 
 
 _attn_fwd_tuned = make_autotune(_attn_fwd, FWD_SHAPES, _fwd_footprint)
@@ -289,16 +238,14 @@ def fold_scale(flags, pos_scale: bool) -> bool:
 
 
 def _plan(q, k, v, out, ex: Extras, runtime: tuple, flags, precision: str, pos_scale: bool) -> Plan:
-    n_heads, head_dim, dim_v = q.shape[1], q.shape[3], v.shape[3]
+    n_heads = q.shape[1]
     batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     ints = (*batch_strides(q, ex), *batch_strides(k, ex), *batch_strides(v, ex),
             *batch_strides(out, ex), *lse_strides, *runtime[:6],
             n_heads, n_heads // k.shape[1], seq_q, seq_k, tune_len(seq_q, seq_k))  # fmt: skip
-    block_d, block_dv = next_pow2(head_dim), next_pow2(dim_v)
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "HEAD_DIM_V": dim_v,
-                  "BLOCK_DV": block_dv, **flags._asdict(), "PRECISION": precision,
-                  "FOLD_SCALE": fold_scale(flags, pos_scale),
-                  **plan_tile("fwd", q, max(head_dim, dim_v), max(block_d, block_dv), precision,
-                              flags, max(seq_q, seq_k), FWD_SHAPES, _fwd_footprint)}  # fmt: skip
+    constexprs = kernel_constexprs(q.shape[3], v.shape[3], precision, flags._asdict())
+    constexprs["FOLD_SCALE"] = fold_scale(flags, pos_scale)
+    constexprs.update(plan_tile("fwd", q, constexprs, flags, max(seq_q, seq_k), FWD_SHAPES,
+                                _fwd_footprint))  # fmt: skip
     grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,)
     return Plan(grid, ints, constexprs)
