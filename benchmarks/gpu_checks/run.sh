@@ -2,21 +2,7 @@
 # GPU box: the GPU tests and benchmarks of the committed code, one section per call (each fits a
 # 10-minute limit); logs, CSVs and tables under ${OUT:-/tmp/flashsys}, short tables printed last.
 #   bash benchmarks/gpu_checks/run.sh SECTION...     (from the repository root)
-# Sections:
-#   tests     pytest -m gpu ${TESTS:-tests} on ${WORKERS:-8} xdist workers (TORCH_FLASHSYS_AUTOTUNE=0)
-#             and the issue-10 single shapes beside SDPA cuDNN/flash with the host overhead (BENCH=0: no)
-#   attention host overhead (+ cProfile), the peer grid (--preset peers), fwd+bwd (1, 16, 4096, 64)
-#             and the longest sequence (1, 16, 262144, 64)
-#   features  --preset features, --preset varlen, torch.profiler of fwd+bwd (flash.py --profile)
-#   startup   flash.py --first-call, --preset varlen, --host-overhead
-#   tune      tune_attention.py (TUNE_ARGS), the decode launch sweep, the attention GPU tests
-#   harness   model.py (Table-1 sizes, fp32/bf16), --preset memory, one 2.7B train step as a
-#             memory_viz snapshot, flash.py --preset sweep in the time left (TOTAL_BUDGET, 450 s)
-#   ddp       pytest -m gpu tests/distributed (SKIP_TESTS=1: no), ddp.py --preset 2.0B on NPROC GPUs
-#             (every variant, rounds while BUDGET allows), then a torch.profiler pass
-#   sharded   ddp.py --preset sharded (xl: AdamW, ZeRO, ShardedOptimizer memory under torch DDP)
-#   context_parallel  pytest tests/distributed/test_context_parallel.py, context_parallel.py on NPROC (<= 2)
-# BENCH_ARGS=--smoke runs the ddp/sharded/context_parallel benchmarks as a dry run on CPU.
+# Sections and their variables: docs/benchmarking.md ("GPU box").
 set -u
 OUT=${OUT:-/tmp/flashsys}
 mkdir -p "$OUT"
@@ -172,7 +158,7 @@ $(git status --porcelain 2>/dev/null | wc -l))" | tee -a "$OUT/env.txt"
 for section in "${@:-tests}"; do
   case $section in
     tests | attention | features | startup | tune | harness | ddp | sharded | context_parallel) "$section" ;;
-    *) echo "unknown section $section (see the top of $0)" >&2 && exit 2 ;;
+    *) echo "unknown section $section (see docs/benchmarking.md)" >&2 && exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - start)) s"
