@@ -81,6 +81,18 @@ def flops(shape, causal: bool, mode: str = "fwd") -> float:
     return 4 * math.prod(batch) * seq * seq * dim * (0.5 if causal else 1.0) * FLOPS_PER_FWD[mode]
 
 
+def timed(row: dict, key: str, fn, device, scale: float = 1.0) -> dict:
+    """``row`` with ``key`` the median ms of ``fn`` (times ``scale``), or None and a note on why
+    (an impl that cannot run the case)."""
+    try:
+        row[key] = bench(fn, device)["median_ms"] * scale
+    except Exception as exc:
+        row[key], row["note"] = None, why(exc, 70)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 def time_modes(fn, q, k, v, dout, device, modes, reps: int = 2) -> dict:
     """``fn(q, k, v)`` per mode with the harness timer: ``fwd`` (under no_grad), ``bwd`` (of one
     forward, graph retained; on CUDA also ``mem_before_bwd_MiB``), ``fwd+bwd``."""
@@ -232,14 +244,7 @@ def run_features(smoke: bool = False) -> list[dict]:
             impls |= {f"sdpa {s}": sdpa_call(backend, **sdpa) for s, backend in SDPA.items()}
         for impl, fn in impls.items():
             row = {"feature": name, "impl": impl, "shape": "x".join(map(str, q.shape))}
-            try:
-                ms = time_modes(fn, q, k, v, dout, device, ("fwd+bwd",))["fwd+bwd"]["median_ms"]
-                row["fwd+bwd ms"] = ms
-            except Exception as exc:  # SDPA backends refuse some of these calls
-                row["fwd+bwd ms"], row["note"] = None, why(exc, 70)
-            rows.append(row)
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            rows.append(timed(row, "fwd+bwd ms", fwd_bwd(fn, (q, k, v), dout), device))
     by = lambda impl: {r["feature"]: r["fwd+bwd ms"] for r in rows if r["impl"] == impl}
     base, sdpa = by("flash_attention without it"), [by(f"sdpa {s}") for s in SDPA]
     for r in rows:  # ours against ours without the feature and the fastest SDPA backend
@@ -258,15 +263,9 @@ def _lengths(smoke: bool) -> list[int]:
     return [rng.randint(128, 8192) for _ in range(16)]
 
 
-def _varlen_row(rows, impl, case, fn, device, ms_scale=1.0, **extra):
-    row = {"impl": impl, "case": case, **extra}
-    try:
-        row["ms"] = bench(fn, device)["median_ms"] * ms_scale
-    except Exception as exc:  # an impl that cannot run this case: an empty ms and why
-        row["ms"], row["note"] = None, why(exc, 70)
-    rows.append(row)
-    if device == "cuda":
-        torch.cuda.empty_cache()
+def _row(rows, impl, case, fn, device, ms_scale=1.0, **extra):
+    """A varlen row: the median ms of ``fn`` (times ``ms_scale``), or None and why."""
+    rows.append(timed({"impl": impl, "case": case, **extra}, "ms", fn, device, ms_scale))
 
 
 def packed_rows(device: str, dtype, smoke: bool) -> list[dict]:
@@ -283,7 +282,7 @@ def packed_rows(device: str, dtype, smoke: bool) -> list[dict]:
     case = "packed"
     packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
     ours = lambda q, k, v: flash_attention(q, k, v, is_causal=True, **packed)
-    _varlen_row(rows, "ours", case, fwd_bwd(ours, (q, k, v), dout), device, flops=work)
+    _row(rows, "ours", case, fwd_bwd(ours, (q, k, v), dout), device, flops=work)
     # the same batch as nested jagged tensors, (n, heads, j, dim) as SDPA takes them
     offsets = cu.long()
     as_nested = lambda t: torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
@@ -292,7 +291,7 @@ def packed_rows(device: str, dtype, smoke: bool) -> list[dict]:
         .transpose(1, 2)
         .values()
     )
-    _varlen_row(rows, "ours nested jagged", case, fwd_bwd(ours_nested, (q, k, v), dout), device,
+    _row(rows, "ours nested jagged", case, fwd_bwd(ours_nested, (q, k, v), dout), device,
          flops=work)  # fmt: skip
     # padded to the longest: (n, heads, longest, dim) with a causal + key-padding mask
     pad = torch.zeros(n, heads, longest, dim, device=device, dtype=dtype)
@@ -304,20 +303,20 @@ def packed_rows(device: str, dtype, smoke: bool) -> list[dict]:
     mask = causal[None, None] & valid[:, None, None, :]
     for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
         sdpa = sdpa_call(backend, attn_mask=mask)
-        _varlen_row(rows, f"sdpa {backend.split('_')[0].lower()} padded", case,
+        _row(rows, f"sdpa {backend.split('_')[0].lower()} padded", case,
              fwd_bwd(sdpa, (qp, kp, vp), dp), device, flops=work)  # fmt: skip
     key_pad = valid[:, None, None, :]
     ours_pad = lambda q, k, v: flash_attention(q, k, v, attn_mask=key_pad, is_causal=True)
-    _varlen_row(rows, "ours padded", case, fwd_bwd(ours_pad, (qp, kp, vp), dp), device, flops=work)
+    _row(rows, "ours padded", case, fwd_bwd(ours_pad, (qp, kp, vp), dp), device, flops=work)
     if device == "cuda":
-        _varlen_row(rows, "flex document mask", case, _flex_packed(lens, q, k, v, dout), device,
+        _row(rows, "flex document mask", case, _flex_packed(lens, q, k, v, dout), device,
              flops=work)  # fmt: skip
     # the equal-length batch of about the same number of tokens
     per = total // n
     qe, ke, ve, de = inputs((n, heads, per, dim), dtype, device, seed=1)
     eq_flops = flops(qe.shape, True, "fwd+bwd")
     eq_case = f"equal-length ({n}, {per})"
-    _varlen_row(rows, "ours", eq_case,
+    _row(rows, "ours", eq_case,
          fwd_bwd(lambda q, k, v: flash_attention(q, k, v, is_causal=True), (qe, ke, ve), de),
          device, flops=eq_flops)  # fmt: skip
     return rows
@@ -355,27 +354,27 @@ def _decode_case(rows, batch, cache, heads, kv_heads, dim, device, dtype, random
         return lambda: flash_attention(q, kc, vc, cache_seqlens=lens, enable_gqa=True)
 
     with torch.no_grad():
-        _varlen_row(rows, "ours", case, ours(full), device, bytes=nbytes)
+        _row(rows, "ours", case, ours(full), device, bytes=nbytes)
         for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
             sdpa = sdpa_call(backend, enable_gqa=True)
-            _varlen_row(rows, f"sdpa {backend.split('_')[0].lower()}", case, lambda f=sdpa: f(q, kc, vc),
+            _row(rows, f"sdpa {backend.split('_')[0].lower()}", case, lambda f=sdpa: f(q, kc, vc),
                  device, bytes=nbytes)  # fmt: skip
         if device == "cuda":
             from torch.nn.attention.flex_attention import flex_attention
 
             flex = torch.compile(flex_attention, dynamic=False)
-            _varlen_row(rows, "flex", case, lambda: flex(q, kc, vc, enable_gqa=True), device,
+            _row(rows, "flex", case, lambda: flex(q, kc, vc, enable_gqa=True), device,
                  bytes=nbytes)  # fmt: skip
         dst = torch.empty_like(kc)
         # A copy reads and writes every byte: reading K and V once at the copy bandwidth takes
         # half the copy's time (the issue's "copy-bandwidth time").
-        _varlen_row(rows, "copy bandwidth (K and V read once)", case,
+        _row(rows, "copy bandwidth (K and V read once)", case,
              lambda: (dst.copy_(kc), dst.copy_(vc)), device, ms_scale=0.5, bytes=nbytes)  # fmt: skip
         if random_lengths:
             lens = torch.randint(1, cache + 1, (batch,), device=device, generator=gen,
                                  dtype=torch.int32)  # fmt: skip
             used = int(lens.sum()) / (batch * cache)
-            _varlen_row(rows, "ours", f"decode b{batch} random lengths (used {used:.2f} of the cache)",
+            _row(rows, "ours", f"decode b{batch} random lengths (used {used:.2f} of the cache)",
                  ours(lens), device, bytes=nbytes * used)  # fmt: skip
 
 

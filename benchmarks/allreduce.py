@@ -65,9 +65,7 @@ def worker(args) -> list[dict] | None:
     }
     configs = [(b, s) for b in args.backend_list for s in args.sizes]
     rows = []
-    for backend, size_mb in (
-        progress(configs, desc=f"all-reduce x{world}") if rank == 0 else configs
-    ):
+    for backend, size_mb in progress(configs, f"all-reduce x{world}") if rank == 0 else configs:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         numel = max(1, round(size_mb * 1e6 / 4))
         x = torch.ones(numel, dtype=torch.float32, device=device)

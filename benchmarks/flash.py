@@ -60,6 +60,15 @@ PRESETS = {
 }  # fmt: skip
 HOST_TITLE = "Host overhead: one eager fwd+bwd call, 1x4x128x64, no synchronization"
 HOST_COLUMNS = ["impl", "host us/call (wall)", "host us/call (process CPU)"]
+FEATURE_COLUMNS = [
+    "feature",
+    "impl",
+    "shape",
+    "fwd+bwd ms",
+    "vs without",
+    "vs fastest SDPA",
+    "note",
+]
 
 
 def naive_attention(q, k, v, is_causal, nvtx_ranges=True):
@@ -256,17 +265,8 @@ def main(argv=None):
     if args.preset == "peers":
         return run_peers(args, device, dtype)
     if args.preset == "features":
-        columns = [
-            "feature",
-            "impl",
-            "shape",
-            "fwd+bwd ms",
-            "vs without",
-            "vs fastest SDPA",
-            "note",
-        ]
         title = "Attention features (fwd+bwd, do_bench median; bf16)"
-        return report(title, _peers.run_features(args.smoke), columns, args.out)
+        return report(title, _peers.run_features(args.smoke), FEATURE_COLUMNS, args.out)
     if args.preset == "varlen":
         columns = ["impl", "case", "ms", "TFLOP/s", "GB/s", "note"]
         title = "Packed batches and KV-cache decoding (do_bench median)"
