@@ -112,12 +112,6 @@ def time_modes(fn, q, k, v, dout, device, modes, reps: int = 2) -> dict:
     return res
 
 
-def cases(smoke: bool = False) -> list[tuple[int, int, int, int, bool]]:
-    if smoke:
-        return [(1, 2, 128, 16, True)]
-    return [(b, h, n, d, c) for (b, h, n) in SHAPES for d in DIMS for c in (True, False)]
-
-
 def _impl(name: str, seq: int, causal: bool, device: str):
     from torch_flashsys import flash_attention
 
@@ -171,7 +165,8 @@ def _init_worker(lock) -> None:
 
 def run_grid(smoke: bool = False, workers: int = 8) -> list[dict]:
     """All cases; in ``workers`` processes on CUDA (one process when smoke or on CPU)."""
-    todo = cases(smoke)
+    todo = [(b, h, n, d, c) for (b, h, n) in SHAPES for d in DIMS for c in (True, False)]
+    todo = [(1, 2, 128, 16, True)] if smoke else todo
     if smoke or not torch.cuda.is_available() or workers <= 1:
         device, dtype = device_dtype(smoke)
         return [row for case in todo for row in run_case(case, dtype, device)]

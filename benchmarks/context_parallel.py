@@ -51,8 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--attn-seqs", default="16384,65536", help="attention sequence lengths")
     p.add_argument("--reps", type=int, default=5, help="timed attention repetitions")
     p.add_argument("--time-budget", type=float, default=110.0, help="seconds per context search")
-    p.add_argument("--simulate-oom-above", type=int,
-                   help="testing: contexts above this many tokens count as out of memory")  # fmt: skip
+    p.add_argument("--simulate-oom-above", type=int, help="testing: longer contexts count as OOM")
     args = p.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     args.lm = LLAMA_1B

@@ -65,10 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="torch.compile the model (in warm-up)")
     p.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
                    help="torch.set_float32_matmul_precision; high allows TF32")  # fmt: skip
-    p.add_argument("--memory-profile", metavar="PATH",
-                   help="write a memory_viz snapshot of the measured steps per configuration")  # fmt: skip
-    p.add_argument("--memory-max-entries", type=int, default=100_000,
-                   help="keep the last N allocator events in the snapshot")  # fmt: skip
+    p.add_argument("--memory-profile", metavar="PATH", help="memory_viz snapshot of measured steps")
+    p.add_argument("--memory-max-entries", type=int, default=100_000, help="allocator events kept")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     args = p.parse_args(argv)
     for key, value in PRESETS.get(args.preset, {}).items():
