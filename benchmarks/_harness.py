@@ -1,9 +1,8 @@
-"""The benchmark scripts' shared harness: options, the timers, rank launching, tables and files.
+"""The benchmarks' shared harness: options, the only timers, rank launching, tables and files.
 
-The only timers: :func:`bench` (``do_bench`` on CUDA), :func:`samples_ms` / :func:`time_fn`
-(synchronized wall clock per call), :class:`Laps` (phases of one step) and :func:`host_us` (host
-time per call, unsynchronized). Every result row carries the device, torch/triton versions, date
-and command (:func:`env_stamp`), so a table copied into docs/benchmarks.md says where it came from.
+Timers: :func:`bench` (``do_bench`` on CUDA), :func:`samples_ms` (synchronized wall clock per
+call), :class:`Laps` (phases of one step), :func:`host_us` (host time per call, unsynchronized)
+and :func:`profiled` (torch.profiler). Rows carry :func:`env_stamp` (docs/benchmarking.md).
 """
 
 from __future__ import annotations
@@ -31,13 +30,12 @@ import torch.multiprocessing as mp
 def env_stamp() -> dict[str, str]:
     """Device, versions, date and command of this run."""
     cpu = f"CPU ({os.cpu_count()} cores)"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
     try:
         triton_version = metadata.version("triton")
     except metadata.PackageNotFoundError:
         triton_version = "none"
     return {
-        "device": device,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else cpu,
         "torch": torch.__version__,
         "triton": triton_version,
         "date": _dt.date.today().isoformat(),
@@ -46,16 +44,10 @@ def env_stamp() -> dict[str, str]:
 
 
 def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
-    """Median with 20th/80th percentiles, plus mean and standard deviation (milliseconds)."""
+    """Median with 20th/80th percentiles (milliseconds)."""
     xs = sorted(samples_ms)
     q = statistics.quantiles(xs, n=5, method="inclusive") if len(xs) > 1 else [xs[0]] * 4
-    return {
-        "median_ms": statistics.median(xs),
-        "p20_ms": q[0],
-        "p80_ms": q[3],
-        "mean_ms": statistics.fmean(xs),
-        "std_ms": statistics.stdev(xs) if len(xs) > 1 else 0.0,
-    }
+    return {"median_ms": statistics.median(xs), "p20_ms": q[0], "p80_ms": q[3]}
 
 
 def sync() -> None:
@@ -64,11 +56,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def samples_ms(
-    fn: Callable[[], Any], warmup: int = 3, reps: int = 20, before: Callable[[], Any] | None = None
-) -> list[float]:
-    """Wall-clock milliseconds of each of ``reps`` calls after ``warmup`` untimed ones, each ended
-    by :func:`sync`; ``before`` (untimed) runs ahead of every timed call (e.g. a barrier)."""
+def samples_ms(fn: Callable, warmup: int = 3, reps: int = 20, before: Callable | None = None):
+    """Milliseconds of each of ``reps`` synchronized calls after ``warmup`` untimed ones;
+    ``before`` (untimed) runs ahead of every timed call (e.g. a barrier)."""
     for _ in range(warmup):
         fn()
     sync()
@@ -83,19 +73,11 @@ def samples_ms(
     return samples
 
 
-def time_fn(fn: Callable[[], Any], warmup: int = 3, reps: int = 20) -> dict[str, float]:
-    """:func:`percentiles` of :func:`samples_ms` (CPU timings; on CUDA :func:`bench` is better)."""
-    return percentiles(samples_ms(fn, warmup, reps))
-
-
-def bench(
-    fn: Callable[[], Any], device: str | torch.device, reps: int = 2, rep_ms: int = 100
-) -> dict[str, float]:
-    """The benchmarks' timer: ``triton.testing.do_bench`` on CUDA (median and 20th/80th
-    percentiles of ``rep_ms`` of calls, L2 flushed between them), else :func:`time_fn` with one
-    warm-up and ``reps``."""
+def bench(fn: Callable, device: str | torch.device, reps: int = 2, rep_ms: int = 100) -> dict:
+    """:func:`percentiles` of ``fn``: ``triton.testing.do_bench`` on CUDA (``rep_ms`` of calls,
+    L2 flushed between them), else :func:`samples_ms` with one warm-up and ``reps``."""
     if torch.device(device).type != "cuda":
-        return time_fn(fn, warmup=1, reps=reps)
+        return percentiles(samples_ms(fn, warmup=1, reps=reps))
     from triton.testing import do_bench
 
     p20, median, p80 = do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
@@ -117,9 +99,9 @@ class Laps:
         self._t = now
 
 
-def host_us(fn: Callable[[], Any], calls: int, warmup: int = 30) -> dict[str, float]:
-    """Host cost per call of ``fn`` run ``calls`` times without synchronizing: microseconds of wall
-    time and of process CPU time (autograd runs CUDA backwards on a worker thread)."""
+def host_us(fn: Callable, calls: int, warmup: int = 30) -> dict[str, float]:
+    """Microseconds of wall and process CPU time per call of ``fn``, run ``calls`` times without
+    synchronizing (autograd runs CUDA backwards on a worker thread)."""
     for _ in range(warmup):  # autotune, compile, fill the launch caches
         fn()
     sync()
@@ -131,20 +113,15 @@ def host_us(fn: Callable[[], Any], calls: int, warmup: int = 30) -> dict[str, fl
     return {"wall_us": wall / calls * 1e6, "cpu_us": cpu / calls * 1e6}
 
 
-def profiled(
-    step: Callable[[], Any], iters: int, warmup: int = 1, record: bool = True
-) -> tuple[Any, float]:
-    """``warmup`` untimed calls of ``step``, then ``iters`` under ``torch.profiler`` (CPU, and CUDA
-    when there is a GPU; ``record=False``: not profiled, e.g. on the other ranks). Returns the
-    profile (None when not recorded) and the synchronized wall milliseconds per call."""
+def profiled(step: Callable, iters: int, warmup: int = 1, record: bool = True):
+    """``warmup`` calls of ``step``, then ``iters`` under ``torch.profiler`` (not recorded with
+    ``record=False``): (the profile or None, synchronized wall milliseconds per call)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
         step()
     sync()
-    activities = [ProfilerActivity.CPU] + (
-        [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-    )
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
     prof = profile(activities=activities) if record else None
     with prof if prof is not None else contextlib.nullcontext():
         ms = samples_ms(lambda: [step() for _ in range(iters)], 0, 1)[0] / iters
@@ -152,8 +129,8 @@ def profiled(
 
 
 def top_ops(events, key: str, iters: int, n: int = 4, scale: float = 1e-3) -> str:
-    """The ``n`` profiler events with the largest ``key`` (e.g. ``self_cpu_time_total``), as
-    "name time; ..." with the time per iteration (microseconds times ``scale``: ms by default)."""
+    """The ``n`` profiler events with the largest ``key`` as "name time; ..." per iteration
+    (microseconds times ``scale``: ms by default)."""
     top = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:n]
     return "; ".join(
         f"{e.key} {getattr(e, key, 0) * scale / iters:.{1 if scale < 1 else 0}f}" for e in top
@@ -175,19 +152,27 @@ def write_results(path: str | None, rows: Sequence[dict[str, Any]]) -> None:
     """Write rows (each stamped with :func:`env_stamp`) to ``path`` (.json or .csv); None: skip."""
     if not path:
         return
-    stamp = env_stamp()
-    stamped = [{**stamp, **r} for r in rows]
-    if path.endswith(".json"):
-        with open(path, "w") as f:
+    if not path.endswith((".json", ".csv")):
+        raise ValueError(f"--out must end in .json or .csv, got {path!r}")
+    stamped = [{**env_stamp(), **r} for r in rows]
+    with open(path, "w", newline="") as f:
+        if path.endswith(".json"):
             json.dump(stamped, f, indent=2)
-    elif path.endswith(".csv"):
-        keys = list(dict.fromkeys(k for r in stamped for k in r))
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=keys)
+        else:
+            fields = list(dict.fromkeys(k for r in stamped for k in r))
+            writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows(stamped)
-    else:
-        raise ValueError(f"--out must end in .json or .csv, got {path!r}")
+
+
+def report(title: str, rows: Sequence[dict], columns: Sequence[str], out: str | None = None):
+    """Write ``rows`` to ``out`` (when given) and print them as a table under the stamp."""
+    write_results(out, rows)
+    stamp = env_stamp()
+    print(f"\n### {title}\n")
+    print(f"{stamp['device']}, torch {stamp['torch']}, triton {stamp['triton']}, {stamp['date']}")
+    print(f"`{stamp['command']}`\n")
+    print(markdown_table(rows, columns))
 
 
 def progress(iterable, desc: str, total: int | None = None):
@@ -199,19 +184,16 @@ def progress(iterable, desc: str, total: int | None = None):
     return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False)
 
 
-def print_report(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
-    stamp = env_stamp()
-    print(f"\n### {title}\n")
-    print(f"{stamp['device']}, torch {stamp['torch']}, triton {stamp['triton']}, {stamp['date']}")
-    print(f"`{stamp['command']}`\n")
-    print(markdown_table(rows, columns))
-
-
 def is_oom(exc: BaseException) -> bool:
     """True for CUDA out-of-memory errors (typed or as a RuntimeError message)."""
     return isinstance(exc, torch.cuda.OutOfMemoryError) or (
         isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
     )
+
+
+def why(exc: BaseException, width: int = 80) -> str:
+    """``Type: message`` (whitespace collapsed, cut at ``width``) for a row that could not run."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:width]}"
 
 
 def nvtx_range(name: str, enabled: bool = True) -> contextlib.AbstractContextManager:
@@ -221,22 +203,14 @@ def nvtx_range(name: str, enabled: bool = True) -> contextlib.AbstractContextMan
     return contextlib.nullcontext()
 
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for MASTER_PORT when spawning processes)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def under_torchrun() -> bool:
-    """True in a process that torchrun (or another env:// launcher) started."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the docstring's layout and shows every option's default."""
 
 
 def parser(doc: str | None, smoke: str, plot: bool = False) -> argparse.ArgumentParser:
     """An ArgumentParser showing ``doc`` with the options every benchmark has: --smoke (``smoke``
     says what it runs), --out and, with ``plot``, --plot."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=doc, formatter_class=_Help)
     p.add_argument("--smoke", action="store_true", help=smoke)
     p.add_argument("--out", help="write the rows to a .json or .csv file")
     if plot:
@@ -251,33 +225,27 @@ def csv_list(p: argparse.ArgumentParser, value: str, option: str, kind=str, choi
         items = [kind(v.strip()) for v in str(value).split(",") if v.strip()]
     except ValueError:
         items = []
-    bad = [
-        v
-        for v in items
-        if (choices is not None and v not in choices) or (kind is not str and v <= 0)
-    ]
-    if bad or not items:
-        wanted = (
-            f"a subset of {list(choices)}" if choices is not None else f"positive {kind.__name__}s"
-        )
+    if not items or any(v not in (choices or [v]) or (kind is not str and v <= 0) for v in items):
+        wanted = f"a subset of {list(choices)}" if choices else f"positive {kind.__name__}s"
         p.error(f"{option} takes comma-separated {wanted}, got {value!r}")
     return items
 
 
-def report(args, title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
-    """Write ``rows`` to ``args.out`` (when given) and print them as a table."""
-    write_results(args.out, rows)
-    print_report(title, rows, columns)
+def under_torchrun() -> bool:
+    """True in a process that torchrun (or another env:// launcher) started."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def run_ranks(fn, args, nproc: int, backend: str, timeout_s: float = 300.0):
-    """``fn(args)`` in every rank of a process group (``backend``): this process when torchrun
-    started it, else ``nproc`` spawned ones. Returns what rank 0's ``fn`` returned (None on the
-    other ranks of a torchrun world)."""
+    """``fn(args)`` in every rank of a process group: this process when torchrun started it, else
+    ``nproc`` spawned ones. Returns rank 0's result (None on the other ranks of a torchrun world)."""
     if under_torchrun():
         return _in_group(fn, args, backend, timeout_s)
+    with socket.socket() as s:  # a free port for MASTER_PORT
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_spawned, args=(nproc, free_port(), fn, args, backend, timeout_s, queue),
+    mp.start_processes(_spawned, args=(nproc, port, fn, args, backend, timeout_s, queue),
                        nprocs=nproc, start_method="spawn")  # fmt: skip
     return queue.get()
 
@@ -304,59 +272,25 @@ def _in_group(fn, args, backend: str, timeout_s: float):
         dist.destroy_process_group()
 
 
-def add_lm_args(p, default_size: str = "xl") -> None:
-    """The reference-LM options the distributed benchmarks share (--size, --batch, --context, ...)."""
-    from torch_flashsys.models import ATTENTION_CHOICES, MODEL_SIZES
-
-    p.add_argument(
-        "--size", default=default_size, choices=list(MODEL_SIZES),
-        help=f"reference LM size ({default_size})",
-    )  # fmt: skip
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step (4)")
-    p.add_argument("--context", type=int, default=256, help="sequence length (256)")
-    p.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (10000)")
-    p.add_argument(
-        "--attention", default="sdpa", choices=list(ATTENTION_CHOICES),
-        help="the LM's attention implementation (sdpa)",
-    )  # fmt: skip
-
-
-def line_plot(
-    path: str,
-    series: dict[str, Sequence[tuple[Any, float]]],
-    *,
-    xlabel: str,
-    ylabel: str,
-    title: str = "",
-    logx: bool = False,
-    logy: bool = False,
-    xtick_rotation: float = 0.0,
-) -> None:
-    """Save one line per ``series`` entry (label -> [(x, y), ...]) as a PNG (matplotlib, lazily).
-
-    Without matplotlib (``pip install torch-flashsys[bench]``) this warns and writes nothing, so a
-    long benchmark still prints its table.
-    """
+def line_plot(path: str, series: dict, xlabel: str, ylabel: str, title: str, log: str = "") -> None:
+    """Save one line per ``series`` entry (label -> [(x, y), ...]) as a PNG, axes in ``log`` on a
+    log scale ("x", "y", "xy"). Without matplotlib (``pip install torch-flashsys[bench]``) this
+    warns and writes nothing."""
     try:
         import matplotlib
     except ImportError:
         print(f"--plot {path}: matplotlib is not installed; no plot written", file=sys.stderr)
         return
-
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, points in series.items():
         if points:
-            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
-    if logx:
-        ax.set_xscale("log")
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.tick_params(axis="x", rotation=xtick_rotation)
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, **{f"{axis}scale": "log" for axis in log})
+    text_x = any(isinstance(x, str) for points in series.values() for x, _ in points)
+    ax.tick_params(axis="x", rotation=60 if text_x else 0)
     stamp = env_stamp()
     ax.set_title(f"{title}\n{stamp['device']}, torch {stamp['torch']}, {stamp['date']}", fontsize=9)
     ax.grid(True, alpha=0.3)

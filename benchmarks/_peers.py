@@ -1,24 +1,26 @@
-"""Attention peers: SDPA pinned to a backend, the per-mode timer, the peer grid
-(``flash.py --preset peers``) and the feature table (``--preset features``).
+"""Attention peers for flash.py: SDPA pinned to a backend, inputs, the per-mode timer, the peer
+grid (``--preset peers``), the feature table (``--preset features``) and packed batches and
+KV-cache decoding beside their peers (``--preset varlen``; cases: docs/benchmarks.md).
 
 The grid puts flash_attention beside SDPA's flash, cuDNN and efficient backends and compiled
-FlexAttention, bf16, same run, same inputs. Compiling FlexAttention takes seconds per shape and
-grad mode (40 graphs), so the cases are spread over worker processes that compile in parallel and
-take turns on the GPU: a lock is held around every timing, so no two measurements overlap. One row
-per (impl, case, mode); ``ms`` is None where an impl cannot run.
+FlexAttention, bf16, same inputs. FlexAttention compiles in parallel worker processes that take
+turns on the GPU (a lock around every timing). One row per (impl, case, mode).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import multiprocessing as mp
 import os
+import random
 import statistics
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import bench
+from benchmarks._harness import bench, why
 
 # (batch, heads, seq) x head_dim x causal
 SHAPES = [(4, 16, 1024), (4, 16, 2048), (4, 16, 4096), (1, 16, 8192), (1, 16, 16384)]
@@ -26,11 +28,11 @@ DIMS = (64, 128)
 IMPLS = ("flash_attention", "sdpa flash", "sdpa cudnn", "sdpa efficient", "flex (compiled)")
 MODES = ("fwd", "fwd+bwd")
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
-# The score-modification targets: ours with a feature beside ours without it and beside every SDPA
-# backend that accepts the same call, fwd+bwd, bf16.
+# Ours with a feature beside ours without it and every SDPA backend taking the same call.
 FEATURES = ["key padding", "float mask", "dropout 0.1", "window (256, 0)"]
+FLOPS_PER_FWD = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
-_LOCK = None
+_LOCK = contextlib.nullcontext()  # the GPU lock in a worker process of the grid
 
 
 def sdpa_call(backend: str, **kwargs):
@@ -38,28 +40,62 @@ def sdpa_call(backend: str, **kwargs):
     A 3-D problem (B, L, E) runs as (B, 1, L, E) (a view): SDPA's fused kernels want 4-D."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = [getattr(SDPBackend, backend)]
-
     def run(q, k, v, **more):
         squeeze = q.dim() == 3
         if squeeze:
             q, k, v = (t.unsqueeze(1) for t in (q, k, v))
-        with sdpa_kernel(backends):
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
             out = F.scaled_dot_product_attention(q, k, v, **kwargs, **more)
         return out.squeeze(1) if squeeze else out
 
     return run
 
 
-def time_modes(fn, q, k, v, dout, device, modes, reps: int = 2) -> dict:
-    """``fn(q, k, v)`` per mode with the harness timer: ``fwd`` (under no_grad), ``bwd`` (the
-    backward of one forward, graph retained), ``fwd+bwd``; on CUDA also the MiB allocated before
-    the backward (``mem_before_bwd_MiB``)."""
+def device_dtype(smoke: bool) -> tuple[str, torch.dtype]:
+    """bf16 on CUDA; fp32 on CPU (always with ``smoke``)."""
+    cuda = torch.cuda.is_available() and not smoke
+    return ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
 
-    def zero():
-        for t in (q, k, v):
+
+def inputs(shape, dtype, device, seed: int = 0) -> list[torch.Tensor]:
+    """q, k, v (requiring grad) and dout: random, of ``shape``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ts = [torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(4)]
+    return [t.requires_grad_(i < 3) for i, t in enumerate(ts)]
+
+
+def fwd_bwd(fn, qkv, dout, retain_graph: bool = False):
+    """A call of ``fn(*qkv).backward(dout)``, gradients set to None first."""
+
+    def run():
+        for t in qkv:
             t.grad = None
+        fn(*qkv).backward(dout, retain_graph=retain_graph)
 
+    return run
+
+
+def flops(shape, causal: bool, mode: str = "fwd") -> float:
+    """Attention FLOPs of ``mode`` on (batch, [heads,] seq, dim), counting the causal half only."""
+    *batch, seq, dim = shape
+    return 4 * math.prod(batch) * seq * seq * dim * (0.5 if causal else 1.0) * FLOPS_PER_FWD[mode]
+
+
+def timed(row: dict, key: str, fn, device, scale: float = 1.0) -> dict:
+    """``row`` with ``key`` the median ms of ``fn`` (times ``scale``), or None and a note on why
+    (an impl that cannot run the case)."""
+    try:
+        row[key] = bench(fn, device)["median_ms"] * scale
+    except Exception as exc:
+        row[key], row["note"] = None, why(exc, 70)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def time_modes(fn, q, k, v, dout, device, modes, reps: int = 2) -> dict:
+    """``fn(q, k, v)`` per mode with the harness timer: ``fwd`` (under no_grad), ``bwd`` (of one
+    forward, graph retained; on CUDA also ``mem_before_bwd_MiB``), ``fwd+bwd``."""
     res = {}
     if "fwd" in modes:
         with torch.no_grad():
@@ -69,17 +105,11 @@ def time_modes(fn, q, k, v, dout, device, modes, reps: int = 2) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
             res["mem_before_bwd_MiB"] = torch.cuda.memory_allocated() / 2**20
-        res["bwd"] = bench(lambda: (zero(), out.backward(dout, retain_graph=True)), device, reps)
+        res["bwd"] = bench(fwd_bwd(lambda *_: out, (q, k, v), dout, True), device, reps)
         del out
     if "fwd+bwd" in modes:
-        res["fwd+bwd"] = bench(lambda: (zero(), fn(q, k, v).backward(dout)), device, reps)
+        res["fwd+bwd"] = bench(fwd_bwd(fn, (q, k, v), dout), device, reps)
     return res
-
-
-def cases(smoke: bool = False) -> list[tuple[int, int, int, int, bool]]:
-    if smoke:
-        return [(1, 2, 128, 16, True)]
-    return [(b, h, n, d, c) for (b, h, n) in SHAPES for d in DIMS for c in (True, False)]
 
 
 def _impl(name: str, seq: int, causal: bool, device: str):
@@ -99,19 +129,10 @@ def _impl(name: str, seq: int, causal: bool, device: str):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
-def _reason(exc: Exception, width: int = 80) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:width]}" if str(exc) else ""
-
-
 def run_case(case, dtype=torch.bfloat16, device="cuda") -> list[dict]:
     """Every impl and mode on one case; compiles outside the GPU lock, times inside it."""
     batch, heads, seq, dim, causal = case
-    gen = torch.Generator(device=device).manual_seed(seq + dim + causal)
-    q, k, v, dout = (torch.randn(batch, heads, seq, dim, device=device, dtype=dtype, generator=gen)
-                     for _ in range(4))  # fmt: skip
-    for t in (q, k, v):
-        t.requires_grad_()
-    fwd = 4 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)
+    q, k, v, dout = inputs((batch, heads, seq, dim), dtype, device, seed=seq + dim + causal)
     rows = []
     for name in IMPLS:
         base = {"impl": name, "batch": batch, "heads": heads, "seq": seq, "head_dim": dim,
@@ -122,23 +143,17 @@ def run_case(case, dtype=torch.bfloat16, device="cuda") -> list[dict]:
                 with torch.no_grad():
                     fn(q, k, v)
                 fn(q, k, v).backward(dout)
-            timings = _locked(time_modes, fn, q, k, v, dout, device, MODES)
+            with _LOCK:
+                timings = time_modes(fn, q, k, v, dout, device, MODES)
             for mode in MODES:
                 ms = timings[mode]["median_ms"]
-                flops = fwd if mode == "fwd" else 3.5 * fwd
-                rows.append({**base, "mode": mode, "ms": ms, "tflops": flops / ms / 1e9})
+                tflops = flops(q.shape, causal, mode) / ms / 1e9
+                rows.append({**base, "mode": mode, "ms": ms, "tflops": tflops})
         except Exception as exc:  # this impl cannot run this case: an empty ms, and why
-            rows += [{**base, "mode": mode, "ms": None, "note": _reason(exc)} for mode in MODES]
+            rows += [{**base, "mode": mode, "ms": None, "note": why(exc)} for mode in MODES]
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def _locked(fn, *args):
-    if _LOCK is None:
-        return fn(*args)
-    with _LOCK:
-        return fn(*args)
 
 
 def _init_worker(lock) -> None:
@@ -150,10 +165,10 @@ def _init_worker(lock) -> None:
 
 def run_grid(smoke: bool = False, workers: int = 8) -> list[dict]:
     """All cases; in ``workers`` processes on CUDA (one process when smoke or on CPU)."""
-    todo = cases(smoke)
+    todo = [(b, h, n, d, c) for (b, h, n) in SHAPES for d in DIMS for c in (True, False)]
+    todo = [(1, 2, 128, 16, True)] if smoke else todo
     if smoke or not torch.cuda.is_available() or workers <= 1:
-        device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        device, dtype = device_dtype(smoke)
         return [row for case in todo for row in run_case(case, dtype, device)]
     ctx = mp.get_context("spawn")
     # Longest cases first, so the last worker to finish is not the one holding a 16k case.
@@ -207,35 +222,174 @@ def feature_kwargs(name: str, b: int, h: int, n: int, device, dtype, gen):
 def run_features(smoke: bool = False) -> list[dict]:
     from torch_flashsys import flash_attention
 
-    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device, dtype = device_dtype(smoke)
     rows = []
     for name in FEATURES:
         b, h, n, d = (1, 2, 256, 16) if smoke else (4, 16, 4096, 128)
         if name.startswith("window"):
             b, n = (1, 2048) if smoke else (1, 16384)
-        gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v, dout = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=gen)
-                         for _ in range(4))  # fmt: skip
-        for t in (q, k, v):
-            t.requires_grad_()
+        q, k, v, dout = inputs((b, h, n, d), dtype, device)
+        gen = torch.Generator(device=device).manual_seed(1)
         ours, plain, sdpa = feature_kwargs(name, b, h, n, device, dtype, gen)
         impls = {
             "flash_attention": lambda q, k, v, kw=ours: flash_attention(q, k, v, **kw),
             "flash_attention without it": lambda q, k, v, kw=plain: flash_attention(q, k, v, **kw),
         }
         if sdpa is not None:
-            impls |= {
-                f"sdpa {s}": sdpa_call(SDPA[s], **sdpa) for s in ("flash", "cudnn", "efficient")
-            }
+            impls |= {f"sdpa {s}": sdpa_call(backend, **sdpa) for s, backend in SDPA.items()}
         for impl, fn in impls.items():
             row = {"feature": name, "impl": impl, "shape": "x".join(map(str, q.shape))}
-            try:
-                ms = time_modes(fn, q, k, v, dout, device, ("fwd+bwd",))["fwd+bwd"]["median_ms"]
-                row["fwd+bwd ms"] = ms
-            except Exception as exc:  # SDPA backends refuse some of these calls
-                row["fwd+bwd ms"], row["note"] = None, _reason(exc, 70)
-            rows.append(row)
-            if device == "cuda":
-                torch.cuda.empty_cache()
+            rows.append(timed(row, "fwd+bwd ms", fwd_bwd(fn, (q, k, v), dout), device))
+    by = lambda impl: {r["feature"]: r["fwd+bwd ms"] for r in rows if r["impl"] == impl}
+    base, sdpa = by("flash_attention without it"), [by(f"sdpa {s}") for s in SDPA]
+    for r in rows:  # ours against ours without the feature and the fastest SDPA backend
+        ms, feature = r["fwd+bwd ms"], r["feature"]
+        fastest = min((p[feature] for p in sdpa if p.get(feature) is not None), default=None)
+        if r["impl"] == "flash_attention" and ms is not None:
+            r["vs without"] = ms / base[feature] if base.get(feature) else ""
+            r["vs fastest SDPA"] = ms / fastest if fastest else ""
+    return rows
+
+
+def _lengths(smoke: bool) -> list[int]:
+    if smoke:
+        return [5, 17, 9]
+    rng = random.Random(1)
+    return [rng.randint(128, 8192) for _ in range(16)]
+
+
+def _row(rows, impl, case, fn, device, ms_scale=1.0, **extra):
+    """A varlen row: the median ms of ``fn`` (times ``ms_scale``), or None and why."""
+    rows.append(timed({"impl": impl, "case": case, **extra}, "ms", fn, device, ms_scale))
+
+
+def packed_rows(device: str, dtype, smoke: bool) -> list[dict]:
+    from torch_flashsys import flash_attention
+
+    lens = _lengths(smoke)
+    heads, dim = (2, 16) if smoke else (16, 128)
+    total, longest, n = sum(lens), max(lens), len(lens)
+    q, k, v, dout = inputs((total, heads, dim), device=device, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=device,
+                      dtype=torch.int32)  # fmt: skip
+    work = sum(flops((heads, n_i, dim), True, "fwd+bwd") for n_i in lens)
+    rows: list[dict] = []
+    case = "packed"
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
+    ours = lambda q, k, v: flash_attention(q, k, v, is_causal=True, **packed)
+    _row(rows, "ours", case, fwd_bwd(ours, (q, k, v), dout), device, flops=work)
+    # the same batch as nested jagged tensors, (n, heads, j, dim) as SDPA takes them
+    offsets = cu.long()
+    as_nested = lambda t: torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
+    ours_nested = lambda q, k, v: (
+        flash_attention(as_nested(q), as_nested(k), as_nested(v), is_causal=True)
+        .transpose(1, 2)
+        .values()
+    )
+    _row(rows, "ours nested jagged", case, fwd_bwd(ours_nested, (q, k, v), dout), device,
+         flops=work)  # fmt: skip
+    # padded to the longest: (n, heads, longest, dim) with a causal + key-padding mask
+    pad = torch.zeros(n, heads, longest, dim, device=device, dtype=dtype)
+    qp, kp, vp, dp = (pad.clone().requires_grad_(i < 3) for i in range(4))
+    valid = (
+        torch.arange(longest, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    )
+    causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+    mask = causal[None, None] & valid[:, None, None, :]
+    for backend in ("CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        sdpa = sdpa_call(backend, attn_mask=mask)
+        _row(rows, f"sdpa {backend.split('_')[0].lower()} padded", case,
+             fwd_bwd(sdpa, (qp, kp, vp), dp), device, flops=work)  # fmt: skip
+    key_pad = valid[:, None, None, :]
+    ours_pad = lambda q, k, v: flash_attention(q, k, v, attn_mask=key_pad, is_causal=True)
+    _row(rows, "ours padded", case, fwd_bwd(ours_pad, (qp, kp, vp), dp), device, flops=work)
+    if device == "cuda":
+        _row(rows, "flex document mask", case, _flex_packed(lens, q, k, v, dout), device,
+             flops=work)  # fmt: skip
+    # the equal-length batch of about the same number of tokens
+    per = total // n
+    qe, ke, ve, de = inputs((n, heads, per, dim), dtype, device, seed=1)
+    eq_flops = flops(qe.shape, True, "fwd+bwd")
+    eq_case = f"equal-length ({n}, {per})"
+    _row(rows, "ours", eq_case,
+         fwd_bwd(lambda q, k, v: flash_attention(q, k, v, is_causal=True), (qe, ke, ve), de),
+         device, flops=eq_flops)  # fmt: skip
+    return rows
+
+
+def _flex_packed(lens, q, k, v, dout):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    total = q.shape[0]
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=q.device),
+                                  torch.tensor(lens, device=q.device))  # fmt: skip
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    block = create_block_mask(mask_mod, None, None, total, total, device=q.device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    qf, kf, vf = (t.transpose(0, 1).unsqueeze(0).detach().requires_grad_() for t in (q, k, v))
+    df = dout.transpose(0, 1).unsqueeze(0)
+    return fwd_bwd(lambda q, k, v: compiled(q, k, v, block_mask=block), (qf, kf, vf), df)
+
+
+def _decode_case(rows, batch, cache, heads, kv_heads, dim, device, dtype, random_lengths):
+    from torch_flashsys import flash_attention
+
+    case = f"decode b{batch} c{cache}"
+    gen = torch.Generator(device=device).manual_seed(batch)
+    q = torch.randn(batch, heads, 1, dim, device=device, dtype=dtype, generator=gen)
+    kc, vc = (torch.randn(batch, kv_heads, cache, dim, device=device, dtype=dtype, generator=gen)
+              for _ in range(2))  # fmt: skip
+    full = torch.full((batch,), cache, device=device, dtype=torch.int32)
+    nbytes = 2 * kc.numel() * kc.element_size()
+
+    def ours(lens):
+        return lambda: flash_attention(q, kc, vc, cache_seqlens=lens, enable_gqa=True)
+
+    with torch.no_grad():
+        _row(rows, "ours", case, ours(full), device, bytes=nbytes)
+        for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+            sdpa = sdpa_call(backend, enable_gqa=True)
+            _row(rows, f"sdpa {backend.split('_')[0].lower()}", case, lambda f=sdpa: f(q, kc, vc),
+                 device, bytes=nbytes)  # fmt: skip
+        if device == "cuda":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            flex = torch.compile(flex_attention, dynamic=False)
+            _row(rows, "flex", case, lambda: flex(q, kc, vc, enable_gqa=True), device,
+                 bytes=nbytes)  # fmt: skip
+        dst = torch.empty_like(kc)
+        # A copy reads and writes every byte: reading K and V once at the copy bandwidth takes
+        # half the copy's time (the issue's "copy-bandwidth time").
+        _row(rows, "copy bandwidth (K and V read once)", case,
+             lambda: (dst.copy_(kc), dst.copy_(vc)), device, ms_scale=0.5, bytes=nbytes)  # fmt: skip
+        if random_lengths:
+            lens = torch.randint(1, cache + 1, (batch,), device=device, generator=gen,
+                                 dtype=torch.int32)  # fmt: skip
+            used = int(lens.sum()) / (batch * cache)
+            _row(rows, "ours", f"decode b{batch} random lengths (used {used:.2f} of the cache)",
+                 ours(lens), device, bytes=nbytes * used)  # fmt: skip
+
+
+def decode_rows(device: str, dtype, smoke: bool) -> list[dict]:
+    rows: list[dict] = []
+    configs = [(8, 32768), (64, 1024)] if not smoke else [(2, 256)]
+    heads, kv_heads, dim = (32, 8, 128) if not smoke else (4, 2, 16)
+    for batch, cache in configs:
+        _decode_case(rows, batch, cache, heads, kv_heads, dim, device, dtype,
+                     random_lengths=batch == 8 or smoke)  # fmt: skip
+    return rows
+
+
+def run_varlen(smoke: bool = False) -> list[dict]:
+    device, dtype = device_dtype(smoke)
+    rows = packed_rows(device, dtype, smoke) + decode_rows(device, dtype, smoke)
+    for r in rows:
+        if r.get("ms"):
+            if "flops" in r:
+                r["TFLOP/s"] = r["flops"] / r["ms"] / 1e9
+            if "bytes" in r:
+                r["GB/s"] = r["bytes"] / r["ms"] / 1e6
     return rows

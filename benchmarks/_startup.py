@@ -1,9 +1,6 @@
-"""Cold start (``flash.py --first-call``): what a user waits for on the first attention calls.
-
-Per dtype, a fresh process with an empty Triton cache (``TRITON_CACHE_DIR`` a new folder) times
-its first ``flash_attention(q, k, v, is_causal=True).sum().backward()`` after CUDA is up, then the
-first call at each of 8 new random lengths, then a warm call; SDPA's default (cuDNN on an H100)
-does the same in its own fresh process. Rows: ``impl, dtype, case, seconds``.
+"""Cold start (``flash.py --first-call``): per dtype, the first fwd+bwd in a fresh process with an
+empty Triton cache, the first call at 8 new random lengths and a warm call; SDPA's default beside
+it, in its own fresh process. Rows ``impl, dtype, case, seconds``.
 """
 
 from __future__ import annotations
@@ -14,40 +11,34 @@ import random
 import subprocess
 import sys
 import tempfile
-import textwrap
 
-_CHILD = textwrap.dedent(
-    """
-    import json, sys, time
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_RUN_CHILD = "import sys; from benchmarks._startup import _child; _child(*sys.argv[1:])"
+
+
+def _child(impl: str, dtype_name: str, lengths: str, shape: str, device: str) -> None:
+    """In the fresh process: print the JSON list of (case, seconds)."""
     import torch
     import torch.nn.functional as F
-    impl, dtype_name, lengths, shape, device = sys.argv[1:6]
-    lengths, shape = json.loads(lengths), json.loads(shape)
-    dtype = getattr(torch, dtype_name)
+
+    from benchmarks._harness import samples_ms
+
+    (b, h, n, d), dtype = json.loads(shape), getattr(torch, dtype_name)
     if impl == "flash_attention":
         from torch_flashsys import flash_attention as attend
     else:
         attend = F.scaled_dot_product_attention
     torch.ones(1, device=device).sum().item()  # CUDA context and allocator up: not ours to count
 
-    def call(n):
-        b, h, _, d = shape
+    def seconds(n: int) -> float:
         q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
-                   for _ in range(3))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        attend(q, k, v, is_causal=True).sum().backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+                   for _ in range(3))  # fmt: skip
+        return samples_ms(lambda: attend(q, k, v, is_causal=True).sum().backward(), 0, 1)[0] / 1e3
 
-    rows = [("first call", call(shape[2]))]
-    rows += [(f"first call at length {n}", call(n)) for n in lengths]
-    rows.append(("warm call", call(shape[2])))
+    rows = [("first call", seconds(n))]
+    rows += [(f"first call at length {m}", seconds(m)) for m in json.loads(lengths)]
+    rows.append(("warm call", seconds(n)))
     print(json.dumps(rows))
-    """
-)
 
 
 def first_call_rows(dtypes, device: str, smoke: bool = False, seed: int = 0) -> list[dict]:
@@ -55,23 +46,20 @@ def first_call_rows(dtypes, device: str, smoke: bool = False, seed: int = 0) -> 
     shape = [1, 2, 64, 16] if smoke else [2, 8, 2048, 64]
     rng = random.Random(seed)
     lengths = sorted(rng.randint(40, 200) if smoke else rng.randint(100, 16384) for _ in range(8))
-    if smoke:
-        lengths = lengths[:2]
+    lengths = lengths[:2] if smoke else lengths
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     rows = []
-    for dtype_name in dtypes:
-        for impl in ("flash_attention", "sdpa"):
-            with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
-                env = {**os.environ, "TRITON_CACHE_DIR": cache}
-                args = [impl, dtype_name, json.dumps(lengths), json.dumps(shape), device]
-                done = subprocess.run(
-                    [sys.executable, "-c", _CHILD, *args],
-                    env=env, capture_output=True, text=True, timeout=900,
-                )  # fmt: skip
-            if done.returncode != 0:
-                tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
-                rows.append({"impl": impl, "dtype": dtype_name, "case": "first call",
-                             "seconds": float("nan"), "error": tail[0][:200]})  # fmt: skip
-                continue
-            for case, seconds in json.loads(done.stdout.strip().splitlines()[-1]):
-                rows.append({"impl": impl, "dtype": dtype_name, "case": case, "seconds": seconds})
+    for dtype_name, impl in [(t, i) for t in dtypes for i in ("flash_attention", "sdpa")]:
+        base = {"impl": impl, "dtype": dtype_name}
+        with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
+            env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": path}
+            args = [impl, dtype_name, json.dumps(lengths), json.dumps(shape), device]
+            done = subprocess.run([sys.executable, "-c", _RUN_CHILD, *args], env=env,
+                                  capture_output=True, text=True, timeout=900)  # fmt: skip
+        if done.returncode != 0:
+            tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+            rows.append({**base, "case": "first call", "seconds": float("nan"), "error": tail[0]})
+            continue
+        for case, seconds in json.loads(done.stdout.strip().splitlines()[-1]):
+            rows.append({**base, "case": case, "seconds": seconds})
     return rows

@@ -1,18 +1,12 @@
 """All-reduce: gloo on CPU tensors and NCCL on GPU tensors, per message size and world size.
 
-Each rank all-reduces (sum) a float32 tensor of each size: ``--warmup`` untimed calls, then
-``--iters`` timed ones, each after a barrier and ended by a device sync. A collective takes as long
-as its slowest rank: the time per size is the median over iterations of the maximum over ranks.
-Bandwidths (GB/s = 1e9 bytes/s) as nccl-tests define them: algbw = bytes / time (bytes on one
-rank), busbw = algbw * 2 (n - 1) / n. Sizes are decimal (1 MB = 1e6 bytes).
+Per size, the median over iterations of the slowest rank's time, and nccl-tests' algbw/busbw
+(docs/benchmarking.md, section 4). Under torchrun the world is the launched one (nccl and a gloo
+group); otherwise the script spawns each of --world-sizes in turn.
 
     torchrun --nproc_per_node=2 benchmarks/allreduce.py --out ar2.csv    # NCCL+GPU and gloo+CPU
     torchrun --nproc_per_node=4 benchmarks/allreduce.py --out ar4.csv --plot ar.png
     python benchmarks/allreduce.py --world-sizes 2,4,6 --backends gloo   # spawned, CPU only
-
-Under torchrun the world is the launched one and the default backends are nccl (when every rank
-has a GPU) and gloo (a second process group on CPU tensors); without torchrun the script spawns
-``--world-sizes`` processes itself, one world after another.
 """
 
 from __future__ import annotations
@@ -43,15 +37,12 @@ BACKENDS = ("nccl", "gloo")
 
 def parse_args(argv=None):
     p = parser(__doc__, smoke="tiny sizes, gloo on CPU, seconds", plot=True)
-    p.add_argument(
-        "--sizes-mb", default="1,10,100,1000", help="message sizes in MB (1,10,100,1000)"
-    )
+    p.add_argument("--sizes-mb", default="1,10,100,1000", help="message sizes in MB (1e6 bytes)")
     p.add_argument("--backends", help="subset of nccl,gloo (default: both with CUDA, else gloo)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size (5)")
-    p.add_argument("--iters", type=int, default=20, help="timed all-reduces per size (20)")
-    p.add_argument("--gloo-max-iters", type=int, default=5, help="gloo iterations >= 100 MB (5)")
-    p.add_argument("--world-sizes", default="2", help="without torchrun: worlds to spawn (2)")
-    p.add_argument("--timeout-s", type=int, default=300, help="process-group timeout, s (300)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size")
+    p.add_argument("--iters", type=int, default=20, help="timed all-reduces per size")
+    p.add_argument("--gloo-max-iters", type=int, default=5, help="gloo iterations from 100 MB on")
+    p.add_argument("--world-sizes", default="2", help="without torchrun: worlds to spawn")
     args = p.parse_args(argv)
     if args.smoke:
         args.sizes_mb, args.backends, args.warmup, args.iters = "0.001,0.01", "gloo", 1, 3
@@ -74,28 +65,20 @@ def worker(args) -> list[dict] | None:
     }
     configs = [(b, s) for b in args.backend_list for s in args.sizes]
     rows = []
-    for backend, size_mb in (
-        progress(configs, desc=f"all-reduce x{world}") if rank == 0 else configs
-    ):
+    for backend, size_mb in progress(configs, f"all-reduce x{world}") if rank == 0 else configs:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         numel = max(1, round(size_mb * 1e6 / 4))
         x = torch.ones(numel, dtype=torch.float32, device=device)
-        iters = (
-            min(args.iters, args.gloo_max_iters)
-            if backend == "gloo" and size_mb >= 100
-            else args.iters
-        )
+        big_gloo = backend == "gloo" and size_mb >= 100
+        iters = min(args.iters, args.gloo_max_iters) if big_gloo else args.iters
         group = groups[backend]
-        for _ in range(args.warmup):
-            dist.all_reduce(x, group=group)
 
         def reset(x=x, group=group):  # every rank holds ones: the sum is the world size
             x.fill_(1.0)
             dist.barrier(group=group)
 
-        samples = samples_ms(
-            lambda x=x, group=group: dist.all_reduce(x, group=group), 0, iters, reset
-        )
+        run = lambda x=x, group=group: dist.all_reduce(x, group=group)
+        samples = samples_ms(run, args.warmup, iters, reset)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, {"samples": samples, "ok": bool((x == world).all())})
         rows.append(_row(backend, size_mb, numel * 4, world, gathered))
@@ -128,7 +111,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     backend = "nccl" if "nccl" in args.backend_list else "gloo"
     if under_torchrun():  # one world, the launched one
-        rows = run_ranks(worker, args, 0, backend, args.timeout_s)
+        rows = run_ranks(worker, args, 0, backend, 300)
         if rows is None:
             return
     else:
@@ -137,23 +120,17 @@ def main(argv=None) -> None:
                 f"allreduce.py: --backends nccl with --world-sizes {args.world_sizes} needs that "
                 f"many GPUs, found {torch.cuda.device_count()}; use --backends gloo"
             )
-        rows = [
-            r
-            for w in args.world_size_list
-            for r in run_ranks(worker, args, w, backend, args.timeout_s)
-        ]
+        rows = [r for w in args.world_size_list for r in run_ranks(worker, args, w, backend, 300)]
     if args.plot:
         series: dict[str, list] = {}
         for r in rows:
-            series.setdefault(f"{r['backend']} x{r['world_size']}", []).append(
-                (r["bytes"], r["busbw_GBps"])
-            )
-        line_plot(args.plot, series, xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
-                  title="all-reduce (sum, float32)", logx=True, logy=True)  # fmt: skip
+            label = f"{r['backend']} x{r['world_size']}"
+            series.setdefault(label, []).append((r["bytes"], r["busbw_GBps"]))
+        ylabel = "bus bandwidth (GB/s)"
+        line_plot(args.plot, series, "message size (bytes)", ylabel, "all-reduce", log="xy")
     cols = ["backend", "world_size", "size_MB", "time_ms", "algbw_GBps", "busbw_GBps", "correct"]
-    report(
-        args, "All-reduce (sum, float32): median over iterations of the slowest rank", rows, cols
-    )
+    title = "All-reduce (sum, float32): median over iterations of the slowest rank"
+    report(title, rows, cols, args.out)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,16 @@
 """Context parallelism: the longest trainable context of a LLaMA-1B-shaped LM, and attention time
-per rank against single-GPU flash_attention.
-
-Part 1, longest context: a training step (batch 1, bf16 autocast, AdamW, per-block activation
-checkpointing, chunked loss) at a context found by binary search between a size that trains and
-one that runs out of memory, on 1 GPU (flash attention) and, with --nproc >= 2, with the
-sequence split over the ranks (context_parallel_sdpa, zigzag layout, BucketedDDP averaging the
-gradients). Reported: the longest context that trained, the shortest that failed, peak memory
-and the step time at the longest.
-Part 2, attention: fwd + bwd of causal attention (batch 1, 32 heads of 64, bf16) over the whole
-sequence: flash_attention on one GPU, context_parallel_attention with a one-rank group (the
-world-size-1 path: must cost nothing extra), and per rank with --nproc ranks (ring, ulysses).
+per rank against single-GPU flash_attention (parts and columns: docs/benchmarking.md, section 6).
 
     python benchmarks/context_parallel.py --smoke            # CPU, gloo, 2 processes, seconds
     python benchmarks/context_parallel.py --nproc 1          # one GPU (~4 min on an H100)
     python benchmarks/context_parallel.py --nproc 2          # + 2-GPU context parallelism (NCCL)
-
-A rank that runs out of memory in the middle of a ring step leaves the others waiting: the
-process group's timeout (--pg-timeout) turns that into an error instead of a hang.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -42,6 +31,8 @@ from torch_flashsys.distributed import (
 from torch_flashsys.models import ModelConfig, TransformerLM
 
 GIB = 2**30
+# A rank that runs out of memory mid-ring leaves the others waiting: the timeout ends the wait.
+PG_TIMEOUT_S = 300.0
 # LLaMA-1B-shaped (LLaMA 3.2 1B's width, depth and FFN; 32 heads of 64, no GQA; 32k vocabulary)
 LLAMA_1B = {"d_model": 2048, "d_ff": 8192, "num_layers": 16, "num_heads": 32, "vocab_size": 32000}
 SMOKE_LM = {"d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "vocab_size": 128}
@@ -51,22 +42,16 @@ COLUMNS = ["part", "gpus", "mode", "context", "failed_at", "peak_gib", "step_s",
 
 def parse_args(argv=None):
     p = parser(__doc__, smoke="tiny LM on CPU (gloo), seconds")
-    p.add_argument(
-        "--nproc", type=int, default=None, help="ranks for part 2 (default: GPUs, max 2)"
-    )
-    p.add_argument("--modes", default="ring,ulysses", help="context-parallel modes (ring,ulysses)")
-    p.add_argument("--start", type=int, default=8192, help="first context tried (8192)")
-    p.add_argument("--max-context", type=int, default=262144, help="search ceiling (262144)")
-    p.add_argument("--granularity", type=int, default=4096, help="search resolution (4096)")
-    p.add_argument("--loss-chunk", type=int, default=4096, help="chunked-loss positions (4096)")
+    p.add_argument("--nproc", type=int, help="ranks for part 2 (default: GPUs, at most 2)")
+    p.add_argument("--modes", default="ring,ulysses", help="context-parallel modes")
+    p.add_argument("--start", type=int, default=8192, help="first context tried")
+    p.add_argument("--max-context", type=int, default=262144, help="search ceiling")
+    p.add_argument("--granularity", type=int, default=4096, help="search resolution")
+    p.add_argument("--loss-chunk", type=int, default=4096, help="chunked-loss positions")
     p.add_argument("--attn-seqs", default="16384,65536", help="attention sequence lengths")
-    p.add_argument("--reps", type=int, default=5, help="timed attention repetitions (5)")
-    p.add_argument("--time-budget", type=float, default=110.0,
-                   help="seconds per context search; it stops early with the bracket (110)")  # fmt: skip
-    p.add_argument("--skip-search", action="store_true", help="attention timings only")
-    p.add_argument("--pg-timeout", type=float, default=300.0, help="process group timeout, s (300)")
-    p.add_argument("--simulate-oom-above", type=int, default=None,
-                   help="testing: contexts above this many tokens count as out of memory")  # fmt: skip
+    p.add_argument("--reps", type=int, default=5, help="timed attention repetitions")
+    p.add_argument("--time-budget", type=float, default=110.0, help="seconds per context search")
+    p.add_argument("--simulate-oom-above", type=int, help="testing: longer contexts count as OOM")
     args = p.parse_args(argv)
     args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     args.lm = LLAMA_1B
@@ -81,9 +66,6 @@ def parse_args(argv=None):
     if min(args.start, args.granularity, args.loss_chunk, args.reps, args.nproc) < 1:
         p.error("--start, --granularity, --loss-chunk, --reps and --nproc must be >= 1")
     return args
-
-
-# ----------------------------------------------------------------- part 1: longest context
 
 
 class _LossLM(torch.nn.Module):
@@ -180,9 +162,6 @@ def longest_context(args, device: torch.device, mode: str) -> dict:
             "peak_gib": best[0], "step_s": best[1]}  # fmt: skip
 
 
-# ----------------------------------------------------------------- part 2: attention time
-
-
 def _attention_ms(fn, args, device: torch.device) -> float:
     times = samples_ms(fn, 1, args.reps)  # the first call compiles / warms up
     stats = torch.tensor([percentiles(times)["median_ms"]], device=device)
@@ -199,34 +178,21 @@ def _qkv(seq: int, device: torch.device, local: bool):
 
 
 def attention_rows(args, device: torch.device) -> list[dict]:
+    """fwd+bwd per length: flash_attention on one rank (and the one-rank path), each mode on more."""
     world, rows = dist.get_world_size(), []
-    for seq in args.attn_seqs:
-        if world == 1:
-            q, k, v = _qkv(seq, device, local=False)
-
-            def full(q=q, k=k, v=v):
-                flash_attention(q, k, v, is_causal=True).sum().backward()
-
-            ms = args.single_ms[seq] = _attention_ms(full, args, device)
-            rows.append({"part": "attention", "gpus": 1, "mode": "flash_attention",
-                         "context": seq, "attn_ms": ms, "single_gpu_ms": ms, "speedup": 1.0})  # fmt: skip
-        for mode in args.modes:
-            q, k, v = _qkv(seq, device, local=True)
-
-            def fwd_bwd(q=q, k=k, v=v, mode=mode):
-                context_parallel_attention(q, k, v, mode=mode, is_causal=True).sum().backward()
-
-            ms = _attention_ms(fwd_bwd, args, device)
-            base = args.single_ms.get(seq)
-            rows.append({"part": "attention", "gpus": world, "mode": mode, "context": seq,
-                         "attn_ms": ms, "single_gpu_ms": base,
-                         "speedup": base / ms if base else None})  # fmt: skip
-            if world == 1:
-                break  # every mode is flash_attention at world size 1
+    modes = ["flash_attention", args.modes[0]] if world == 1 else args.modes
+    for seq, mode in itertools.product(args.attn_seqs, modes):
+        local = mode != "flash_attention"
+        q, k, v = _qkv(seq, device, local)
+        attend = (
+            functools.partial(context_parallel_attention, mode=mode) if local else flash_attention
+        )
+        fwd_bwd = lambda f=attend, q=q, k=k, v=v: f(q, k, v, is_causal=True).sum().backward()
+        ms = _attention_ms(fwd_bwd, args, device)
+        base = args.single_ms.setdefault(seq, ms)  # the one-rank run times flash_attention first
+        rows.append({"part": "attention", "gpus": world, "mode": mode, "context": seq,
+                     "attn_ms": ms, "single_gpu_ms": base, "speedup": base / ms})  # fmt: skip
     return rows
-
-
-# ----------------------------------------------------------------- driver
 
 
 def worker(args) -> list[dict]:
@@ -235,9 +201,7 @@ def worker(args) -> list[dict]:
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    rows = []
-    if not args.skip_search:
-        rows += [longest_context(args, device, m) for m in (args.modes if world > 1 else ["ring"])]
+    rows = [longest_context(args, device, m) for m in (args.modes if world > 1 else ["ring"])]
     return rows + attention_rows(args, device)
 
 
@@ -245,12 +209,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
     args.single_ms = {}
-    rows = run_ranks(worker, args, 1, backend, args.pg_timeout)  # one device: parts 1 and 2
+    rows = run_ranks(worker, args, 1, backend, PG_TIMEOUT_S)  # one device: parts 1 and 2
     args.single_ms = {r["context"]: r["attn_ms"] for r in rows if r["mode"] == "flash_attention"}
     if args.nproc > 1:
-        rows += run_ranks(worker, args, args.nproc, backend, args.pg_timeout)
+        rows += run_ranks(worker, args, args.nproc, backend, PG_TIMEOUT_S)
     title = "Context parallelism: longest trainable context, attention time per rank"
-    report(args, title, rows, COLUMNS)
+    report(title, rows, COLUMNS, args.out)
     return rows
 
 

@@ -1,17 +1,13 @@
-"""Data parallelism: the training loop people run, ours beside torch's options, in one run.
+r"""Data parallelism: the training loop people run, ours beside torch's options, in one run.
 
-Every variant trains the reference LM from the same weights on the same data (each rank its own
-batch): ``torch.optim.AdamW(lr=1e-4)``, fp32 parameters, bf16 ``torch.autocast`` on GPUs
-(``--autocast none``: fp32), ``loss.backward(); opt.step(); opt.zero_grad()``. Variants (what each
-wraps, and every column: docs/benchmarking.md, section 6): plain, torch-ddp, torch-ddp-zero, the
-torch-fsdp2 family, ours-ddp, ours-ddp-zero1, ours-ddp-zero2; only when named: ours-ddp-copy,
-torch-ddp-copy, torch-ddp-zero-view, torch-ddp-sharded. Rounds are interleaved; a variant that
-cannot run is a row marked ``n/a``. ``--profile DIR``: torch.profiler of a few steps per variant on
-rank 0 instead of timing. On CUDA the rows go to docs/data/ddp_<N>x<gpu>.csv unless --out is given.
+Every variant trains the reference LM from the same weights on the same data: AdamW(lr=1e-4),
+fp32 parameters, bf16 autocast on GPUs, ``loss.backward(); opt.step(); opt.zero_grad()``. Rounds
+are interleaved; a variant that cannot run is an ``n/a`` row. Variants and columns:
+docs/benchmarking.md, section 5. On CUDA the rows go to docs/data/ddp_<N>x<gpu>.csv by default.
 
     torchrun --nproc_per_node=2 benchmarks/ddp.py --preset 2.0B    # -> docs/data/ddp_2xh200.csv
     torchrun --nproc_per_node=1 benchmarks/ddp.py --preset 2.0B --profile prof --variants plain,ours-ddp
-    torchrun --nproc_per_node=2 benchmarks/ddp.py --preset sharded --out sharded.csv \\
+    torchrun --nproc_per_node=2 benchmarks/ddp.py --preset sharded --out sharded.csv \
         --variants torch-ddp,torch-ddp-zero,torch-ddp-zero-view,torch-ddp-sharded
     python benchmarks/ddp.py --size small --device cpu --nproc 2       # CPU, gloo
 """
@@ -33,33 +29,34 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._harness import (
-    add_lm_args,
     csv_list,
     parser,
     percentiles,
-    print_report,
     profiled,
     report,
     run_ranks,
     samples_ms,
     top_ops,
-    write_results,
+    why,
 )
 from torch_flashsys import BucketedDDP, ShardedOptimizer
-from torch_flashsys.models import build_model
+from torch_flashsys.models import ATTENTION_CHOICES, MODEL_SIZES, build_model
 
-VARIANTS = (
-    "plain", "torch-ddp", "torch-ddp-zero", "torch-fsdp2", "torch-fsdp2-noreshard",
-    "torch-fsdp2-bf16", "torch-fsdp2-bf16-noreshard", "ours-ddp", "ours-ddp-zero1",
-    "ours-ddp-zero2",
-)  # fmt: skip
-EXTRA = ("ours-ddp-copy", "torch-ddp-copy", "torch-ddp-zero-view", "torch-ddp-sharded")
-PEER = {
-    "ours-ddp": "torch-ddp",
-    "ours-ddp-copy": "torch-ddp",
-    "torch-ddp-sharded": "torch-ddp-zero",
-}
-PEER |= {"ours-ddp-zero1": "torch-ddp-zero", "ours-ddp-zero2": "torch-ddp-zero"}
+# variant: (wrapper, optimizer, the torch peer of its ratios); the first ten run by default
+VARIANTS = {
+    "plain": ("none", "adamw", None),
+    "torch-ddp": ("ddp", "adamw", None),
+    "torch-ddp-zero": ("ddp", "zero", None),
+    **{f"torch-fsdp2{s}": (f"fsdp2{s}", "adamw", None)
+       for s in ("", "-noreshard", "-bf16", "-bf16-noreshard")},
+    "ours-ddp": ("ours", "adamw", "torch-ddp"),
+    "ours-ddp-zero1": ("ours", "sharded1", "torch-ddp-zero"),
+    "ours-ddp-zero2": ("ours", "sharded2", "torch-ddp-zero"),
+    "ours-ddp-copy": ("ours-copy", "adamw", "torch-ddp"),  # BucketedDDP's copy path
+    "torch-ddp-copy": ("ddp-copy", "adamw", None),  # gradient_as_bucket_view=False
+    "torch-ddp-zero-view": ("ddp", "zero-view", None),
+    "torch-ddp-sharded": ("ddp", "sharded1", "torch-ddp-zero"),
+}  # fmt: skip
 PRESETS = {  # issue 18: 2.0B LM, batch 4 x 512 per rank; ShardedOptimizer: xl, 4 x 256, fp32
     "2.0B": {"size": "2.0B", "context": 512, "batch": 4, "warmup": 3, "steps": 8, "rounds": 2},
     "sharded": {"size": "xl", "context": 256, "batch": 4, "warmup": 3, "steps": 10, "rounds": 1,
@@ -68,89 +65,79 @@ PRESETS = {  # issue 18: 2.0B LM, batch 4 x 512 per rank; ShardedOptimizer: xl, 
 GIB = 2**30
 COLUMNS = ["variant", "step_ms", "p20_ms", "p80_ms", "peak_gib", "state_gib", "vs_peer"]
 COLUMNS += ["peak_vs_peer", "saved_over_state", "vs_plain", "loss", "status"]
+PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
+_MESH: list = []  # the FSDP2 variants' DeviceMesh
 
 
 def parse_args(argv=None):
     p = parser(__doc__, smoke="tiny model on CPU (gloo), seconds")
-    add_lm_args(p)
+    p.add_argument("--size", default="xl", choices=list(MODEL_SIZES), help="reference LM size")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank and step")
+    p.add_argument("--context", type=int, default=256, help="sequence length")
+    p.add_argument("--attention", default="sdpa", choices=list(ATTENTION_CHOICES), help="LM's")
     p.add_argument("--preset", choices=list(PRESETS), help="named setup (explicit options win)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per variant and round (8)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (3)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds over all variants (2)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; see above")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per variant and round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--rounds", type=int, default=2, help="rounds over all variants")
+    p.add_argument("--variants", default=",".join(list(VARIANTS)[:10]), help="comma-separated")
     p.add_argument("--autocast", choices=["bf16", "none"], help="default: bf16 on CUDA, else none")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="BucketedDDP bucket_size_mb (25)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="BucketedDDP bucket_size_mb")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if any")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0: cores/ranks)")
-    p.add_argument("--nproc", type=int, default=2, help="processes when not under torchrun (2)")
+    p.add_argument("--nproc", type=int, default=2, help="processes when not under torchrun")
     p.add_argument("--time-budget", type=float, help="seconds: start no round that would not fit")
-    p.add_argument("--profile", help="directory: profile instead of timing")
-    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per variant (3)")
+    p.add_argument("--profile", help="directory: torch.profiler on rank 0 instead of timing")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per variant")
     preset = p.parse_known_args(argv)[0].preset
     if preset:  # the preset's values become the defaults: options given explicitly still win
         p.set_defaults(**PRESETS[preset])
     args = p.parse_args(argv)
+    args.vocab = 512 if args.smoke else 10_000
     if args.smoke:
-        args.size, args.batch, args.context, args.vocab = "tiny", 2, 32, 512
+        args.size, args.batch, args.context = "tiny", 2, 32
         args.steps, args.warmup, args.rounds, args.device = 2, 1, 1, "cpu"
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.autocast = args.autocast or ("bf16" if args.device == "cuda" else "none")
-    args.names = csv_list(p, args.variants, "--variants", choices=VARIANTS + EXTRA)
+    args.names = csv_list(p, args.variants, "--variants", choices=VARIANTS)
     if min(args.steps, args.rounds, args.profile_steps) < 1 or args.warmup < 0:
         p.error("--steps, --rounds and --profile-steps must be >= 1 and --warmup >= 0")
     return args
 
 
-class _Mesh:
-    """One DeviceMesh over all ranks for the FSDP2 variants, made on first use."""
+def _wrap(kind: str, model, args, device: torch.device):
+    if kind == "none":
+        return model
+    if kind.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = None
-
-    @classmethod
-    def get(cls, device: torch.device):
-        if cls.mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            cls.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        return cls.mesh
-
-
-def _fsdp2(name: str, model, device):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if "bf16" in name else None)
-    kw = {"mesh": _Mesh.get(device), "reshard_after_forward": "noreshard" not in name}
-    for module in (*model.layers, model):
-        fully_shard(module, mp_policy=policy, **kw)
-    return model
+        if not _MESH:  # one mesh over all ranks, made on first use
+            _MESH.append(init_device_mesh(device.type, (dist.get_world_size(),)))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if "bf16" in kind else None)
+        for module in (*model.layers, model):
+            fully_shard(module, mesh=_MESH[0], mp_policy=policy,
+                        reshard_after_forward="noreshard" not in kind)  # fmt: skip
+        return model
+    if kind.startswith("ddp"):
+        ids = [device.index] if device.type == "cuda" else None
+        view = kind != "ddp-copy"
+        return torch.nn.parallel.DistributedDataParallel(model, ids, gradient_as_bucket_view=view)
+    module = BucketedDDP(model, args.bucket_mb)
+    if kind == "ours-copy":
+        module._prepoint = False  # the copy path, for comparison
+    return module
 
 
-def build(name: str, model: torch.nn.Module, args, device: torch.device):
-    """(the module to call, the optimizer) for variant ``name`` around a fresh ``model``."""
+def _optimizer(kind: str, params):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     adamw = torch.optim.AdamW
-    if name == "plain":
-        module = model
-    elif name.startswith("torch-fsdp2"):
-        module = _fsdp2(name, model, device)
-    elif name.startswith("torch-ddp"):
-        ids = [device.index] if device.type == "cuda" else None
-        view = name != "torch-ddp-copy"
-        module = torch.nn.parallel.DistributedDataParallel(model, ids, gradient_as_bucket_view=view)
-    else:
-        module = BucketedDDP(model, args.bucket_mb)
-        if name == "ours-ddp-copy":
-            module._prepoint = False  # the copy path, for comparison
-    params = module.parameters()
-    if name.startswith("torch-ddp-zero"):
-        view = name == "torch-ddp-zero-view"
-        return module, ZeroRedundancyOptimizer(
-            params, adamw, parameters_as_bucket_view=view, lr=1e-4
-        )
-    if name.startswith("ours-ddp-zero") or name == "torch-ddp-sharded":
-        return module, ShardedOptimizer(params, adamw, shard_gradients=name.endswith("2"), lr=1e-4)
-    return module, adamw(params, lr=1e-4)
+    if kind.startswith("zero"):
+        view = kind == "zero-view"
+        return ZeroRedundancyOptimizer(params, adamw, parameters_as_bucket_view=view, lr=1e-4)
+    if kind.startswith("sharded"):
+        return ShardedOptimizer(params, adamw, shard_gradients=kind == "sharded2", lr=1e-4)
+    return adamw(params, lr=1e-4)
 
 
 def _free(device: torch.device) -> float:
@@ -172,11 +159,13 @@ def _state_gib(opt) -> float:
 
 
 def _steps(name: str, args, device: torch.device):
-    """A step function for a fresh variant, and its (module, optimizer)."""
+    """A step function for a fresh variant, and its optimizer."""
     torch.manual_seed(0)
     model = build_model(args.size, context_length=args.context, attention=args.attention,
                         vocab_size=args.vocab, device=device, dtype=torch.float32)  # fmt: skip
-    module, opt = build(name, model, args, device)
+    wrapper, optimizer, _ = VARIANTS[name]
+    module = _wrap(wrapper, model, args, device)
+    opt = _optimizer(optimizer, module.parameters())
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
     tokens = torch.randint(0, args.vocab, (args.batch, args.context + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -194,7 +183,7 @@ def _steps(name: str, args, device: torch.device):
             opt.zero_grad()
         return loss.detach()
 
-    return step, (module, opt)
+    return step, opt
 
 
 def _agree(failed: bool, device: torch.device) -> bool:
@@ -204,77 +193,54 @@ def _agree(failed: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def _reason(exc: BaseException) -> str:
-    text = re.sub(r"\s+", " ", str(exc)).strip()
-    return f"n/a: {type(exc).__name__}: {text[:120]}"
-
-
-def _timed(name: str, args, device: torch.device) -> tuple[list[float], float, float]:
+def _timed(name: str, args, device: torch.device) -> dict:
     """Step times (ms), final loss and optimizer-state GiB of a fresh variant (freed on return)."""
-    step, (_, opt) = _steps(name, args, device)
+    step, opt = _steps(name, args, device)
     losses = []
     times = samples_ms(lambda: losses.append(step()), args.warmup, args.steps)
-    return times, float(losses[-1]), _state_gib(opt)
+    return {"times": times, "loss": float(losses[-1]), "state_gib": _state_gib(opt)}
+
+
+def _profiled(name: str, args, device: torch.device) -> dict:
+    """Warm-up, then ``--profile-steps`` steps under torch.profiler (rank 0 records)."""
+    step, _ = _steps(name, args, device)
+    rank0, run = dist.get_rank() == 0, lambda: step(labelled=True)
+    prof, ms = profiled(run, args.profile_steps, max(args.warmup, 1), rank0)
+    return {"step_ms": ms, **(_summarize(name, prof, args, device.type == "cuda") if rank0 else {})}
 
 
 def run_variant(name: str, args, device: torch.device) -> dict:
-    """Warm-up then timed steps; the per-step times are the slowest rank's."""
-    leftover = _free(device)
-    status, times, loss, state = "ok", [0.0] * args.steps, float("nan"), 0.0
+    """A fresh variant timed (per step the slowest rank's time) or, with --profile, profiled."""
+    res = {"variant": name, "times": [0.0] * args.steps, "loss": float("nan"), "state_gib": 0.0,
+           "leftover_gib": _free(device), "status": "ok"}  # fmt: skip
     try:
-        times, loss, state = _timed(name, args, device)
+        res |= (_profiled if args.profile else _timed)(name, args, device)
     except Exception as exc:  # a variant this torch / backend cannot run: an n/a row
-        status = _reason(exc)
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else 0.0
+        res["status"] = f"n/a: {why(exc, 120)}"
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
     _free(device)
-    if _agree(status != "ok", device) and status == "ok":
-        status = "n/a: failed on another rank"
-    stats = torch.tensor([*times, peak, state], dtype=torch.float64, device=device)
+    if _agree(res["status"] != "ok", device) and res["status"] == "ok":
+        res["status"] = "n/a: failed on another rank"
+    stats = [*res["times"], peak or 0.0, res["state_gib"]]
+    stats = torch.tensor(stats, dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    return {"times": stats[:-2].tolist(), "peak_gib": stats[-2].item() if device.type == "cuda" else None,
-            "state_gib": stats[-1].item(), "loss": loss, "leftover_gib": leftover,
-            "status": status}  # fmt: skip
-
-
-def profile_variant(name: str, args, device: torch.device) -> dict:
-    """Warm-up, then ``--profile-steps`` steps under torch.profiler (rank 0 records)."""
-    _free(device)
-    row: dict = {"variant": name}
-    try:
-        prof, row["step_ms"] = _profiled(name, args, device)
-        if prof is not None:
-            row.update(_summarize(name, prof, args, device.type == "cuda"))
-        row["status"] = "ok"
-    except Exception as exc:
-        row["status"] = _reason(exc)
-    _free(device)
-    _agree(row["status"] != "ok", device)
-    return row
-
-
-def _profiled(name: str, args, device: torch.device):
-    step, _ = _steps(name, args, device)
-    run = lambda: step(labelled=True)
-    return profiled(run, args.profile_steps, max(args.warmup, 1), record=dist.get_rank() == 0)
+    res["times"], res["state_gib"] = stats[:-2].tolist(), stats[-1].item()
+    res["peak_gib"] = None if peak is None else stats[-2].item()
+    return {k: v for k, v in res.items() if k != "times"} if args.profile else res
 
 
 def _summarize(name: str, prof, args, cuda: bool) -> dict:
-    n = args.profile_steps
-    events = prof.key_averages()
-    phases = {
-        e.key: e for e in events if e.key in ("forward", "backward", "optimizer.step", "zero_grad")
-    }
+    n, events = args.profile_steps, prof.key_averages()
+    phases = {e.key: e for e in events if e.key in PHASES}
     ops = [e for e in events if e.key not in phases and not e.key.startswith("ProfilerStep")]
     row = {f"{k}_cpu_ms": phases[k].cpu_time_total / 1e3 / n for k in phases}
-    row["self_cpu_ms"] = sum(e.self_cpu_time_total for e in ops) / 1e3 / n
-    row["top_cpu"] = top_ops(ops, "self_cpu_time_total", n)
-    if cuda:
-        row["self_cuda_ms"] = sum(getattr(e, "self_device_time_total", 0) for e in ops) / 1e3 / n
-        row["top_cuda"] = top_ops(ops, "self_device_time_total", n)
+    for col, key in [("cpu", "self_cpu_time_total")] + [("cuda", "self_device_time_total")] * cuda:
+        row[f"self_{col}_ms"] = sum(getattr(e, key, 0) for e in ops) / 1e3 / n
+        row[f"top_{col}"] = top_ops(ops, key, n)
     os.makedirs(args.profile, exist_ok=True)
     with open(os.path.join(args.profile, f"profile_{name}.txt"), "w") as f:
         f.write(f"{name}: {n} steps, rank 0 of {dist.get_world_size()}; times are totals\n\n")
-        for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+        for key in ["self_cuda_time_total"] * cuda + ["self_cpu_time_total"]:
             f.write(f"sorted by {key}\n{events.table(sort_by=key, row_limit=30)}\n\n")
     return row
 
@@ -302,65 +268,48 @@ def _rows(pooled: dict, args, world: int) -> list[dict]:
     adamw_state = pooled.get("torch-ddp", {}).get("state_gib")
     rows = []
     for name in args.names:
-        res, t, peer = pooled[name], percentiles(pooled[name]["times"]), PEER.get(name)
-        good = name in ok
+        res, peer = pooled[name], VARIANTS[name][2]
+        t = percentiles(res["times"]) if name in ok else {}
         saved = ""
-        if good and peak.get("torch-ddp") and adamw_state:
+        if name in ok and peak.get("torch-ddp") and adamw_state:
             saved = f"{(peak['torch-ddp'] - peak[name]) / adamw_state:.3f}"
         rows.append({
-            "variant": name,
-            "step_ms": mean[name] if good else "n/a",
-            "median_ms": t["median_ms"] if good else "",
-            "p20_ms": t["p20_ms"] if good else "",
-            "p80_ms": t["p80_ms"] if good else "",
-            "peak_gib": ("" if res["peak_gib"] is None else res["peak_gib"]) if good else "n/a",
-            "vs_peer": _ratio(mean, name, peer),
-            "peak_vs_peer": _ratio(peak, name, peer),
+            "variant": name, "step_ms": mean.get(name, "n/a"), **t,
+            "peak_gib": ("" if res["peak_gib"] is None else res["peak_gib"]) if t else "n/a",
+            "vs_peer": _ratio(mean, name, peer), "peak_vs_peer": _ratio(peak, name, peer),
             "vs_plain": _ratio(mean, name, "plain"),
-            "loss": res["loss"],
-            "leftover_gib": res["leftover_gib"],
-            "status": res["status"],
+            **{k: res[k] for k in ("loss", "leftover_gib", "status")},
             "size": args.size, "batch": args.batch, "context": args.context,
             "autocast": args.autocast, "world": world, "backend": dist.get_backend(),
-            "samples": len(res["times"]) if good else 0,
-            "state_gib": res["state_gib"] if good else "", "saved_over_state": saved,
+            "samples": len(res["times"]) if t else 0,
+            "state_gib": res["state_gib"] if t else "", "saved_over_state": saved,
         })  # fmt: skip
     return rows
 
 
-def _each(names, args, device, run, start, per=0.0):
-    """``run(name)`` per name while the time budget allows (decided alike on every rank)."""
-    for name in names:
+def _each(items, args, device, run, start, per=0.0):
+    """``run(item)`` per item while the time budget allows (decided alike on every rank)."""
+    for item in items:
         late = args.time_budget is not None and time.monotonic() - start + per > args.time_budget
         if _agree(late, device):
             return
         t0 = time.monotonic()
-        yield name, run(name)
+        yield run(item)
         per = max(per, time.monotonic() - t0)
 
 
-PROFILE_COLUMNS = [
-    "variant",
-    "step_ms",
-    "forward_cpu_ms",
-    "backward_cpu_ms",
-    "optimizer.step_cpu_ms",
-]
-PROFILE_COLUMNS += ["zero_grad_cpu_ms", "self_cpu_ms", "self_cuda_ms", "status"]
-
-
 def _profile(args, device, world):
-    start = time.monotonic()
-    run = lambda n: profile_variant(n, args, device)
-    rows = [row for _, row in _each(args.names, args, device, run, start)]
+    run = lambda n: run_variant(n, args, device)
+    rows = list(_each(args.names, args, device, run, time.monotonic()))
     if dist.get_rank() == 0:
         for row in rows:
             print(f"- {row['variant']} top CPU ms/step: {row.get('top_cpu', '')}")
             if "top_cuda" in row:
                 print(f"  top CUDA ms/step: {row['top_cuda']}")
         title = f"torch.profiler, {args.size} LM, {args.profile_steps} steps, rank 0 of {world}"
-        columns = [c for c in PROFILE_COLUMNS if c != "self_cuda_ms" or device.type == "cuda"]
-        report(args, title, rows, columns)
+        columns = ["variant", "step_ms", *(f"{p}_cpu_ms" for p in PHASES), "self_cpu_ms"]
+        columns += ["self_cuda_ms"] * (device.type == "cuda") + ["status"]
+        report(title, rows, columns, args.out)
 
 
 def worker(args) -> None:
@@ -374,20 +323,18 @@ def worker(args) -> None:
         if args.profile:
             return _profile(args, device, world)
         pooled: dict[str, dict] = {}
-        start = time.monotonic()
         rounds = lambda r: _round(r, args, device, pooled)
-        list(_each(range(args.rounds), args, device, rounds, start))
+        list(_each(range(args.rounds), args, device, rounds, time.monotonic()))
     finally:
-        _Mesh.mesh = None  # its process groups go before the default one
+        _MESH.clear()  # its process groups go before the default one
         gc.collect()
     if rank == 0:
         rows = _rows(pooled, args, world)
-        write_results(args.out or default_out(world, device), rows)
         amp = "bf16 autocast" if args.autocast == "bf16" else "fp32"
         title = (f"Step time, {args.size} LM, batch {args.batch}x{args.context} per rank, {world} "
                  f"ranks ({dist.get_backend()}), {amp}, AdamW, zero_grad() to None, "
                  f"{rows[0]['samples']} timed steps per variant")  # fmt: skip
-        print_report(title, rows, COLUMNS)
+        report(title, rows, COLUMNS, args.out or default_out(world, device))
 
 
 def _round(r: int, args, device, pooled: dict) -> None:

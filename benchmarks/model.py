@@ -1,21 +1,13 @@
-"""End-to-end benchmark of the reference LM: forward, forward+backward and a full AdamW train step.
+r"""End-to-end benchmark of the reference LM: forward, forward+backward and a full AdamW train step.
 
-Builds ``torch_flashsys.models.build_model(size, ...)`` (Table-1 sizes), runs ``--warmup`` untimed
-steps, then ``--steps`` measured ones, and reports the mean and standard deviation per phase
-(forward, backward, optimizer, whole step; each ended by a device sync), tokens/s and the peak
-memory of the measured steps. Modes: ``fwd`` (under ``torch.no_grad()``), ``fwd+bwd`` (cross-entropy
-on random targets, ``loss.backward()``, gradients set to None), ``train`` (+ ``AdamW.step()`` and
-``zero_grad()``). ``--dtype bf16`` runs the forward under ``torch.autocast(device, torch.bfloat16)``
-(parameters, gradients and optimizer state stay fp32). Comma-separated lists are swept (their
-product); a configuration that runs out of memory is a row marked OOM. NVTX ranges: "warmup",
-"measured", "step N", "forward", "backward", "optimizer" (and "attention/..." in the naive attention).
-``--memory-profile PATH`` writes a https://pytorch.org/memory_viz snapshot of the measured steps
-(on CPU: the profiler's memory timeline in the same format), checked to load there.
+Mean and standard deviation per phase, tokens/s and peak memory over the measured steps; a
+configuration that runs out of memory is an OOM row; lists are swept. Modes, columns, NVTX ranges
+and the memory_viz snapshot: docs/benchmarking.md, sections 1 and 2.
 
-    python benchmarks/model.py --size small,medium,large,xl,2.7B --context-length 512 \\
+    python benchmarks/model.py --size small,medium,large,xl,2.7B --context-length 512 \
         --dtype fp32,bf16 --mode fwd,fwd+bwd --out model.csv --plot model.png
     python benchmarks/model.py --preset memory --out memory.csv    # 2.7B peak memory table
-    python benchmarks/model.py --size 2.7B --context-length 128 --mode train --steps 1 \\
+    python benchmarks/model.py --size 2.7B --context-length 128 --mode train --steps 1 \
         --memory-profile snapshot.pickle
     nsys profile -o lm python benchmarks/model.py --size large --attention naive
 """
@@ -61,37 +53,27 @@ MIB = 2**20
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = parser(__doc__, smoke="tiny model on CPU, a few seconds", plot=True)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="'memory': script 2's table")
-    p.add_argument(
-        "--size", default="small", help=f"model size(s) from {list(MODEL_SIZES)} (small)"
-    )
-    p.add_argument("--context-length", default="512", help="sequence length(s) (512)")
-    p.add_argument("--batch", type=int, default=4, help="sequences per step (4)")
-    p.add_argument("--vocab", type=int, default=10_000, help="vocabulary size (10000)")
-    p.add_argument("--attention", default="sdpa", help=f"from {list(ATTENTION_CHOICES)} (sdpa)")
-    p.add_argument(
-        "--dtype", help="fp32 (no autocast) and/or bf16 (autocast) (fp32; --smoke: both)"
-    )
-    p.add_argument("--mode", default=",".join(MODES), help=f"subset of {list(MODES)} (all)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps (5)")
-    p.add_argument("--steps", type=int, default=10, help="measured steps (10)")
-    p.add_argument(
-        "--compile", action="store_true", help="torch.compile the model (in the warm-up)"
-    )
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate for train (1e-4)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="memory: script 2's table")
+    p.add_argument("--size", default="small", help=f"model size(s) from {list(MODEL_SIZES)}")
+    p.add_argument("--context-length", default="512", help="sequence length(s)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--attention", default="sdpa", help=f"from {list(ATTENTION_CHOICES)}")
+    p.add_argument("--dtype", help="fp32 (no autocast) and/or bf16 (autocast); fp32 if not given")
+    p.add_argument("--mode", default=",".join(MODES), help=f"subset of {list(MODES)}")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")
+    p.add_argument("--steps", type=int, default=10, help="measured steps")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (in warm-up)")
     p.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
-                   help="torch.set_float32_matmul_precision; 'high' allows TF32 (highest)")  # fmt: skip
-    p.add_argument("--memory-profile", metavar="PATH",
-                   help="write a memory_viz snapshot of the measured steps (one per configuration)")  # fmt: skip
-    p.add_argument("--memory-max-entries", type=int, default=100_000,
-                   help="keep the last N allocator events in the snapshot (100000)")  # fmt: skip
-    p.add_argument("--device", default="auto", help="cuda, cpu or auto (auto)")
-    p.add_argument("--seed", type=int, default=0, help="seed for parameters and data (0)")
+                   help="torch.set_float32_matmul_precision; high allows TF32")  # fmt: skip
+    p.add_argument("--memory-profile", metavar="PATH", help="memory_viz snapshot of measured steps")
+    p.add_argument("--memory-max-entries", type=int, default=100_000, help="allocator events kept")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     args = p.parse_args(argv)
     for key, value in PRESETS.get(args.preset, {}).items():
         setattr(args, key, value)
+    args.vocab = 100 if args.smoke else 10_000
     if args.smoke:
-        args.size, args.context_length, args.batch, args.vocab = "tiny", "16", 2, 100
+        args.size, args.context_length, args.batch = "tiny", "16", 2
         args.warmup, args.steps, args.device = 1, 2, "cpu"
         args.dtype = args.dtype or "fp32,bf16"
     args.sizes = csv_list(p, args.size, "--size", choices=MODEL_SIZES)
@@ -99,17 +81,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtypes = csv_list(p, args.dtype or "fp32", "--dtype", choices=DTYPES)
     args.modes = csv_list(p, args.mode, "--mode", choices=MODES)
     args.contexts = csv_list(p, args.context_length, "--context-length", int)
-    if min(args.batch, args.vocab, args.steps) < 1 or args.warmup < 0:
-        p.error("--batch, --vocab and --steps must be >= 1 and --warmup >= 0")
+    if min(args.batch, args.steps) < 1 or args.warmup < 0:
+        p.error("--batch and --steps must be >= 1 and --warmup >= 0")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     return args
 
 
-def _stepper(model, mode: str, dtype, device: torch.device, lr: float, tokens, targets):
+def _stepper(model, mode: str, dtype, device: torch.device, tokens, targets):
     """One (model, dtype, mode) step: returns its phase times (ms) from :class:`Laps`."""
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr) if mode == "train" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if mode == "train" else None
     cuda = device.type == "cuda"
 
     def step() -> dict[str, float]:
@@ -126,23 +108,18 @@ def _stepper(model, mode: str, dtype, device: torch.device, lr: float, tokens, t
             with nvtx_range("optimizer", cuda):
                 if opt is not None:
                     opt.step()
-                    opt.zero_grad()
-                else:
-                    model.zero_grad()
-            laps.lap("opt" if opt is not None else "zero_grad")
-        return {
-            **{k: v for k, v in laps.ms.items() if k != "zero_grad"},
-            "step": sum(laps.ms.values()),
-        }
+                (opt or model).zero_grad()
+            laps.lap("opt" if opt is not None else "zero_grad")  # zero_grad: no column
+        return {**laps.ms, "step": sum(laps.ms.values())}
 
     return step
 
 
 def _measure(model, ctx: int, args, dtype_name: str, mode: str, device, snapshot_path) -> dict:
-    gen = torch.Generator(device=device).manual_seed(args.seed)
+    gen = torch.Generator(device=device).manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, ctx), device=device, generator=gen)
     targets = torch.randint(0, args.vocab, (args.batch, ctx), device=device, generator=gen)
-    step = _stepper(model, mode, DTYPES[dtype_name], device, args.lr, tokens, targets)
+    step = _stepper(model, mode, DTYPES[dtype_name], device, tokens, targets)
     cuda = device.type == "cuda"
     with nvtx_range("warmup", cuda):
         for _ in range(args.warmup):
@@ -151,56 +128,51 @@ def _measure(model, ctx: int, args, dtype_name: str, mode: str, device, snapshot
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     samples: list[dict[str, float]] = []
-    record = (
-        record_memory(snapshot_path, device, max_entries=args.memory_max_entries)
-        if snapshot_path
-        else contextlib.nullcontext()
-    )
+    record = contextlib.nullcontext()
+    if snapshot_path:
+        record = record_memory(snapshot_path, device, max_entries=args.memory_max_entries)
     with record, nvtx_range("measured", cuda):
         for i in range(args.steps):
             with nvtx_range(f"step {i}", cuda):
                 samples.append(step())
     row: dict = {}
     for phase in PHASES:
-        xs = [s[phase] for s in samples if phase in s]
-        if xs:
-            row[f"{phase} ms"] = statistics.fmean(xs)
-            row[f"{phase} std"] = statistics.stdev(xs) if len(xs) > 1 else 0.0
+        if xs := [s[phase] for s in samples if phase in s]:
+            std = statistics.stdev(xs) if len(xs) > 1 else 0.0
+            row |= {f"{phase} ms": statistics.fmean(xs), f"{phase} std": std}
     row["tokens/s"] = args.batch * ctx / (row["step ms"] * 1e-3)
     if cuda:
         row["peak MiB"] = torch.cuda.max_memory_allocated(device) / MIB
     if snapshot_path:
         summary = validate_snapshot_file(snapshot_path, strict=cuda)
-        size_mib = os.path.getsize(snapshot_path) / MIB
-        print(
-            f"memory snapshot {snapshot_path}: {size_mib:.1f} MiB, {summary['n_events']} events, "
-            f"trace peak {summary['trace_peak_bytes'] / MIB:.0f} MiB; loads in memory_viz format",
-            file=sys.stderr,
-        )
+        size = os.path.getsize(snapshot_path)
+        peak = summary["trace_peak_bytes"] / MIB
+        print(f"memory snapshot {snapshot_path}: {size / MIB:.1f} MiB, {summary['n_events']} events, "
+              f"trace peak {peak:.0f} MiB; loads in memory_viz format", file=sys.stderr)  # fmt: skip
         row["snapshot"] = os.path.basename(snapshot_path)
     return row
 
 
-def _snapshot_path(args, n_configs: int, size, ctx, attn, dtype, mode) -> str | None:
-    if not args.memory_profile:
-        return None
-    if n_configs == 1:
+def _snapshot_path(args, several: bool, size, ctx, attn, dtype, mode) -> str | None:
+    if not args.memory_profile or not several:
         return args.memory_profile
     stem, ext = os.path.splitext(args.memory_profile)
     return f"{stem}-{size}-ctx{ctx}-{attn}-{dtype}-{mode.replace('+', '')}{ext or '.pickle'}"
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def _build(args, size: str, ctx: int, attn: str, device: torch.device):
-    torch.manual_seed(args.seed)
-    model = build_model(
-        size, context_length=ctx, attention=attn, vocab_size=args.vocab, device=device
-    )
+    """(model, the module to run: compiled with --compile); None, None when it does not fit."""
+    if args.compile:
+        torch.compiler.reset()
+    gc.collect()
+    torch.manual_seed(0)
+    try:
+        model = build_model(size, context_length=ctx, attention=attn, vocab_size=args.vocab,
+                            device=device)  # fmt: skip
+    except Exception as exc:  # OOM while building: every row of this model is OOM
+        if not is_oom(exc):
+            raise
+        return None, None
     return model, (torch.compile(model) if args.compile else model)
 
 
@@ -208,43 +180,32 @@ def run(args: argparse.Namespace) -> list[dict]:
     """One row per (size, context, attention, dtype, mode); the model is built once per triple."""
     device = torch.device(args.device)
     torch.set_float32_matmul_precision(args.matmul_precision)
-    configs = list(
-        itertools.product(args.sizes, args.contexts, args.attentions, args.dtypes, args.modes)
-    )
-    rows: list[dict] = []
-    key = model = run_model = None
-    build_error = None
-    for size, ctx, attn, dtype_name, mode in progress(configs, desc="configs"):
-        if key != (size, ctx, attn):
-            key, model, run_model, build_error = (size, ctx, attn), None, None, None
-            if args.compile:
-                torch.compiler.reset()
-            _free(device)
-            try:
-                model, run_model = _build(args, size, ctx, attn, device)
-            except Exception as exc:  # OOM while building: every row of this model is OOM
-                if not is_oom(exc):
-                    raise
-                build_error = "OOM"
-        row = {"size": size, "context": ctx, "attention": attn, "batch": args.batch,
-               "dtype": dtype_name, "mode": mode, "compile": args.compile}  # fmt: skip
-        if model is not None:
+    models = list(itertools.product(args.sizes, args.contexts, args.attentions))
+    runs = list(itertools.product(args.dtypes, args.modes))
+    several, rows = len(models) * len(runs) > 1, []
+    for size, ctx, attn in progress(models, desc="models"):
+        model, run_model = _build(args, size, ctx, attn, device)
+        for dtype_name, mode in runs:
+            row = {"size": size, "context": ctx, "attention": attn, "batch": args.batch,
+                   "dtype": dtype_name, "mode": mode, "compile": args.compile}  # fmt: skip
+            rows.append(row)
+            if model is None:
+                row["step ms"] = "OOM"
+                continue
             row["params_M"] = model.num_parameters() / 1e6
-            snap = _snapshot_path(args, len(configs), size, ctx, attn, dtype_name, mode)
+            snap = _snapshot_path(args, several, size, ctx, attn, dtype_name, mode)
             try:
                 row.update(_measure(run_model, ctx, args, dtype_name, mode, device, snap))
             except Exception as exc:
                 if not is_oom(exc):
                     raise
-                build_error = None
                 row["step ms"] = "OOM"
                 print(f"OOM: {size} ctx {ctx} {attn} {dtype_name} {mode}", file=sys.stderr)
-            for p in model.parameters():
-                p.grad = None
-            _free(device)
-        else:
-            row["step ms"] = build_error
-        rows.append(row)
+            model.zero_grad()
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del model, run_model
     return rows
 
 
@@ -254,21 +215,16 @@ def _plot(rows: list[dict], args: argparse.Namespace) -> None:
     series: dict[str, list] = {}
     for r in rows:
         value = r.get("peak MiB" if memory else "step ms")
-        if not isinstance(value, float):
-            continue
-        label = f"{r['mode']} {r['dtype']} {r['attention']}"
-        if memory and len(args.sizes) > 1:
-            label += f" {r['size']}"
-        if not memory and len(args.contexts) > 1:
-            label += f" ctx {r['context']}"
-        series.setdefault(label, []).append((r["context"] if memory else r["size"], value))
+        other = r["size"] if memory else f"ctx {r['context']}"  # the variable not on the x axis
+        label = f"{r['mode']} {r['dtype']} {r['attention']} {other}"
+        if isinstance(value, float):
+            series.setdefault(label, []).append((r["context"] if memory else r["size"], value))
     if memory:
-        line_plot(args.plot, series, xlabel="context length", ylabel="peak memory (MiB)",
-                  title=f"Reference LM peak memory, batch {args.batch}")  # fmt: skip
+        title = f"Reference LM peak memory, batch {args.batch}"
+        line_plot(args.plot, series, "context length", "peak memory (MiB)", title)
     else:
-        line_plot(args.plot, series, xlabel="model size", ylabel="time per step (ms, mean)",
-                  title=f"Reference LM, context {args.context_length}, batch {args.batch}",
-                  logy=True)  # fmt: skip
+        title = f"Reference LM, context {args.context_length}, batch {args.batch}"
+        line_plot(args.plot, series, "model size", "time per step (ms, mean)", title, log="y")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -277,16 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         _plot(rows, args)
     cols = ["size", "context", "attention", "dtype", "mode"]
-    for phase in PHASES:
-        if any(f"{phase} ms" in r for r in rows):
-            cols += [f"{phase} ms", f"{phase} std"]
-    cols.append("tokens/s")
-    if any("peak MiB" in r for r in rows):
-        cols.append("peak MiB")
+    cols += [f"{p} {c}" for p in PHASES if any(f"{p} ms" in r for r in rows) for c in ("ms", "std")]
+    cols += ["tokens/s"] + ["peak MiB"] * any("peak MiB" in r for r in rows)
     title = "Reference LM peak memory" if args.preset == "memory" else "Reference LM end-to-end"
     title += f" (batch {args.batch}, warm-up {args.warmup}, {args.steps} measured steps"
     title += ", torch.compile)" if args.compile else ")"
-    report(args, title, rows, cols)
+    report(title, rows, cols, args.out)
 
 
 if __name__ == "__main__":

@@ -2,21 +2,7 @@
 # GPU box: the GPU tests and benchmarks of the committed code, one section per call (each fits a
 # 10-minute limit); logs, CSVs and tables under ${OUT:-/tmp/flashsys}, short tables printed last.
 #   bash benchmarks/gpu_checks/run.sh SECTION...     (from the repository root)
-# Sections:
-#   tests     pytest -m gpu ${TESTS:-tests} on ${WORKERS:-8} xdist workers (TORCH_FLASHSYS_AUTOTUNE=0)
-#             and the issue-10 single shapes beside SDPA cuDNN/flash with the host overhead (BENCH=0: no)
-#   attention host overhead (+ cProfile), the peer grid (--preset peers), fwd+bwd (1, 16, 4096, 64)
-#             and the longest sequence (1, 16, 262144, 64)
-#   features  --preset features, --preset varlen, torch.profiler of fwd+bwd (flash.py --profile)
-#   startup   flash.py --first-call, --preset varlen, --host-overhead
-#   tune      tune_attention.py (TUNE_ARGS), the decode launch sweep, the attention GPU tests
-#   harness   model.py (Table-1 sizes, fp32/bf16), --preset memory, one 2.7B train step as a
-#             memory_viz snapshot, flash.py --preset sweep in the time left (TOTAL_BUDGET, 450 s)
-#   ddp       pytest -m gpu tests/distributed (SKIP_TESTS=1: no), ddp.py --preset 2.0B on NPROC GPUs
-#             (every variant, rounds while BUDGET allows), then a torch.profiler pass
-#   sharded   ddp.py --preset sharded (xl: AdamW, ZeRO, ShardedOptimizer memory under torch DDP)
-#   context_parallel  pytest tests/distributed/test_context_parallel.py, context_parallel.py on NPROC (<= 2)
-# BENCH_ARGS=--smoke runs the ddp/sharded/context_parallel benchmarks as a dry run on CPU.
+# Sections and their variables: docs/benchmarking.md ("GPU box").
 set -u
 OUT=${OUT:-/tmp/flashsys}
 mkdir -p "$OUT"
@@ -35,6 +21,7 @@ show() {  # show NAME [LINES]: the step's exit line and the tail of its output
   tail -n 1 "$OUT/$1.err"
   tail -n "${2:-24}" "$OUT/$1.md"
 }
+shows() { for s in "$@"; do show "${s%:*}" "${s#*:}"; done; }  # shows NAME:LINES...
 ngpus() { python3 -c "import torch; print(min(${1:-64}, torch.cuda.device_count()))"; }
 HOST=(--batch 1 --heads 4 --seq 128 --dim 64 --modes fwd --no-check --host-overhead)
 PEERS="flash_attention,sdpa cudnn_attention,sdpa flash_attention"
@@ -62,10 +49,7 @@ attention() {
   step longest 120 py benchmarks/flash.py --batch 1 --heads 16 --seq 262144 --dim 64 \
     --modes fwd+bwd --impls flash_attention --no-check
   grep -E "us/call|tottime|^ +[0-9]" "$OUT/overhead.err" | head -24
-  show longest 3
-  show target_4096 6
-  show overhead 9
-  show peers 60
+  shows longest:3 target_4096:6 overhead:9 peers:60
 }
 
 features() {
@@ -74,18 +58,14 @@ features() {
   step varlen "${VARLEN_TIMEOUT:-200}" py benchmarks/flash.py --preset varlen \
     --out "$OUT/attention_varlen_h100.csv"
   [ "${PROFILE:-1}" = 1 ] && step profile 120 py benchmarks/flash.py --profile
-  show profile 30
-  show varlen 16
-  show features 30
+  shows profile:30 varlen:16 features:30
 }
 
 startup() {
   step startup 240 py benchmarks/flash.py --first-call --out "$OUT/attention_startup.csv"
   step varlen 150 py benchmarks/flash.py --preset varlen --out "$OUT/attention_varlen.csv"
   step host 120 py benchmarks/flash.py "${HOST[@]}" --impls "$PEERS" --out "$OUT/attention_host.csv"
-  show startup 40
-  show varlen 40
-  show host 40
+  shows startup:40 varlen:40 host:40
 }
 
 tune() {
@@ -93,9 +73,7 @@ tune() {
   step tune_decode 120 py benchmarks/tune_attention.py --kernels decode --out "$OUT/tune_decode.csv"
   TORCH_FLASHSYS_AUTOTUNE=0 HYPOTHESIS_PROFILE=gpu step attention_tests "${TEST_TIMEOUT:-240}" \
     py -m pytest -q -m gpu tests/attention -x -p no:cacheprovider
-  show attention_tests 12
-  show tune_decode 16
-  show tune 60
+  shows attention_tests:12 tune_decode:16 tune:60
 }
 
 harness() {
@@ -115,12 +93,9 @@ harness() {
   TORCH_FLASHSYS_AUTOTUNE="${SWEEP_AUTOTUNE:-1}" step sweep $((budget + 40)) py benchmarks/flash.py \
     --preset sweep --dtype bf16 --modes fwd,bwd --time-budget "$budget" --out "$OUT/sweep.csv" \
     --impls "flash_attention,naive,naive (compiled),sdpa flash_attention" --plot "$OUT/sweep.png"
-  show snapshot_tests 3
-  show snapshot 3
+  shows snapshot_tests:3 snapshot:3
   tail -n 2 "$OUT/snapshot.err"
-  show model 24
-  show memory 16
-  show sweep 8
+  shows model:24 memory:16 sweep:8
 }
 
 ddp() {
@@ -160,8 +135,7 @@ context_parallel() {
     tests/distributed/test_context_parallel.py
   step cp_bench "$(left 300)" py benchmarks/context_parallel.py --nproc "$n" \
     --modes "$modes" ${BENCH_ARGS:---time-budget ${SEARCH_S:-100}} --out "$OUT/context_parallel.csv"
-  show cp_tests 4
-  show cp_bench 16
+  shows cp_tests:4 cp_bench:16
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
@@ -172,7 +146,7 @@ $(git status --porcelain 2>/dev/null | wc -l))" | tee -a "$OUT/env.txt"
 for section in "${@:-tests}"; do
   case $section in
     tests | attention | features | startup | tune | harness | ddp | sharded | context_parallel) "$section" ;;
-    *) echo "unknown section $section (see the top of $0)" >&2 && exit 2 ;;
+    *) echo "unknown section $section (see docs/benchmarking.md)" >&2 && exit 2 ;;
   esac
 done
 echo "== done in $((SECONDS - start)) s"
