@@ -210,3 +210,48 @@ def test_modified_kernels_take_a_table_tile_only_if_it_fits(kernel):
             )
         want = plain if fits(plain) else next(t for t in shapes[128] if fits(t))
         assert got == want and fits(got)
+
+
+def test_the_committed_table_is_what_the_committed_sweep_gives():
+    """tiles/sm90.json == build_table(docs/data/attention_tune_h100.csv): the table is reproducible
+    from the sweep it names (``tune_attention.py --from-csv``)."""
+    import csv
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    with open(root / "docs/data/attention_tune_h100.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    shipped = json.loads((root / "torch_flashsys/attention/tiles/sm90.json").read_text())
+    assert kc.build_table(rows) == shipped["tiles"]
+
+
+@given(
+    times=st.lists(st.floats(0.5, 2.0), min_size=6, max_size=6),
+    faster=st.floats(0.5, 0.999),
+    tolerance=st.sampled_from([1.0, 1.03, 1.2]),
+)
+def test_a_length_keeps_its_own_tile_only_where_it_beats_the_compromise(times, faster, tolerance):
+    """One config per group (best geometric mean over the lengths); a length takes its own fastest
+    only where that is more than ``tolerance`` faster; failed and warp-specialized rows count not."""
+    seqs = (1024, 4096, 16384)
+    a, b = dict(zip(seqs, times[:3], strict=True)), dict(zip(seqs, times[3:], strict=True))
+    rows = [
+        {"kernel": "dq", "dim": 128, "causal": "True", "seq": s, "config": cfg, "ms": ms[s]}
+        for cfg, ms in (("64x64x4x3", a), ("128x32x8x2", b))
+        for s in seqs
+    ]
+    rows += [  # ignored: a failure, a warp-specialized variant
+        {"kernel": "dq", "dim": 128, "causal": "True", "seq": 4096, "config": "16x16x4x1",
+         "ms": 1e-3, "error": "OutOfResources"},
+        {"kernel": "dq", "dim": 128, "causal": "True", "seq": 4096, "config": "16x16x4x2",
+         "ms": 1e-3, "ws": "True"},
+    ]  # fmt: skip
+    table = kc.build_table(rows, tolerance)
+    geo = {c: sum(math.log(m[s]) for s in seqs) for c, m in (("64x64x4x3", a), ("128x32x8x2", b))}
+    compromise = min(geo, key=geo.get)
+    ms = {"64x64x4x3": a, "128x32x8x2": b}
+    for s in seqs:
+        fastest = min(ms, key=lambda c, s=s: ms[c][s])
+        want = compromise if ms[compromise][s] <= tolerance * ms[fastest][s] else fastest
+        assert table[kc.table_key("dq", 128, True, s)] == [int(x) for x in want.split("x")]
+    assert len(table) == len(seqs)

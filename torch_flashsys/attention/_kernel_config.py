@@ -60,6 +60,35 @@ def table_key(kernel: str, head_dim: int, causal: bool, seq_len: int) -> str:
     return f"{kernel}/{dim_class(head_dim)}/{'causal' if causal else 'full'}/{seq_len}"
 
 
+def build_table(rows: Sequence[dict], tolerance: float = 1.03) -> dict[str, list[int]]:
+    """The tile table (:func:`table_key` -> tile) from a sweep's rows (``benchmarks/tune_attention.py``
+    columns kernel, dim, causal, seq, config ``"BMxBNxWxS"``, ms, error).
+
+    Each (kernel, head-dim class, causal) group gets one config, the one with the best geometric
+    mean over the measured lengths; a length keeps its own fastest config only where that one is
+    more than ``tolerance`` faster (every extra tile is one more compile at a first call).
+    Failed points and warp-specialized variants (``ws`` True) are left out.
+    """
+    times: dict[tuple[str, int, bool], dict[str, dict[int, float]]] = {}
+    for r in rows:
+        ms = float(r["ms"])
+        if ms != ms or str(r.get("ws", "False")) == "True" or r.get("error"):
+            continue
+        group = (r["kernel"], int(r["dim"]), str(r["causal"]) in ("True", "1"))
+        times.setdefault(group, {}).setdefault(str(r["config"]), {})[int(r["seq"])] = ms
+    table = {}
+    for (kernel, dim, causal), configs in times.items():
+        seqs = sorted({s for c in configs.values() for s in c})
+        complete = [c for c in configs if len(configs[c]) == len(seqs)]
+        compromise = min(complete, key=lambda c: sum(math.log(configs[c][s]) for s in seqs))
+        for s in seqs:
+            fastest = min(configs, key=lambda c, s=s: configs[c].get(s, math.inf))
+            keep = configs[compromise][s] <= tolerance * configs[fastest][s]
+            chosen = compromise if keep else fastest
+            table[table_key(kernel, dim, causal, s)] = [int(x) for x in chosen.split("x")]
+    return dict(sorted(table.items()))
+
+
 def nearest_length(lengths: Sequence[int], seq_len: int) -> int:
     """The measured length nearest to ``seq_len`` on a log scale."""
     return min(lengths, key=lambda n: abs(math.log2(n) - math.log2(max(seq_len, 1))))
