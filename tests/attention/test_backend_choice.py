@@ -5,6 +5,7 @@ only when asked for with backend="triton")."""
 from __future__ import annotations
 
 import os
+import warnings
 from unittest import mock
 
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from tests.attention.cases import Case, assert_close, cases, check_against_reference
 from tests.reference import attention_reference, naive_attention
 from torch_flashsys import FlashAttention, _env, flash_attention, replace_attention, sdpa_override
-from torch_flashsys.attention import _ops
+from torch_flashsys.attention import _backend, _ops
 from torch_flashsys.attention._backend import resolve_backend, triton_installed
 
 ENVIRONMENTS = ["1", "0", None]  # TRITON_INTERPRET set, set to 0, unset
@@ -134,3 +135,30 @@ def test_auto_runs_cuda_tensors_on_the_kernels_unless_interpreting(monkeypatch, 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     flash_attention(q, q, q, is_causal=True)
     assert triton_calls.call_count == 1  # the torch path
+
+
+@pytest.mark.parametrize(
+    ("dq", "dv", "expected"),
+    [
+        (64, 64, "triton"),
+        (80, 48, "triton"),
+        (20, 20, "torch"),
+        (64, 300, "torch"),
+        (8, 8, "torch"),
+    ],
+)
+def test_auto_takes_the_torch_path_for_head_dims_the_kernels_do_not_take(dq, dv, expected):
+    """As SDPA falls back to its math kernel: "auto" on a device where the kernels run (stood in for
+    here) takes the tiled PyTorch path for other head dims, with a warning; backend="triton" is
+    not rerouted (check_triton refuses it with the supported range)."""
+    q, v = torch.randn(1, 2, 8, dq), torch.randn(1, 2, 8, dv)
+    with mock.patch.object(_backend, "resolve_backend", lambda backend, device: "triton"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert _backend.choose_backend("auto", q, q, v) == expected
+        assert _backend.choose_backend("triton", q, q, v) == "triton"
+    messages = [str(w.message) for w in caught]
+    if expected == "torch":
+        assert len(messages) == 1 and f"head dims {dq} (query/key) and {dv} (value)" in messages[0]
+    else:
+        assert messages == []

@@ -265,3 +265,16 @@ def test_cache_seqlens_below_seq_q_fails_on_the_device(when):
 @given(case=decode_cases(), dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_split_kv_decode_matches_float64_on_cuda(case, dtype):
     check_decode(case, dtype, "triton", device="cuda")
+
+
+@pytest.mark.parametrize("head_dim", [20, 264])
+def test_auto_runs_other_head_dims_on_the_torch_path_on_cuda(head_dim):
+    """A head dim the kernels do not take: "auto" warns and matches SDPA (its math fallback)."""
+    q, k, v = (torch.randn(2, 3, 77, head_dim, device="cuda", requires_grad=True) for _ in range(3))
+    with pytest.warns(UserWarning, match=f"head dims {head_dim}"):
+        out = flash_attention(q, k, v, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=ATOL_TF32, rtol=1e-3)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    for got, want in zip(grads, torch.autograd.grad(ref.sum(), (q, k, v)), strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL_TF32, rtol=1e-3)

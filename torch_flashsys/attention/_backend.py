@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -40,6 +41,13 @@ def triton_can_run_on(device: torch.device) -> bool:
     return device.type == "cpu" and interpreter_active()
 
 
+TRITON_HEAD_DIMS = "16..256, multiples of 8"
+
+
+def triton_head_dim_ok(head_dim: int) -> bool:
+    return 16 <= head_dim <= 256 and head_dim % 8 == 0
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Map ``backend="auto"`` to ``"triton"`` or ``"torch"`` for tensors on ``device``.
 
@@ -59,9 +67,21 @@ def choose_backend(
 ) -> str:
     """The backend a validated call runs on: :func:`resolve_backend`, except that an empty
     sequence or head dim runs on the PyTorch backend (SDPA's zeros / uniform weights / empty
-    output) whatever was asked for, and ``"auto"`` runs float64 there (e.g. gradcheck)."""
+    output) whatever was asked for, and ``"auto"`` runs float64 there (e.g. gradcheck), and head
+    dims the Triton kernels do not take (with a warning: that path is slower on a GPU), as SDPA
+    falls back to its math kernel."""
     if query.shape[-2] == 0 or key.shape[-2] == 0 or query.shape[-1] == 0 or value.shape[-1] == 0:
         return "torch"
     if backend == "auto" and query.dtype == torch.float64:
         return "torch"
-    return resolve_backend(backend, query.device)
+    chosen = resolve_backend(backend, query.device)
+    dims = (query.shape[-1], value.shape[-1])
+    if backend == "auto" and chosen == "triton" and not all(map(triton_head_dim_ok, dims)):
+        warnings.warn(
+            f"flash_attention: head dims {dims[0]} (query/key) and {dims[1]} (value) are not "
+            f"all in the Triton kernels' range ({TRITON_HEAD_DIMS}); running the PyTorch tiled "
+            "path instead, which is slower on a GPU (backend='torch' says so explicitly)",
+            stacklevel=4,
+        )
+        return "torch"
+    return chosen

@@ -15,14 +15,15 @@ import torch
 
 from torch_flashsys.attention._backend import (
     BACKENDS,
+    TRITON_HEAD_DIMS,
     choose_backend,
     interpreter_active,
+    triton_head_dim_ok,
     triton_installed,
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TRITON_HEAD_DIMS = "16..256, multiples of 8"
 
 NAME = "flash_attention"
 
@@ -38,10 +39,6 @@ def softmax_scale(scale: float | None, head_dim: int) -> float:
     if scale is not None:
         return float(scale)
     return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-
-
-def triton_head_dim_ok(head_dim: int) -> bool:
-    return 16 <= head_dim <= 256 and head_dim % 8 == 0
 
 
 def check_inputs(
