@@ -119,4 +119,4 @@ if __name__ == "__main__":
         print(f"  {n:4d}  {where}")
     package, bench = _line_count(PACKAGE), _line_count("benchmarks")
     share = bench / (package + bench)
-    print(f"lines (.py, .sh): package {package}, benchmarks {bench}; benchmarks' share {share:.1%}")
+    print(f"lines (.py, .sh): package {package}, benchmarks {bench}; benchmarks' share {share:.2%}")
