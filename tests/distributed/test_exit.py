@@ -85,12 +85,13 @@ def test_exit_without_destroy_process_group_is_clean(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
-def test_exit_waits_for_runnable_threads_but_not_forever():
+def test_exit_waits_for_runnable_threads_but_not_forever(monkeypatch):
     """The exit hook's second wait: while another thread is runnable it polls on, bounded."""
     import threading
 
     from torch_flashsys.distributed import _release
 
+    monkeypatch.setattr(_release, "_used", True)  # as after a wrapper was built
     stop = threading.Event()
 
     def spin():
@@ -113,3 +114,17 @@ def test_exit_waits_for_runnable_threads_but_not_forever():
     start = time.monotonic()
     _release._wait_for_quiet_threads()  # nothing runnable: three quick polls
     assert time.monotonic() - start < _release._QUIET_WAIT_S
+
+
+def test_only_processes_that_use_the_distributed_code_wait_at_exit():
+    """Importing the package (for attention, say) adds no exit wait; a wrapper's group check does."""
+    code = (
+        "import torch_flashsys\n"
+        "from torch_flashsys.distributed import _release, _verify\n"
+        "print(_release._distributed_used())\n"
+        "_verify.check_process_group('BucketedDDP', None)\n"
+        "print(_release._distributed_used())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT, check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.stdout.split() == ["False", "True"]

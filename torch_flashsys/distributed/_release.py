@@ -26,7 +26,9 @@ a Python frame and the abort on another thread, after ``destroy_process_group()`
 then also waits, on Linux, until no other thread of the process is runnable (``/proc`` state
 ``R``) on ``_QUIET_POLLS`` polls in a row, at most ``_QUIET_WAIT_S``: a backend thread that was
 descheduled with a Work to release runs now, while the interpreter can still give it the GIL.
-Idle threads sleep (state ``S``), so a normal exit costs a few milliseconds.
+Idle threads sleep (state ``S``), so a normal exit costs a few milliseconds, and a process that
+never used our distributed code nor has a process group at exit (e.g. one that imports the package
+for attention only) does not wait.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ _POLL_S = 0.001
 _QUIET_POLLS = 3  # polls in a row with no other thread runnable
 _QUIET_WAIT_S = 0.5  # a busy thread of the user's own never holds exit longer than this
 
+_used = False  # set by mark_used(): BucketedDDP, ShardedOptimizer, context parallelism
 _handed: list[weakref.ref] = []  # aliases of finished collectives, maybe still held by a backend
 _prune_at = 64  # prune dead references when the list reaches this length (amortized O(1))
 
@@ -83,8 +86,18 @@ def _others_runnable(task_dir: str = "/proc/self/task") -> bool:
     return False
 
 
+def mark_used() -> None:
+    """This process runs our distributed code: the exit hook waits for quiet threads."""
+    global _used
+    _used = True
+
+
+def _distributed_used() -> bool:
+    return _used or (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
 def _wait_for_quiet_threads() -> None:
-    if not os.path.isdir("/proc/self/task"):
+    if not os.path.isdir("/proc/self/task") or not _distributed_used():
         return
     deadline, quiet = time.monotonic() + _QUIET_WAIT_S, 0
     while quiet < _QUIET_POLLS and time.monotonic() < deadline:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torch_flashsys.distributed._release import mark_used
+
 Item = tuple[str, str]
 
 
@@ -41,6 +43,7 @@ def check_process_group(caller: str, group: Any) -> None:
     (an int): say that, rather than "got int". A non-member takes no part in the group's
     collectives, so raising here alone leaves no member waiting.
     """
+    mark_used()  # our wrappers check their group first: the exit hook then waits for quiet threads
     non_member = dist.GroupMember.NON_GROUP_MEMBER
     if (group is non_member or (type(group) is int and group == non_member)) or (
         isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0

@@ -41,6 +41,7 @@ from torch_flashsys.attention._dispatch import autocast_inputs
 from torch_flashsys.distributed._cp_layout import LAYOUTS, chunk_ids, chunks_per_rank, shard_order
 from torch_flashsys.distributed._cp_ring import Ring, RingAttention
 from torch_flashsys.distributed._cp_ulysses import ulysses_attention
+from torch_flashsys.distributed._release import mark_used
 from torch_flashsys.distributed._verify import verify_same_across_ranks
 
 __all__ = [
@@ -56,6 +57,7 @@ _NAME = "context_parallel_attention"
 
 
 def _group_info(group: dist.ProcessGroup | None, caller: str) -> tuple[int, int]:
+    mark_used()  # the exit hook waits for quiet backend threads (see _release)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{caller}: torch.distributed is not initialized (init_process_group)")
     return dist.get_rank(group), dist.get_world_size(group)
