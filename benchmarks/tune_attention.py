@@ -126,11 +126,16 @@ class Problem:
                  num_warps=cfg[2], num_stages=cfg[3])  # fmt: skip
 
 
+@functools.cache  # one per worker process and specialization: its set-up launches run once
+def _small_problem(dim, causal, dtype_name):
+    return Problem(1, 16, 512, dim, causal, getattr(torch, dtype_name))
+
+
 def _compile_job(job):
     """Worker: compile one (kernel, dim, causal, config) at a small shape; '' or the error."""
     kernel, dim, causal, cfg, dtype_name = job
     try:
-        Problem(1, 16, 512, dim, causal, getattr(torch, dtype_name)).launch(kernel, cfg)
+        _small_problem(dim, causal, dtype_name).launch(kernel, cfg)
         torch.cuda.synchronize()
         return ""
     except Exception as exc:  # report, keep sweeping
