@@ -9,7 +9,8 @@ reference and went on), the destructor runs there and needs the GIL to release t
 objects. If the interpreter has begun finalizing by then (the script returned), CPython ends a
 thread that asks for the GIL with ``pthread_exit`` inside that ``noexcept`` destructor:
 ``std::terminate``, SIGABRT, "terminate called without an active exception" after all the work
-is done. ``destroy_process_group()`` avoids it (it joins the worker threads). torch DDP's works
+is done. ``destroy_process_group()`` joins the worker threads only when no Python reference to
+the group is left (BucketedDDP and ShardedOptimizer hold one), so it does not avoid it. torch DDP's works
 go through the same code (its bucket tensors have no Python objects, but the captured state does).
 
 BucketedDDP therefore hands each collective an alias of its buffer that nothing else holds
