@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from torch_flashsys.attention import _sm90
 from torch_flashsys.attention._autograd import Kernels, apply
-from torch_flashsys.attention._extras import Extras
+from torch_flashsys.attention._extras import CAUSAL, Extras
 from torch_flashsys.attention._functorch import unwrap_dead
 from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._torch_impl import differentiable_backward
@@ -41,7 +42,11 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(q, k, v, scale: float, ex: Extras):
-    out, lse = attention_forward(_as_4d(q), _as_4d(k), _as_4d(v), scale, ex)
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    if _sm90.forward_takes(q4, k4, v4, scale, ex):  # Hopper: the warp-specialized kernel
+        out, lse = _sm90.forward(q4, k4, v4, scale, ex is CAUSAL)
+    else:
+        out, lse = attention_forward(q4, k4, v4, scale, ex)
     if q.dim() == 3:  # back to 3-D; 4-D results already have the caller's shapes (no views)
         out, lse = out.squeeze(0), lse.squeeze(0)
     if q.stride(-1) != 1:  # the kernels ran on a copy: the output still takes q's layout
