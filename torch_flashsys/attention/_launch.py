@@ -27,7 +27,7 @@ from torch_flashsys.attention._backend import interpreter_active
 _MAX_ENTRIES = 4096  # distinct (shape, stride, flag) combinations kept per kernel
 
 
-def _fast_launch_allowed() -> bool:
+def fast_launch_allowed() -> bool:
     return os.environ.get("TORCH_FLASHSYS_FAST_LAUNCH", "1") != "0" and not interpreter_active()
 
 
@@ -51,7 +51,7 @@ def _knobs_runtime() -> Any:
 _RUNTIME = _knobs_runtime()
 
 
-def _launch_hooks_set() -> bool:
+def launch_hooks_set() -> bool:
     """A profiler (e.g. proton) registered launch hooks: Triton's path calls them, ours would not."""
     if _RUNTIME is None:
         return False
@@ -101,14 +101,14 @@ class LaunchCache:
                 aligned = not bits & 15 or tuple(a.data_ptr() % 16 == 0 for a in tensors)
                 key = (key, index, aligned)
                 entry = self._entries.get(key)
-                if entry is not None and not _launch_hooks_set():
+                if entry is not None and not launch_hooks_set():
                     run, function, packed, (g0, g1, g2), tail = entry
                     stream = torch._C._cuda_getCurrentRawStream(index)
                     run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
                     self.hits += 1
                     return
                 compiled = self.kernel[grid](*args, **constexprs)
-                if _fast_launch_allowed():
+                if fast_launch_allowed():
                     self._remember(key, compiled, grid, args, constexprs)
                 return
             with torch.cuda.device(index):  # Triton launches on the current device

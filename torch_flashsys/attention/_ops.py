@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_flashsys.attention import _sm90
+import torch_flashsys.attention._sm90 as _sm90
 from torch_flashsys.attention._autograd import Kernels, apply
 from torch_flashsys.attention._extras import CAUSAL, Extras
 from torch_flashsys.attention._functorch import unwrap_dead

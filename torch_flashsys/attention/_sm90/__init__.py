@@ -3,8 +3,9 @@
 The rule (docs/attention.md, "Hopper fast path"): the forward of a call runs the warp-specialized
 Gluon kernel (``_fwd``) when all of these hold, else the portable Triton kernel:
 
-- a CUDA device of compute capability 9.0 (H100, H200) and a Triton whose Gluon API this package
-  was written for (3.6; :mod:`._gluon`), and ``TORCH_FLASHSYS_SM90`` is not ``0``;
+- a CUDA device of compute capability 9.0 (H100, H200) and a Triton the kernel was checked on
+  (3.6; :mod:`._gluon`), unless ``TORCH_FLASHSYS_SM90=0`` (never) or ``=1`` (any Triton whose
+  Gluon API imports, e.g. an untested newer release);
 - float16 or bfloat16, head dim 64 or 128 for query, key and value alike;
 - no score modification: causal or not, with GQA, and nothing else (no mask, dropout, window,
   soft-capping, ALiBi, packed batch or KV cache);
@@ -22,7 +23,8 @@ import os
 import torch
 
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
-from torch_flashsys.attention._sm90._gluon import AVAILABLE, TensorDescriptor, gl
+from torch_flashsys.attention._launch import fast_launch_allowed, launch_hooks_set, remember
+from torch_flashsys.attention._sm90._gluon import AVAILABLE, VERIFIED, TensorDescriptor, gl
 from torch_flashsys.attention._tensors import empty_like_layout
 
 if AVAILABLE:
@@ -31,19 +33,27 @@ if AVAILABLE:
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax is base 2
 BLOCK_M = 64  # query rows per consumer warpgroup (two per program)
 BLOCK_N = 128  # key rows per tile
-STAGES = {64: 3, 128: 2}  # key/value ring depth per head dim (shared memory: 115 / 164 KB)
+STAGES = {64: 3, 128: 2}  # key/value ring depth per head dim (shared memory: 131 / 197 KB)
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel adds 4 + 1 worker warps
 MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the register file
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+MIN_SEQ_K = 1  # shorter key sequences take the portable kernel
+L2_BUDGET = 24 * 2**20  # bytes of keys and values a causal head group keeps in L2 (H100: 50 MB)
 
 
 # Read once at import (a per-call environment lookup would cost host time on every call).
-ENABLED = AVAILABLE and os.environ.get("TORCH_FLASHSYS_SM90", "1") != "0"
+_MODE = os.environ.get("TORCH_FLASHSYS_SM90", "auto")
+ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and VERIFIED))
 
 
 def enabled() -> bool:
     """Whether the Hopper path may run at all (Gluon available, not switched off)."""
     return ENABLED
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache
@@ -67,6 +77,8 @@ def forward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     d = q.shape[-1]
     if d not in STAGES or k.shape[-1] != d or v.shape[-1] != d or not q.is_cuda:
         return False
+    if k.shape[-2] < MIN_SEQ_K:
+        return False
     if not enabled() or not _is_sm90(q.get_device()):
         return False
     return _tma_ok(q) and _tma_ok(k) and _tma_ok(v)
@@ -78,27 +90,56 @@ def _layout(rows: int, d: int, dtype: torch.dtype):
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A host TMA descriptor of ``t`` (4-D) with ``(1, 1, rows, head_dim)`` blocks. Built without
+    the dataclass's checks (a few microseconds each): :func:`_tma_ok` made them once per call."""
     d = t.shape[-1]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d],
-                            _layout(rows, d, t.dtype))  # fmt: skip
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()),
+                         block_shape=[1, 1, rows, d], layout=_layout(rows, d, t.dtype),
+                         padding="zero")  # fmt: skip
+    return desc
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+_PLANS: dict[tuple, tuple] = {}  # launch key -> (launcher, function, metadata, grid, constexprs)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+            persistent: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of a 4-D problem :func:`forward_takes` accepted: out in q's layout, lse
-    float32 (B, H, L), natural log."""
+    float32 (B, H, L), natural log. After the first call for a launch key (shapes, strides,
+    dtype, causal, device) the compiled kernel is launched directly."""
     batch, heads, seq_q, d = q.shape
     out = empty_like_layout(q, d)
     lse = q.new_empty((batch, heads, seq_q), dtype=torch.float32)
-    n_tiles = triton_cdiv(seq_q, 2 * BLOCK_M)
-    grid = (n_tiles * batch * heads,)
+    index = q.get_device()
+    seq_k = k.shape[2]
+    # Causal: heads grouped so that a group's keys and values fit in L2 (L2_BUDGET).
+    group_heads = max(1, L2_BUDGET // (2 * seq_k * d * q.element_size()))
+    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
+            _descriptor(out, BLOCK_M), lse, lse.stride(0), lse.stride(1), batch * heads, heads,
+            heads // k.shape[1], seq_q, seq_k, scale * LOG2E, group_heads)  # fmt: skip
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, causal,
+           index, persistent)  # fmt: skip
+    entry = _PLANS.get(key)
+    if entry is not None and index == torch.cuda.current_device() and not launch_hooks_set():
+        run, function, packed, (g0, g1, g2), tail = entry
+        run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(index), function, packed, None, None,
+            None, *args, *tail)  # fmt: skip
+        return out, lse
+    n_tiles = triton_cdiv(seq_q, 2 * BLOCK_M) * batch * heads
+    if persistent is None:
+        persistent = not causal
+    # Persistent (one program per SM) for full attention; causal tiles differ in cost, so one
+    # program per tile and the hardware's scheduler balances them.
+    grid = (min(n_tiles, _sm_count(index)) if persistent else n_tiles, 1, 1)
+    constexprs = {"CAUSAL": causal, "STAGES": STAGES[d]}
     with torch.cuda.device(q.device):
-        attn_fwd_sm90[grid](
-            _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            heads, heads // k.shape[1], seq_q, k.shape[2], scale * LOG2E,
-            CAUSAL=causal, STAGES=STAGES[d], num_warps=NUM_WARPS, maxnreg=MAX_REGS,
-        )  # fmt: skip
+        compiled = attn_fwd_sm90[grid](*args, **constexprs, num_warps=NUM_WARPS,
+                                       maxnreg=MAX_REGS)  # fmt: skip
+    if fast_launch_allowed() and index == torch.cuda.current_device():
+        tail = tuple(constexprs.values())
+        remember(_PLANS, key, (compiled.run, compiled.function, compiled.packed_metadata, grid,
+                               tail))  # fmt: skip
     return out, lse
 
 

@@ -1,20 +1,24 @@
 """FlashAttention forward for Hopper (sm90) in Gluon: warp-specialized, TMA loads, async wgmma.
 
-One program owns ``2 * BLOCK_M`` query rows of one (batch, head) and runs three partitions:
+Programs walk the query tiles of ``2 * BLOCK_M`` rows of every (batch, head) in schedule order
+(:func:`_tile`), in rounds of ``num_programs`` that alternate direction. The host launches one
+program per SM (persistent: the next tile's loads overlap this one's epilogue) for full
+attention, and one program per tile for causal attention, whose tiles differ in cost: the
+hardware then hands the next tile to whichever SM is free. Each program runs three partitions:
 
-- a **load** warp issues TMA copies: both query halves once, then key and value tiles into a ring
-  of ``STAGES`` shared-memory buffers, each guarded by a ready barrier (TMA byte count) and an
-  empty barrier (both consumers release it);
-- two **consumer** warpgroups, each owning ``BLOCK_M`` (64) query rows, run the FA2 loop on the
-  tensor cores: ``S = Q K^T`` (both operands in shared memory), the online softmax in base 2 with
-  the scale inside the exponent, ``O += P V`` (P from registers). The two warpgroups run the same
-  loop on different rows, so while one computes its softmax the other's wgmma keeps the tensor
-  cores busy (the warp scheduler interleaves them, FA3's inter-warpgroup overlap).
+- a **load** warp issues TMA copies: both query halves of a tile (once their buffers are free),
+  then its key and value tiles into a ring of ``STAGES`` shared-memory buffers, each guarded by a
+  ready barrier (TMA byte count) and an empty barrier (both consumers release it);
+- two **consumer** warpgroups, each owning ``BLOCK_M`` (64) query rows of the tile, run the FA2
+  loop on the tensor cores: ``S = Q K^T`` (both operands in shared memory), the online softmax in
+  base 2 with the scale inside the exponent, ``O += P V`` (P from registers). Within a warpgroup
+  the softmax of tile j runs while the wgmma of ``P_{j-1} V_{j-1}`` is in flight (FA3's
+  intra-warpgroup overlap); across the two warpgroups the warp scheduler interleaves one's softmax
+  with the other's matrix products (inter-warpgroup overlap).
 
 The descriptors are 4-D ``(batch, heads, seq, head_dim)`` over the tensors' own strides, so any
 layout whose strides are 16-byte multiples works without a copy, and rows past a sequence's end
-read as zeros (TMA bounds) rather than the next head's rows. Causal programs are launched
-heaviest first with heads varying fastest (better tail balance).
+read as zeros (TMA bounds) rather than the next head's rows.
 
 Written against Triton 3.6's Gluon; :mod:`._gluon` guards the import.
 """
@@ -23,28 +27,113 @@ from __future__ import annotations
 
 from torch_flashsys.attention._sm90._gluon import (
     AVAILABLE,
+    fence_async_shared,
     gl,
     gluon,
     mbarrier,
     tma,
+    tma_load,
+    tma_store,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 if AVAILABLE:
-    LN2 = gl.constexpr(0.6931471805599453)  # ln(2): the kernels work in base 2, lse is natural
+    LN2 = gl.constexpr(0.6931471805599453)  # ln(2): the kernel works in base 2, lse is natural
 
     @gluon.jit
-    def _attend_tiles(
-        acc, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_empty, lo, hi, r0, seq_k,
-        qk_scale, CAUSAL: gl.constexpr, MASKED: gl.constexpr,
-    ):  # fmt: skip
-        """Key tiles [lo, hi) into (acc, l_i, m_i) for this warpgroup's rows r0.. ; MASKED tiles
-        may cross the causal diagonal or the end of the keys."""
+    def _rounds(total):
+        """How many schedule entries this program takes: one per round of ``num_programs``
+        entries, the last round partly (see :func:`_entry`)."""
+        nprog = gl.num_programs(0)
+        pid = gl.program_id(0)
+        full = total // nprog
+        rem = total % nprog
+        even = (full % 2) == 0
+        in_last = (even & (pid < rem)) | ((not even) & (pid >= nprog - rem))
+        return full + in_last.to(gl.int32)
+
+    @gluon.jit
+    def _entry(r):
+        """The schedule entry this program takes in round ``r``: rounds alternate direction
+        (a snake), so the program that took the heaviest tile of one round takes the lightest
+        of the next and causal work evens out."""
+        nprog = gl.num_programs(0)
+        pid = gl.program_id(0)
+        odd = r % 2
+        return r * nprog + pid + odd * (nprog - 1 - 2 * pid)
+
+    @gluon.jit
+    def _tile(t, sched, BLOCK_M2: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """Schedule entry ``t`` -> (b, h, hk, m0, n_kv): batch, head, key/value head, first query
+        row and number of key tiles of that query tile.
+
+        Full attention: one head's tiles after another (its K and V stay in L2). Causal: heads in
+        groups of ``group_heads`` whose keys and values fit in L2 together, and within a group
+        the heaviest tiles first with heads varying fastest (longest-processing-time order)."""
+        n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
+        if CAUSAL:
+            per_group = group_heads * n_m
+            first = (t // per_group) * group_heads
+            in_group = gl.minimum(group_heads, n_bh - first)  # the last group may be smaller
+            within = t % per_group
+            bh = first + within % in_group
+            tile = n_m - 1 - within // in_group
+        else:
+            bh = t // n_m
+            tile = t % n_m
+        b = bh // n_heads
+        h = bh % n_heads
+        m0 = tile * BLOCK_M2
+        hi = seq_k
+        if CAUSAL:
+            hi = gl.minimum(seq_k, m0 + BLOCK_M2)
+        return b, h, h // group, m0, gl.cdiv(hi, BLOCK_N)
+
+    @gluon.jit
+    def _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL: gl.constexpr):
+        """Online softmax (base 2, scale in the exponent's FMA) of score tile j of rows r0.. :
+        ``(p, alpha, m_new, l_new)``. Tiles from n_full on may cross the causal diagonal or the
+        end of the keys and are masked (qk_scale > 0: max(s) * qk_scale is the scaled max)."""
+        BLOCK_M: gl.constexpr = s.type.shape[0]
+        BLOCK_N: gl.constexpr = s.type.shape[1]
+        s_layout: gl.constexpr = s.type.layout
+        if j >= n_full:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = (cols < seq_k)[None, :]
+            if CAUSAL:  # top-left aligned: row i attends keys j <= i
+                rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                keep = keep & (cols[None, :] <= rows[:, None])
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _my_turn(turns, k, WG: gl.constexpr):
+        """Wait until warpgroup WG may issue its k-th round of matrix products: the two
+        consumers take turns (warpgroup 0 first), so one's softmax runs while the other's wgmma
+        use the tensor cores (FA3's ping-pong)."""
+        mbarrier.wait(turns.index(WG), (k & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _pass_turn(turns, WG: gl.constexpr):
+        mbarrier.arrive(turns.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, WG: gl.constexpr):
+        """Consumer warpgroup WG: rows [m0 + WG * BLOCK_M, + BLOCK_M) of each of this program's
+        tiles over their key tiles, then O (q's dtype, a TMA store) and the natural logsumexp."""
+        q_desc, k_desc, v_desc, o_desc = descs
+        q_smem, k_smem, v_smem, o_smem = bufs
+        q_ready, q_empty, k_ready, v_ready, kv_empty, turns = bars
+        n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
+        LSE, stride_lb, stride_lh = out
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = k_smem.type.shape[0]
-        BLOCK_N: gl.constexpr = k_smem.type.shape[3]
-        HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
-        BLOCK_M: gl.constexpr = q.type.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -52,176 +141,160 @@ if AVAILABLE:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
         )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        for j in range(lo, hi):
-            st = j % STAGES
-            ph = (j // STAGES) & 1
-            k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-            v = v_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(k_ready.index(st), ph)
-            s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s, _, _ = warpgroup_mma_wait(0, deps=(s, q, k))
-            if MASKED:
-                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                keep = (cols < seq_k)[None, :]
-                if CAUSAL:  # top-left aligned: row i attends keys j <= i
-                    rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-                    keep = keep & (cols[None, :] <= rows[:, None])
-                s = gl.where(keep, s, float("-inf"))
-            # Online softmax, base 2, scale in the exponent's FMA (qk_scale = scale * log2(e) > 0,
-            # so max(s) * qk_scale is the max of the scaled scores).
-            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-            p = gl.exp2(s * qk_scale - m_new[:, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-            pa = gl.convert_layout(p.to(q.dtype), p_layout)
-            mbarrier.wait(v_ready.index(st), ph)
-            acc = warpgroup_mma(pa, v, acc, is_async=True)
-            acc, _ = warpgroup_mma_wait(0, deps=(acc, v))
-            mbarrier.arrive(kv_empty.index(st), count=1)  # both warpgroups release the stage
-        return acc, l_i, m_i
-
-    @gluon.jit
-    def _consume(descs, bufs, bars, pos, out, CAUSAL: gl.constexpr, WG: gl.constexpr):
-        """Consumer warpgroup WG: query rows [m0 + WG * BLOCK_M, + BLOCK_M) over every key tile,
-        then O (q's dtype) and the natural logsumexp."""
-        q_desc, k_desc, v_desc = descs
-        q_smem, k_smem, v_smem = bufs
-        q_bars, k_ready, v_ready, kv_empty = bars
-        b, h, hk, m0, n_kv, seq_q, seq_k, qk_scale = pos
-        O, LSE, stride_ob, stride_oh, stride_om, stride_lb, stride_lh = out
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-        )
-        r0 = m0 + WG * BLOCK_M
-        # Key tiles every row of this warpgroup sees whole (no position or length mask).
-        if CAUSAL:
-            n_full = gl.minimum(r0 + 1, seq_k) // BLOCK_N
-        else:
-            n_full = seq_k // BLOCK_N
-        n_full = gl.minimum(n_full, n_kv)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         q = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        mbarrier.wait(q_bars.index(WG), 0)
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_empty, 0, n_full, r0, seq_k,
-            qk_scale, CAUSAL, False,
-        )  # fmt: skip
-        acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, k_smem, v_smem, k_ready, v_ready, kv_empty, n_full, n_kv, r0,
-            seq_k, qk_scale, CAUSAL, True,
-        )  # fmt: skip
-        # Epilogue: O = acc / l in O's dtype, lse = (m + log2 l) ln 2; rows past seq_q unstored.
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        o_tile = acc / l_o[:, None]
-        rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_base = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-        o_ptrs = o_base + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-        gl.store(o_ptrs, o_tile.to(O.dtype.element_ty), mask=(rows < seq_q)[:, None])
-        rows_s = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        lse = (m_i + gl.log2(l_i)) * LN2
-        l_base = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-        gl.store(l_base + rows_s, lse, mask=rows_s < seq_q)
+        o_buf = o_smem.index(WG)
+        it = 0  # key tiles consumed so far (the ring's position)
+        n_done = 0  # query tiles done so far (the query buffer's phase)
+        k_turn = 0  # rounds of matrix products issued so far (the turn barriers' phase)
+        for r in range(_rounds(n_m * n_bh)):
+            b, h, hk, m0, n_kv = _tile(_entry(r), sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+            r0 = m0 + WG * BLOCK_M
+            if CAUSAL:  # key tiles every row of this warpgroup sees whole
+                n_full = gl.minimum(r0 + 1, seq_k) // BLOCK_N
+            else:
+                n_full = seq_k // BLOCK_N
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+            s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            mbarrier.wait(q_ready.index(WG), n_done & 1)
+            # Key tile 0: S, then its softmax.
+            st = it % STAGES
+            k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
+            mbarrier.wait(k_ready.index(st), (it // STAGES) & 1)
+            _my_turn(turns, k_turn, WG)
+            s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+            _pass_turn(turns, WG)
+            k_turn += 1
+            s = warpgroup_mma_wait(0, deps=(s, q, k))[0]
+            p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL)
+            pa = gl.convert_layout(p.to(q.dtype), p_layout)
+            # Tile j: issue S_j and P_{j-1} V_{j-1} in this warpgroup's turn; the softmax of S_j
+            # runs while P V and the other warpgroup's products use the tensor cores.
+            for j in range(1, n_kv):
+                st = (it + j) % STAGES
+                k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
+                mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
+                sp = (it + j - 1) % STAGES
+                v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
+                mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
+                _my_turn(turns, k_turn, WG)
+                s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(pa, v, acc, is_async=True)
+                _pass_turn(turns, WG)
+                k_turn += 1
+                s = warpgroup_mma_wait(1, deps=(s, q, k))[0]  # S_j done; P V may still run
+                p, alpha, m_i, l_i = _softmax_tile(
+                    s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL
+                )  # fmt: skip
+                acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
+                mbarrier.arrive(kv_empty.index(sp), count=1)  # both warpgroups release a stage
+                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                pa = gl.convert_layout(p.to(q.dtype), p_layout)
+            mbarrier.arrive(q_empty.index(WG), count=1)  # every S of this tile is done
+            sp = (it + n_kv - 1) % STAGES
+            v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
+            mbarrier.wait(v_ready.index(sp), ((it + n_kv - 1) // STAGES) & 1)
+            _my_turn(turns, k_turn, WG)
+            acc = warpgroup_mma(pa, v, acc, is_async=True)
+            _pass_turn(turns, WG)
+            k_turn += 1
+            acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
+            mbarrier.arrive(kv_empty.index(sp), count=1)
+            it += n_kv
+            n_done += 1
+            # Epilogue: O = acc / l through shared memory and a TMA store (rows past seq_q are
+            # clipped by the descriptor), lse = (m + log2 l) ln 2 stored directly.
+            o_tile = acc / gl.convert_layout(l_i, o_rows)[:, None]
+            tma.store_wait(0)  # this warpgroup's previous store has left the buffer
+            o_buf.reshape([BLOCK_M, HEAD_DIM]).store(o_tile.to(q.dtype))
+            fence_async_shared()
+            tma_store(o_desc, [b, h, r0, 0], o_buf)
+            rows_s = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            lse = (m_i + gl.log2(l_i)) * LN2
+            l_base = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            gl.store(l_base + rows_s, lse, mask=rows_s < seq_q)
+        tma.store_wait(0)
 
     @gluon.jit
-    def _consumer0(descs, bufs, bars, pos, out, CAUSAL: gl.constexpr):
-        _consume(descs, bufs, bars, pos, out, CAUSAL, 0)
+    def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr):
+        _consume(descs, bufs, bars, sched, out, CAUSAL, 0)
 
     @gluon.jit
-    def _consumer1(descs, bufs, bars, pos, out, CAUSAL: gl.constexpr):
-        _consume(descs, bufs, bars, pos, out, CAUSAL, 1)
+    def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr):
+        _consume(descs, bufs, bars, sched, out, CAUSAL, 1)
 
     @gluon.jit
-    def _load(descs, bufs, bars, pos, out, CAUSAL: gl.constexpr):
-        """Load warp: both query halves, then the key/value ring."""
-        q_desc, k_desc, v_desc = descs
-        q_smem, k_smem, v_smem = bufs
-        q_bars, k_ready, v_ready, kv_empty = bars
-        b, h, hk, m0, n_kv, seq_q, seq_k, qk_scale = pos
+    def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr):
+        """Load warp: per tile, both query halves once their buffers are free, then the
+        key/value ring."""
+        q_desc, k_desc, v_desc, o_desc = descs
+        q_smem, k_smem, v_smem, o_smem = bufs
+        q_ready, q_empty, k_ready, v_ready, kv_empty, turns = bars
+        n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = k_smem.type.shape[0]
-        for i in gl.static_range(2):
-            mbarrier.expect(q_bars.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                q_desc, [b, h, m0 + i * BLOCK_M, 0], q_bars.index(i), q_smem.index(i)
-            )
-        for j in range(n_kv):
-            st = j % STAGES
-            ph = (j // STAGES) & 1
-            mbarrier.wait(kv_empty.index(st), ph ^ 1)  # a fresh barrier passes parity 1
-            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(st), k_smem.index(st)
-            )
-            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(st), v_smem.index(st)
-            )
+        it = 0
+        n_done = 0
+        for r in range(_rounds(n_m * n_bh)):
+            b, h, hk, m0, n_kv = _tile(_entry(r), sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+            for i in gl.static_range(2):
+                mbarrier.wait(q_empty.index(i), (n_done & 1) ^ 1)  # fresh: parity 1 passes
+                mbarrier.expect(q_ready.index(i), q_desc.block_type.nbytes)
+                tma_load(q_desc, [b, h, m0 + i * BLOCK_M, 0], q_ready.index(i), q_smem.index(i))
+            for j in range(n_kv):
+                st = (it + j) % STAGES
+                mbarrier.wait(kv_empty.index(st), (((it + j) // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+                tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
+                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+                tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+            it += n_kv
+            n_done += 1
 
     # O = softmax(Q K^T * scale) V;  LSE = logsumexp(Q K^T * scale, dim=-1)
-    # (2 * BLOCK_M query rows of one (batch, head) per program)
+    # (persistent: each program walks query tiles of 2 * BLOCK_M rows of one (batch, head))
     @gluon.jit
     def attn_fwd_sm90(
-        q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_oh, stride_om, stride_lb, stride_lh,
-        n_heads, group, seq_q, seq_k, qk_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+        q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, n_bh, n_heads, group, seq_q,
+        seq_k, qk_scale, group_heads, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         gl.static_assert(BLOCK_M == 64, "one warpgroup of 64 rows per consumer")
         gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers see the same key tiles")
-        n_tiles = gl.cdiv(seq_q, 2 * BLOCK_M)
-        pid = gl.program_id(0)
-        if CAUSAL:  # heaviest query tiles first, heads varying fastest
-            n_bh = gl.num_programs(0) // n_tiles
-            bh = pid % n_bh
-            tile = n_tiles - 1 - pid // n_bh
-        else:  # consecutive programs share a head: its K and V stay in L2
-            bh = pid // n_tiles
-            tile = pid % n_tiles
-        b = bh // n_heads
-        h = bh % n_heads
-        hk = h // group  # GQA: the shared key/value head
-        m0 = tile * (2 * BLOCK_M)
-        hi = seq_k
-        if CAUSAL:
-            hi = gl.minimum(seq_k, m0 + 2 * BLOCK_M)
-        n_kv = gl.cdiv(hi, BLOCK_N)
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
-            mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
+            mbarrier.init(turns.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        descs = (q_desc, k_desc, v_desc)
-        bufs = (q_smem, k_smem, v_smem)
-        bars = (q_bars, k_ready, v_ready, kv_empty)
-        pos = (b, h, hk, m0, n_kv, seq_q, seq_k, qk_scale)
-        out = (O, LSE, stride_ob, stride_oh, stride_om, stride_lb, stride_lh)
+        n_m = gl.cdiv(seq_q, 2 * BLOCK_M)
+        descs = (q_desc, k_desc, v_desc, o_desc)
+        bufs = (q_smem, k_smem, v_smem, o_smem)
+        bars = (q_ready, q_empty, k_ready, v_ready, kv_empty, turns)
+        sched = (n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads)
+        out = (LSE, stride_lb, stride_lh)
         gl.warp_specialize(
             [
-                (_consumer0, (descs, bufs, bars, pos, out, CAUSAL)),
-                (_consumer1, (descs, bufs, bars, pos, out, CAUSAL)),
-                (_load, (descs, bufs, bars, pos, out, CAUSAL)),
+                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL)),
+                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL)),
+                (_load, (descs, bufs, bars, sched, out, CAUSAL)),
             ],
             [4, 1],
             [240, 24],

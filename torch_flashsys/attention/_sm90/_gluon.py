@@ -1,8 +1,11 @@
 """Guarded import of Gluon (``triton.experimental.gluon``) and its Hopper module.
 
-Gluon's API moves between Triton releases; the Hopper kernels are written against Triton 3.6.
-``AVAILABLE`` is False where the import fails (no Gluon, another API): the kernels are then not
-defined and the portable Triton kernels serve every call.
+Gluon's API moves between Triton releases; the Hopper kernels are written against Triton 3.6 and
+also compile with 3.9, whose TMA copies are named ``async_load`` / ``async_store`` (3.6:
+``async_copy_global_to_shared`` / ``async_copy_shared_to_global``): :data:`tma_load` and
+:data:`tma_store` are whichever this Triton has. ``AVAILABLE`` is False where the import fails
+(no Gluon, another API): the kernels are then not defined and the portable Triton kernels serve
+every call. ``VERIFIED`` says whether this Triton is one the kernels were run and checked on.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -18,18 +22,34 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     AVAILABLE = hasattr(gl, "warp_specialize") and hasattr(gl, "NVMMADistributedLayout")
 except Exception:  # ImportError, or an API whose import itself fails
-    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+    gluon = gl = fence_async_shared = mbarrier = tma = tma_load = tma_store = None
+    warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     AVAILABLE = False
+
+try:
+    import triton
+    from packaging.version import Version
+
+    # Triton releases whose Gluon ran these kernels on an H100 through the GPU test suite.
+    VERIFIED = AVAILABLE and Version(triton.__version__).release[:2] in {(3, 6)}
+except Exception:  # no triton, or a version string packaging cannot read
+    VERIFIED = False
 
 __all__ = [
     "AVAILABLE",
+    "VERIFIED",
     "TensorDescriptor",
+    "fence_async_shared",
     "gl",
     "gluon",
     "mbarrier",
     "tma",
+    "tma_load",
+    "tma_store",
     "warpgroup_mma",
     "warpgroup_mma_wait",
 ]

@@ -1,0 +1,152 @@
+"""The Hopper fast path (a warp-specialized Gluon forward on sm90): which calls take it, that it
+compiles with the installed Triton, and (on an H100/H200) that it matches float64."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from tests.attention.cases import Case, cases, check_against_reference
+from torch_flashsys import flash_attention
+from torch_flashsys.attention import _sm90
+from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _on_sm90() -> bool:
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0)
+        and _sm90.enabled()
+    )
+
+
+@contextmanager
+def _counting_sm90_calls():
+    """Count the calls that reach the Hopper kernel, every length allowed."""
+    with (
+        mock.patch.object(_sm90, "forward", wraps=_sm90.forward) as spy,
+        mock.patch.object(_sm90, "MIN_SEQ_K", 1),
+    ):
+        yield spy
+
+
+def test_only_plain_and_causal_problems_of_two_byte_dtypes_qualify():
+    """The rule's problem part, independent of the device: other score modifications, dtypes,
+    head dims and scales take the portable kernels."""
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert not _sm90.forward_takes(q, q, q, 0.1, PLAIN)  # a CPU tensor
+    masked = Extras(mask=torch.ones(1, 2, 8, 8, dtype=torch.bool))
+    for args in (
+        (q, q, q, 0.1, masked),
+        (q, q, q, 0.1, Extras(left=4, right=0)),
+        (q, q, q, 0.1, Extras(softcap=5.0)),
+        (q, q, q, -0.1, CAUSAL),
+        (q.float(), q.float(), q.float(), 0.1, PLAIN),
+        (q[..., :48], q[..., :48], q[..., :48], 0.1, PLAIN),
+    ):
+        with (
+            mock.patch.object(_sm90, "_is_sm90", return_value=True),
+            mock.patch.object(torch.Tensor, "is_cuda", new=True),
+        ):
+            assert not _sm90.forward_takes(*args)
+
+
+def test_environment_switch_is_read_at_import():
+    code = "from torch_flashsys.attention import _sm90; print(_sm90.enabled())"
+    for value, expected in (("0", "False"),):
+        env = {**os.environ, "TORCH_FLASHSYS_SM90": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+        assert out == expected
+
+
+@pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
+    """The Gluon source compiles for sm90 without a GPU (so CI checks it on its Triton)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("shared memory") == 2, done.stdout
+
+
+gpu = pytest.mark.gpu
+needs_sm90 = pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU and a verified Triton")
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _run(case: Case):
+    def run(q, k, v):
+        return flash_attention(
+            q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=case.gqa,
+            backend="triton", return_lse=True,
+        )  # fmt: skip
+
+    return run
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=20, deadline=None)
+@given(case=cases(max_seq=700, head_dims=(64, 128), max_batch=3))
+@example(case=Case(4, 4, 4, 1100, 1100, 128, True, None, False, True, seed=1))
+@example(case=Case(3, 8, 1, 1500, 700, 64, False, 0.3, False, False, seed=2))
+def test_hopper_path_matches_float64(case, dtype):
+    """The plain and causal calls the rule admits run on the Hopper kernel (counted) and match
+    float64 as the portable kernels must; the examples have more query tiles than the GPU has
+    SMs (the persistent schedule's rounds), seq_k below seq_q and a (B, L, H, D) layout."""
+    with _counting_sm90_calls() as spy:
+        check_against_reference(case, dtype, _run(case), device="cuda")
+    assert spy.call_count == 1
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_path_is_deterministic_and_keeps_the_query_layout(causal):
+    q = torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(2, 2, 300, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    with _counting_sm90_calls() as spy:
+        first = flash_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        again = flash_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    assert spy.call_count == 2
+    assert torch.equal(first, again)
+    assert first.stride() == q.stride()
+
+
+@gpu
+@needs_sm90
+def test_hopper_path_serves_calls_by_default():
+    """Without any switch a long enough plain bf16 call takes the Hopper kernel."""
+    q = torch.randn(1, 4, max(_sm90.MIN_SEQ_K, 128), 64, device="cuda", dtype=torch.bfloat16)
+    with mock.patch.object(_sm90, "forward", wraps=_sm90.forward) as spy:
+        flash_attention(q, q, q, is_causal=True)
+    assert spy.call_count == 1
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("length", [1, 2, 3])
+@given(seq=st.integers(1, 64))
+@settings(max_examples=5, deadline=None)
+def test_hopper_path_handles_tiny_sequences(length, seq):
+    """A few rows and keys (one partly filled tile): rows past the end are neither read from
+    another head nor written."""
+    q = torch.randn(length, 2, seq, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(length, 2, seq + 3, 64, device="cuda", dtype=torch.float16)
+    with _counting_sm90_calls():
+        out = flash_attention(q, k, k, is_causal=False)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), k.double())
+    assert (out.double() - ref).abs().max().item() < 2e-3
