@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tests.attention.test_kvcache import check_decode, decode_cases
 from tests.attention.test_varlen import check_packed, packed_cases
 from tests.reference import attention_reference, modded_attention
 from torch_flashsys import flash_attention
+from torch_flashsys.attention._extras import CAUSAL
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -78,18 +80,27 @@ def test_float32_follows_pytorch_tf32_setting_at_call_time(head_dim):
     assert tf32 < ATOL_TF32, f"TF32 error {tf32:.3g}"
 
 
-def test_repeat_calls_take_the_launch_cache_and_agree():
-    from torch_flashsys.attention import _triton_bwd, _triton_fwd
+@pytest.mark.parametrize("hopper", [False, True])
+def test_repeat_calls_take_the_launch_cache_and_agree(hopper):
+    """Repeat calls launch from the launch caches (the portable forward's, or the Hopper
+    forward's plan table where that path runs) and agree bitwise."""
+    from torch_flashsys.attention import _sm90, _triton_bwd, _triton_fwd
 
     case = Case(2, 2, 2, 333, 333, 64, True, None, False, True, seed=8)
     results = []
-    for _ in range(3):
-        q, k, v = case.make(torch.bfloat16, "cuda")
-        hits = (_triton_fwd._launch_fwd.hits, _triton_bwd._launch_dkdv.hits)
-        out = flash_attention(q, k, v, is_causal=True, enable_gqa=True)
-        out.backward(torch.ones_like(out))
-        results.append((out, q.grad, k.grad, v.grad))
-    assert _triton_fwd._launch_fwd.hits > hits[0] and _triton_bwd._launch_dkdv.hits > hits[1]
+    with mock.patch.object(_sm90, "ENABLED", hopper and _sm90.ENABLED):
+        for _ in range(3):
+            q, k, v = case.make(torch.bfloat16, "cuda")
+            hits = (_triton_fwd._launch_fwd.hits, _triton_bwd._launch_dkdv.hits)
+            plans = len(_sm90._PLANS)
+            out = flash_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out.backward(torch.ones_like(out))
+            results.append((out, q.grad, k.grad, v.grad))
+    assert _triton_bwd._launch_dkdv.hits > hits[1]
+    if hopper and _sm90.forward_takes(q, k, v, 0.125, CAUSAL):  # no new plan for a known key
+        assert len(_sm90._PLANS) == plans
+    else:
+        assert _triton_fwd._launch_fwd.hits > hits[0]
     for later in results[1:]:
         for a, b in zip(results[0], later, strict=True):
             assert torch.equal(a, b)

@@ -38,6 +38,7 @@ NUM_WARPS = 4  # the default partition (consumer 0); the kernel adds 4 + 1 worke
 MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the register file
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MIN_SEQ_K = 1  # shorter key sequences take the portable kernel
+PERSISTENT_CAUSAL_MAX = 1024  # causal query lengths up to this run on the persistent grid
 L2_BUDGET = 24 * 2**20  # bytes of keys and values a causal head group keeps in L2 (H100: 50 MB)
 
 
@@ -128,9 +129,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
         return out, lse
     n_tiles = triton_cdiv(seq_q, 2 * BLOCK_M) * batch * heads
     if persistent is None:
-        persistent = not causal
-    # Persistent (one program per SM) for full attention; causal tiles differ in cost, so one
-    # program per tile and the hardware's scheduler balances them.
+        persistent = not causal or seq_q <= PERSISTENT_CAUSAL_MAX
+    # Persistent (one program per SM) for full attention and short causal sequences (the next
+    # tile's loads overlap this one's epilogue); longer causal tiles differ in cost, so one
+    # program per tile and the hardware's scheduler balances them (H100 measurements:
+    # docs/benchmarks.md).
     grid = (min(n_tiles, _sm_count(index)) if persistent else n_tiles, 1, 1)
     constexprs = {"CAUSAL": causal, "STAGES": STAGES[d]}
     with torch.cuda.device(q.device):
