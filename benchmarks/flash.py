@@ -43,6 +43,7 @@ from benchmarks._harness import (
 )
 from benchmarks._peers import fwd_bwd, inputs, sdpa_call
 from torch_flashsys import flash_attention
+from torch_flashsys.attention import _sm90
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PRESETS = {
@@ -112,7 +113,22 @@ def implementations(device: str, causal: bool) -> dict:
     )
     for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
         impls[f"sdpa {name.lower()}"] = sdpa_call(name, is_causal=causal)
+    if _sm90.AVAILABLE:  # the opt-in Hopper forward, whatever TORCH_FLASHSYS_SM90 says
+        impls["flash_attention (hopper)"] = _switched_on(impls["flash_attention"])
     return impls
+
+
+def _switched_on(fn):
+    """``fn`` with the Hopper forward on (``TORCH_FLASHSYS_SM90=1``) for its duration."""
+
+    def run(q, k, v):
+        saved, _sm90.ENABLED = _sm90.ENABLED, True
+        try:
+            return fn(q, k, v)
+        finally:
+            _sm90.ENABLED = saved
+
+    return run
 
 
 def _sdpa_default(causal: bool):
