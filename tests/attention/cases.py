@@ -125,3 +125,16 @@ def check_against_reference(case: Case, dtype, run, device="cpu", atol=None, gra
     ):
         assert ours.shape == r.shape and ours.dtype == dtype
         assert_close(name, ours, b, r, dtype, atol)
+
+
+def triton_run(case: Case):
+    """``run(q, k, v) -> (out, lse)``: the case's call on the Triton backend (GQA, scale, causal)."""
+    from torch_flashsys import flash_attention
+
+    def run(q, k, v):
+        return flash_attention(
+            q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=case.gqa,
+            backend="triton", return_lse=True,
+        )  # fmt: skip
+
+    return run

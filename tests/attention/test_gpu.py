@@ -14,7 +14,14 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tests.attention.cases import ATOL_TF32, Case, cases, check_against_reference, max_err
+from tests.attention.cases import (
+    ATOL_TF32,
+    Case,
+    cases,
+    check_against_reference,
+    max_err,
+    triton_run,
+)
 from tests.attention.test_double_backward import compare
 from tests.attention.test_features import FeatureCase, check_features, feature_cases, run_features
 from tests.attention.test_kvcache import check_decode, decode_cases
@@ -27,14 +34,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _run(case: Case):
-    def run(q, k, v):
-        return flash_attention(
-            q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=case.gqa,
-            backend="triton", return_lse=True,
-        )  # fmt: skip
-
-    return run
+_run = triton_run
 
 
 # Kernel compilation bounds the GPU run (every head dim, dtype and flag set is its own kernel): the

@@ -14,7 +14,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tests.attention.cases import Case, cases, check_against_reference
+from tests.attention.cases import Case, cases, check_against_reference, triton_run
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
@@ -88,14 +88,7 @@ needs_sm90 = pytest.mark.skipif(
 DTYPES = [torch.bfloat16, torch.float16]
 
 
-def _run(case: Case):
-    def run(q, k, v):
-        return flash_attention(
-            q, k, v, is_causal=case.is_causal, scale=case.scale, enable_gqa=case.gqa,
-            backend="triton", return_lse=True,
-        )  # fmt: skip
-
-    return run
+_run = triton_run
 
 
 @gpu
