@@ -41,24 +41,30 @@ def _counting_sm90_calls():
 
 
 def test_only_plain_and_causal_problems_of_two_byte_dtypes_qualify():
-    """The rule's problem part, independent of the device: other score modifications, dtypes,
-    head dims and scales take the portable kernels."""
+    """The rule's problem part, with the switch on and a Hopper device stood in: plain and causal
+    16-bit problems of head dim 64/128 qualify; other score modifications, dtypes, head dims and
+    scales, and tensors off the GPU, take the portable kernels."""
     q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
-    assert not _sm90.forward_takes(q, q, q, 0.1, PLAIN)  # a CPU tensor
+    wide = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     masked = Extras(mask=torch.ones(1, 2, 8, 8, dtype=torch.bool))
-    for args in (
-        (q, q, q, 0.1, masked),
-        (q, q, q, 0.1, Extras(left=4, right=0)),
-        (q, q, q, 0.1, Extras(softcap=5.0)),
-        (q, q, q, -0.1, CAUSAL),
-        (q.float(), q.float(), q.float(), 0.1, PLAIN),
-        (q[..., :48], q[..., :48], q[..., :48], 0.1, PLAIN),
-    ):
+    with mock.patch.object(_sm90, "ENABLED", True):
+        assert not _sm90.forward_takes(q, q, q, 0.1, PLAIN)  # a CPU tensor
         with (
             mock.patch.object(_sm90, "_is_sm90", return_value=True),
             mock.patch.object(torch.Tensor, "is_cuda", new=True),
         ):
-            assert not _sm90.forward_takes(*args)
+            assert _sm90.forward_takes(q, q, q, 0.1, PLAIN)
+            assert _sm90.forward_takes(q, q[:, :1], q[:, :1], 0.1, CAUSAL)  # GQA
+            for args in (
+                (q, q, q, 0.1, masked),
+                (q, q, q, 0.1, Extras(left=4, right=0)),
+                (q, q, q, 0.1, Extras(softcap=5.0)),
+                (q, q, q, -0.1, CAUSAL),
+                (q.float(), q.float(), q.float(), 0.1, PLAIN),
+                (q[..., :48], q[..., :48], q[..., :48], 0.1, PLAIN),
+                (wide[..., ::2], wide[..., ::2], wide[..., ::2], 0.1, PLAIN),  # strided head dim
+            ):
+                assert not _sm90.forward_takes(*args)
 
 
 def test_environment_switch_is_read_at_import():

@@ -77,6 +77,8 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def forward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   ex: Extras) -> bool:  # fmt: skip
     """Whether the forward of this 4-D problem runs on the Hopper kernel (the rule above)."""
+    if not ENABLED:  # the switch first: off, the portable path pays one global read
+        return False
     if not (ex is PLAIN or ex is CAUSAL) or scale <= 0 or q.dtype not in _GL_DTYPES:
         return False
     d = q.shape[-1]
@@ -84,7 +86,7 @@ def forward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         return False
     if k.shape[-2] < MIN_SEQ_K:
         return False
-    if not enabled() or not _is_sm90(q.get_device()):
+    if not _is_sm90(q.get_device()):
         return False
     return _tma_ok(q) and _tma_ok(k) and _tma_ok(v)
 
