@@ -64,6 +64,39 @@ def test_attention_choices_match_float64(seed, batch, seq, flash_backend):
             )
 
 
+def test_grouped_query_attention_choices_match_float64_and_full_heads():
+    """num_kv_heads < num_heads: the three attention choices agree with a float64 model, and with
+    the multi-head model whose key/value heads are the grouped ones repeated (same function)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=64, d_ff=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                      vocab_size=VOCAB, context_length=24, attention="naive")  # fmt: skip
+    model = TransformerLM(cfg)
+    assert model.layers[0].attn.qkv_proj.out_features == (4 + 2 * 2) * 16
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=gen)
+    dout = torch.randn(2, 17, VOCAB, generator=gen)
+    ref_logits, ref_grads = _run(copy.deepcopy(model).double(), tokens, dout)
+    model.set_attention("sdpa")
+    base_logits, base_grads = _run(model, tokens, dout)
+    for attention in ATTENTION_CHOICES:
+        model.set_attention(attention, flash_backend="torch")
+        logits, grads = _run(model, tokens, dout)
+        assert_close(f"{attention} logits", logits, base_logits, ref_logits, torch.float32)
+        for name, grad in grads.items():
+            assert_close(f"{attention} d{name}", grad, base_grads[name], ref_grads[name],
+                         torch.float32)  # fmt: skip
+    full = TransformerLM(dataclasses.replace(cfg, num_kv_heads=None, attention="sdpa")).double()
+    state = {}  # the same weights, each key/value head repeated for its two query heads
+    for name, w in model.double().state_dict().items():
+        if name.endswith("qkv_proj.weight"):
+            q, k, v = w.view(4 + 2 * 2, 16, 64).split([4, 2, 2])
+            w = torch.cat([q, k.repeat_interleave(2, 0), v.repeat_interleave(2, 0)]).view(-1, 64)
+        state[name] = w
+    full.load_state_dict(state)
+    model.set_attention("sdpa")
+    torch.testing.assert_close(model(tokens), full(tokens))
+
+
 @settings(max_examples=5)
 @given(seed=st.integers(0, 2**31 - 1), seq=st.integers(1, 12))
 def test_naive_attention_is_causal_softmax_attention(seed, seq):
@@ -125,10 +158,12 @@ def test_sizes(size):
         dims["num_layers"],
         dims["num_heads"],
     )
+    assert cfg.kv_heads == dims.get("num_kv_heads", dims["num_heads"])
     assert cfg.vocab_size == 10_000 and len(model.layers) == cfg.num_layers
     assert triton_head_dim_ok(cfg.head_dim), f"{size}: head dim {cfg.head_dim} not Triton-ready"
     d, f, layers, v = cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.vocab_size
-    per_layer = 4 * d * d + 3 * d * f + 2 * d
+    kv_width = cfg.kv_heads * cfg.head_dim  # keys' (and values') projection width
+    per_layer = 2 * d * d + 2 * d * kv_width + 3 * d * f + 2 * d
     assert model.num_parameters() == layers * per_layer + 2 * v * d + d
 
 
@@ -149,6 +184,11 @@ def test_state_dict_is_shared_by_attention_choices():
             "multiple",
         ),
         (lambda: ModelConfig(d_model=24, d_ff=8, num_layers=1, num_heads=8), ValueError, "even"),
+        (
+            lambda: ModelConfig(d_model=64, d_ff=8, num_layers=1, num_heads=4, num_kv_heads=3),
+            ValueError,
+            "num_kv_heads must be a positive int dividing num_heads",
+        ),
         (lambda: ModelConfig(d_model=0, d_ff=8, num_layers=1, num_heads=1), ValueError, "d_model"),
         (lambda: build_model("tiny", attention="fast"), ValueError, "attention must be one of"),
         (lambda: build_model("huge"), ValueError, "size must be one of"),
@@ -187,14 +227,16 @@ def test_gpu_attention_choices_agree(dtype):
         assert_close(attention, outs[attention], outs["sdpa"], ref_logits, dtype)
 
 
+@pytest.mark.parametrize("kv_heads", [None, 2])
 @pytest.mark.parametrize("attention", ["flash", "sdpa", "naive"])
-def test_cached_generation_equals_uncached_token_for_token(attention):
+def test_cached_generation_equals_uncached_token_for_token(attention, kv_heads):
     """generate() with per-layer KV caches (flash: read in place through cache_seqlens) gives the
     same greedy tokens as re-running the whole sequence each step, and so does sampling with the
     same generator."""
     torch.manual_seed(0)
     model = build_model("tiny", context_length=64, vocab_size=50, attention=attention,
-                        dtype=torch.float64)  # fmt: skip
+                        dtype=torch.float64, num_kv_heads=kv_heads)  # fmt: skip
+    assert model.new_caches(1)[0].key.shape[1] == (kv_heads or 4)
     model.set_attention(attention, flash_backend="torch")
     prompt = torch.randint(0, 50, (3, 7))
     cached = model.generate(prompt, 25)

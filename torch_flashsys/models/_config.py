@@ -18,6 +18,8 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "xl": {"d_model": 1600, "d_ff": 6400, "num_layers": 48, "num_heads": 25},
     "2.7B": {"d_model": 2560, "d_ff": 10240, "num_layers": 32, "num_heads": 32},
     "2.0B": {"d_model": 1600, "d_ff": 6400, "num_layers": 48, "num_heads": 25},
+    # LLaMA-3.2-1B-shaped: width, depth and FFN, 32 query heads of 64 sharing 8 key/value heads.
+    "1B": {"d_model": 2048, "d_ff": 8192, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8},
 }
 
 
@@ -31,6 +33,8 @@ class ModelConfig:
         num_layers: number of Transformer blocks.
         num_heads: attention heads; ``d_model`` must be a multiple of it and the head dim
             ``d_model // num_heads`` must be even (RoPE rotates pairs of features).
+        num_kv_heads: key/value heads (grouped-query attention: each serves
+            ``num_heads // num_kv_heads`` query heads); None: ``num_heads`` (multi-head).
         vocab_size: number of token ids (default 10,000).
         context_length: longest sequence the model accepts (RoPE tables are built for it).
         attention: ``"naive"`` (explicit scores/softmax/matmul, NVTX ranges on CUDA), ``"sdpa"``
@@ -53,6 +57,7 @@ class ModelConfig:
     d_ff: int
     num_layers: int
     num_heads: int
+    num_kv_heads: int | None = None
     vocab_size: int = 10_000
     context_length: int = 256
     attention: str = "flash"
@@ -70,6 +75,13 @@ class ModelConfig:
             raise TypeError(
                 f"ModelConfig: activation_checkpointing must be a bool, got "
                 f"{self.activation_checkpointing!r}"
+            )
+        kv = self.num_kv_heads
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1
+                               or self.num_heads % kv):  # fmt: skip
+            raise ValueError(
+                f"ModelConfig: num_kv_heads must be a positive int dividing num_heads "
+                f"({self.num_heads}), got {kv!r}"
             )
         if self.d_model % self.num_heads != 0:
             raise ValueError(
@@ -89,6 +101,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``num_kv_heads``, or ``num_heads`` without grouped-query attention."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @classmethod
     def from_size(cls, size: str, **overrides: object) -> ModelConfig:

@@ -110,19 +110,31 @@ def naive_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
         return probs @ v
 
 
+def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Key/value heads repeated for their query heads (grouped-query attention, naive path)."""
+    group = q.shape[1] // t.shape[1]
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, flash_backend: str = "auto"
 ) -> torch.Tensor:
-    """Causal attention by ``impl`` ("naive" | "sdpa" | "flash"). (B, H, L, D) -> (B, H, L, D)."""
+    """Causal attention by ``impl`` ("naive" | "sdpa" | "flash"). q (B, H, L, D), k and v
+    (B, H_kv, L, D) with H a multiple of H_kv (grouped-query attention) -> (B, H, L, D)."""
+    gqa = k.shape[1] != q.shape[1]
     if impl == "flash":
         from torch_flashsys.attention import flash_attention
 
-        return flash_attention(q, k, v, is_causal=True, backend=flash_backend)
+        return flash_attention(q, k, v, is_causal=True, enable_gqa=gqa, backend=flash_backend)
     if impl == "sdpa":
         # Looked up at call time, so torch_flashsys.sdpa_override() also reroutes this path.
+        if gqa:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            )
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     if impl == "naive":
-        return naive_causal_attention(q, k, v)
+        return naive_causal_attention(q, _expand_kv(q, k), _expand_kv(q, v))
     raise ValueError(f"causal_attention: impl must be one of {ATTENTION_CHOICES}, got {impl!r}")
 
 
@@ -139,10 +151,10 @@ def cached_causal_attention(
 
         return flash_attention(
             q, cache.key, cache.value, is_causal=True, cache_seqlens=cache.seqlens,
-            backend=flash_backend,
+            enable_gqa=cache.key.shape[1] != q.shape[1], backend=flash_backend,
         )  # fmt: skip
     n, total = q.shape[-2], cache.length
-    k, v = cache.key[:, :, :total], cache.value[:, :, :total]
+    k, v = _expand_kv(q, cache.key[:, :, :total]), _expand_kv(q, cache.value[:, :, :total])
     allowed = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
     if impl == "sdpa":
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
@@ -153,11 +165,12 @@ def cached_causal_attention(
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE on queries and keys.
+    """Multi-head causal self-attention with RoPE on queries and keys, optionally grouped-query.
 
     x: (batch, seq, d_model) -> (batch, seq, d_model). Fused QKV projection ``qkv_proj``
-    (d_model -> 3 d_model, no bias) and output projection ``out_proj`` (no bias). ``rope`` is
-    passed to ``forward`` so that all layers share the LM's tables.
+    (d_model -> (num_heads + 2 num_kv_heads) head_dim: queries, then keys, then values; no bias)
+    and output projection ``out_proj`` (no bias). ``rope`` is passed to ``forward`` so that all
+    layers share the LM's tables.
     """
 
     def __init__(
@@ -166,16 +179,19 @@ class CausalSelfAttention(nn.Module):
         num_heads: int,
         attention: str = "flash",
         flash_backend: str = "auto",
+        num_kv_heads: int | None = None,
         *,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.attention = attention
         self.flash_backend = flash_backend
         kw = {"bias": False, "device": device, "dtype": dtype}
-        self.qkv_proj = nn.Linear(d_model, 3 * d_model, **kw)
+        width = (num_heads + 2 * self.num_kv_heads) * (d_model // num_heads)
+        self.qkv_proj = nn.Linear(d_model, width, **kw)
         self.out_proj = nn.Linear(d_model, d_model, **kw)
         _init_linear(self.qkv_proj)
         _init_linear(self.out_proj)
@@ -190,8 +206,9 @@ class CausalSelfAttention(nn.Module):
         """``cache``: generation; x holds the positions after those cached, which it appends.
         ``positions``: the tokens' positions for RoPE (default ``arange(seq)``)."""
         b, seq, d_model = x.shape
-        qkv = self.qkv_proj(x).view(b, seq, 3, self.num_heads, d_model // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, heads, seq, head_dim)
+        heads, kv, dim = self.num_heads, self.num_kv_heads, d_model // self.num_heads
+        qkv = self.qkv_proj(x).view(b, seq, heads + 2 * kv, dim).transpose(1, 2)
+        q, k, v = qkv.split([heads, kv, kv], dim=1)  # (b, heads or kv heads, seq, head_dim)
         offset = 0 if cache is None else cache.length
         q, k = rope(q, offset, positions), rope(k, offset, positions)
         if cache is None:

@@ -28,8 +28,9 @@ class TransformerBlock(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.norm1 = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.attn = CausalSelfAttention(
-            config.d_model, config.num_heads, config.attention, config.flash_backend, **kw
-        )
+            config.d_model, config.num_heads, config.attention, config.flash_backend,
+            config.kv_heads, **kw,
+        )  # fmt: skip
         self.norm2 = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.ffn = SwiGLU(config.d_model, config.d_ff, **kw)
 
@@ -197,7 +198,7 @@ class TransformerLM(nn.Module):
         w = self.lm_head.weight
         capacity = c.context_length if capacity is None else capacity
         return [
-            KVCache(batch, c.num_heads, capacity, c.head_dim, device=w.device, dtype=w.dtype)
+            KVCache(batch, c.kv_heads, capacity, c.head_dim, device=w.device, dtype=w.dtype)
             for _ in self.layers
         ]
 
@@ -296,16 +297,19 @@ def build_model(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     activation_checkpointing: bool = False,
+    num_kv_heads: int | None = None,
 ) -> TransformerLM:
-    """A :class:`TransformerLM` of a named size (a key of :data:`MODEL_SIZES`).
+    """A :class:`TransformerLM` of a named size (a key of :data:`MODEL_SIZES`); ``num_kv_heads``
+    overrides the size's key/value heads (grouped-query attention) when given.
 
     Example:
         >>> model = build_model("tiny", context_length=64, attention="naive", vocab_size=128)
         >>> model(torch.zeros(1, 64, dtype=torch.long)).shape
         torch.Size([1, 64, 128])
     """
+    kv = {} if num_kv_heads is None else {"num_kv_heads": num_kv_heads}
     config = ModelConfig.from_size(
         size, context_length=context_length, attention=attention, vocab_size=vocab_size,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=activation_checkpointing, **kv,
     )  # fmt: skip
     return TransformerLM(config, device=device, dtype=dtype)
