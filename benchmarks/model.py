@@ -7,6 +7,7 @@ and the memory_viz snapshot: docs/benchmarking.md, sections 1 and 2.
     python benchmarks/model.py --size small,medium,large,xl,2.7B --context-length 512 \
         --dtype fp32,bf16 --mode fwd,fwd+bwd --out model.csv --plot model.png
     python benchmarks/model.py --preset memory --out memory.csv    # 2.7B peak memory table
+    python benchmarks/model.py --preset e2e --out e2e.csv          # train step, SDPA vs ours
     python benchmarks/model.py --size 2.7B --context-length 128 --mode train --steps 1 \
         --memory-profile snapshot.pickle
     nsys profile -o lm python benchmarks/model.py --size large --attention naive
@@ -47,6 +48,10 @@ PRESETS = {
     # Script 2 of the benchmarking issue: peak memory of the 2.7B model per context length.
     "memory": dict(size="2.7B", context_length="128,256,512", dtype="fp32,bf16", mode="fwd,train",
                    warmup=1, steps=2),
+    # Issue 27's training step: the LLaMA-1B-shaped LM (GQA 32/8), 8192 tokens a step, SDPA's
+    # default against flash_attention, eager and compiled; rows model,context,...,sdpa_ms,ours_ms.
+    "e2e": dict(size="1B", context_length="2048,4096,8192", attention="sdpa,flash", dtype="bf16",
+                mode="train", tokens=8192, compiles=[False, True], warmup=3, steps=10),
 }  # fmt: skip
 MIB = 2**20
 
@@ -57,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="small", help=f"model size(s) from {list(MODEL_SIZES)}")
     p.add_argument("--context-length", default="512", help="sequence length(s)")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--tokens", type=int, help="tokens per step: batch = tokens // context")
     p.add_argument("--attention", default="sdpa", help=f"from {list(ATTENTION_CHOICES)}")
     p.add_argument("--dtype", help="fp32 (no autocast) and/or bf16 (autocast); fp32 if not given")
     p.add_argument("--mode", default=",".join(MODES), help=f"subset of {list(MODES)}")
@@ -72,10 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS.get(args.preset, {}).items():
         setattr(args, key, value)
     args.vocab = 100 if args.smoke else 10_000
+    args.compiles = getattr(args, "compiles", [args.compile])
     if args.smoke:
         args.size, args.context_length, args.batch = "tiny", "16", 2
         args.warmup, args.steps, args.device = 1, 2, "cpu"
         args.dtype = args.dtype or "fp32,bf16"
+        args.tokens, args.compiles = args.tokens and 32, [False]
     args.sizes = csv_list(p, args.size, "--size", choices=MODEL_SIZES)
     args.attentions = csv_list(p, args.attention, "--attention", choices=ATTENTION_CHOICES)
     args.dtypes = csv_list(p, args.dtype or "fp32", "--dtype", choices=DTYPES)
@@ -160,9 +168,9 @@ def _snapshot_path(args, several: bool, size, ctx, attn, dtype, mode) -> str | N
     return f"{stem}-{size}-ctx{ctx}-{attn}-{dtype}-{mode.replace('+', '')}{ext or '.pickle'}"
 
 
-def _build(args, size: str, ctx: int, attn: str, device: torch.device):
-    """(model, the module to run: compiled with --compile); None, None when it does not fit."""
-    if args.compile:
+def _build(args, size: str, ctx: int, attn: str, device: torch.device, compile_: bool):
+    """(model, the module to run: compiled if asked); None, None when it does not fit."""
+    if compile_:
         torch.compiler.reset()
     gc.collect()
     torch.manual_seed(0)
@@ -173,21 +181,22 @@ def _build(args, size: str, ctx: int, attn: str, device: torch.device):
         if not is_oom(exc):
             raise
         return None, None
-    return model, (torch.compile(model) if args.compile else model)
+    return model, (torch.compile(model) if compile_ else model)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     """One row per (size, context, attention, dtype, mode); the model is built once per triple."""
     device = torch.device(args.device)
     torch.set_float32_matmul_precision(args.matmul_precision)
-    models = list(itertools.product(args.sizes, args.contexts, args.attentions))
+    models = list(itertools.product(args.compiles, args.sizes, args.contexts, args.attentions))
     runs = list(itertools.product(args.dtypes, args.modes))
     several, rows = len(models) * len(runs) > 1, []
-    for size, ctx, attn in progress(models, desc="models"):
-        model, run_model = _build(args, size, ctx, attn, device)
+    for compile_, size, ctx, attn in progress(models, desc="models"):
+        model, run_model = _build(args, size, ctx, attn, device, compile_)
+        args.batch = max(1, args.tokens // ctx) if args.tokens else args.batch
         for dtype_name, mode in runs:
             row = {"size": size, "context": ctx, "attention": attn, "batch": args.batch,
-                   "dtype": dtype_name, "mode": mode, "compile": args.compile}  # fmt: skip
+                   "dtype": dtype_name, "mode": mode, "compile": compile_}  # fmt: skip
             rows.append(row)
             if model is None:
                 row["step ms"] = "OOM"
@@ -227,9 +236,29 @@ def _plot(rows: list[dict], args: argparse.Namespace) -> None:
         line_plot(args.plot, series, "model size", "time per step (ms, mean)", title, log="y")
 
 
+def e2e_rows(rows: list[dict]) -> list[dict]:
+    """One row per (model, context, batch, compiled): SDPA's and flash_attention's mean step."""
+    cases: dict[tuple, dict] = {}
+    for r in rows:
+        case = cases.setdefault((r["size"], r["context"], r["batch"], r["compile"]), {})
+        case["sdpa_ms" if r["attention"] == "sdpa" else "ours_ms"] = r.get("step ms")
+    out = []
+    for (size, ctx, batch, compiled), ms in cases.items():
+        sdpa, ours = ms.get("sdpa_ms"), ms.get("ours_ms")
+        ratio = ours / sdpa if isinstance(sdpa, float) and isinstance(ours, float) else None
+        out.append({"model": size, "context": ctx, "batch": batch, "compiled": compiled,
+                    "sdpa_ms": sdpa, "ours_ms": ours, "ours / sdpa": ratio})  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows = run(args)
+    if args.preset == "e2e":
+        rows = e2e_rows(rows)
+        cols = ["model", "context", "batch", "compiled", "sdpa_ms", "ours_ms", "ours / sdpa"]
+        title = "Training step (bf16 autocast, AdamW): SDPA's default against flash_attention"
+        return report(f"{title}, {args.steps} measured steps", rows, cols, args.out)
     if args.plot:
         _plot(rows, args)
     cols = ["size", "context", "attention", "dtype", "mode"]
