@@ -51,7 +51,7 @@ PRESETS = {
     # Issue 27's training step: the LLaMA-1B-shaped LM (GQA 32/8), 8192 tokens a step, SDPA's
     # default against flash_attention, eager and compiled; rows model,context,...,sdpa_ms,ours_ms.
     "e2e": dict(size="1B", context_length="2048,4096,8192", attention="sdpa,flash", dtype="bf16",
-                mode="train", tokens=8192, compiles=[False, True], warmup=3, steps=10),
+                mode="train", tokens=8192, compiled="both", warmup=3, steps=10),
 }  # fmt: skip
 MIB = 2**20
 
@@ -69,16 +69,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps")
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (in warm-up)")
+    p.add_argument("--compiled", choices=["eager", "compiled", "both"],
+                   help="instead of --compile: eager, compiled or both, one after the other")  # fmt: skip
     p.add_argument("--matmul-precision", default="highest", choices=["highest", "high", "medium"],
                    help="torch.set_float32_matmul_precision; high allows TF32")  # fmt: skip
     p.add_argument("--memory-profile", metavar="PATH", help="memory_viz snapshot of measured steps")
     p.add_argument("--memory-max-entries", type=int, default=100_000, help="allocator events kept")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     args = p.parse_args(argv)
-    for key, value in PRESETS.get(args.preset, {}).items():
-        setattr(args, key, value)
+    for key, value in PRESETS.get(args.preset, {}).items():  # what the command line left unset
+        if getattr(args, key) == p.get_default(key):
+            setattr(args, key, value)
     args.vocab = 100 if args.smoke else 10_000
-    args.compiles = getattr(args, "compiles", [args.compile])
+    modes = {"eager": [False], "compiled": [True], "both": [False, True]}
+    args.compiles = modes[args.compiled] if args.compiled else [args.compile]
     if args.smoke:
         args.size, args.context_length, args.batch = "tiny", "16", 2
         args.warmup, args.steps, args.device = 1, 2, "cpu"

@@ -128,6 +128,12 @@ sharded() {
   show sharded_bench 12
 }
 
+e2e() {  # issue 27's training step; E2E_ARGS e.g. "--compiled eager" to split it across calls
+  step e2e "${E2E_TIMEOUT:-560}" py benchmarks/model.py --preset e2e ${E2E_ARGS:-} \
+    --out "$OUT/e2e_h100.csv"
+  shows e2e:16
+}
+
 context_parallel() {
   local n=${NPROC:-$(ngpus 2)} marker=gpu modes=ring
   [ "$n" -ge 2 ] && marker="gpu or multigpu" && modes=ring,ulysses
@@ -145,7 +151,7 @@ echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: \
 $(git status --porcelain 2>/dev/null | wc -l))" | tee -a "$OUT/env.txt"
 for section in "${@:-tests}"; do
   case $section in
-    tests | attention | features | startup | tune | harness | ddp | sharded | context_parallel) "$section" ;;
+    tests | attention | features | startup | tune | harness | ddp | sharded | e2e | context_parallel) "$section" ;;
     *) echo "unknown section $section (see docs/benchmarking.md)" >&2 && exit 2 ;;
   esac
 done
