@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tests.distributed import zero2_cases
 from tests.distributed.common import MODEL_FIELDS, spawning
 from tests.distributed.harness import run_distributed
+from tests.distributed.zero_cases import hyperparameters
 
 SPAWNING = spawning(2)
 
@@ -42,12 +43,19 @@ _EVERY_FEATURE = [
 
 
 def _tolerance(case: dict) -> dict:
-    # float64 everywhere: only summation order differs; "mixed" has float32 layers
-    return (
-        {"rtol": 1e-10, "atol": 1e-12}
-        if case["dtype"] == "float64"
-        else {"rtol": 1e-5, "atol": 1e-6}
-    )
+    """float64 everywhere: only summation order differs. "mixed" has float32 layers, whose
+    gradients round differently when averaged over ranks than on the whole batch at once: SGD
+    (linear in the gradients) keeps that at float32 level; Adam and AdamW divide each gradient by
+    its running RMS, and where a later gradient nearly cancels an earlier one they magnify it
+    (a drawn case: 1.1e-4 after 2 steps at lr 0.05, ZeRO-1 exactly as far off as ZeRO-2), so there
+    the bound is 1% of the largest learning rate per step (a wrong or missing reduction moves a
+    parameter by about a whole step)."""
+    if case["dtype"] == "float64":
+        return {"rtol": 1e-10, "atol": 1e-12}
+    if case["optimizer"] == "sgd":
+        return {"rtol": 1e-5, "atol": 1e-6}
+    lr = max(hyperparameters(case, g)["lr"] for g in range(case["groups"]))
+    return {"rtol": 1e-5, "atol": 0.01 * lr * case["steps"]}
 
 
 def check_zero2(results: list[list[dict]], case_list: list[dict]) -> None:
@@ -78,9 +86,21 @@ def check_zero2(results: list[list[dict]], case_list: list[dict]) -> None:
         )
 
 
+# Found by CI (2026-11-25): mixed dtypes, Adam, tied weights, 2 micro-batches at world size 3.
+_ADAM_AMPLIFIES = [
+    {"seed": 0, "optimizer": "sgd", "vocab": 2, "d": 1, "widths": [], "tied": False,
+     "frozen": False, "scalar": False, "groups": 1, "steps": 2, "dtype": "float64",
+     "bucket_mb": None, "micro": 1, "to_none": False, "clip": None},
+    {"seed": 1845, "d": 7, "optimizer": "adam", "steps": 2, "widths": [8, 1], "clip": None,
+     "tied": True, "dtype": "mixed", "groups": 1, "micro": 2, "vocab": 11, "frozen": False,
+     "to_none": False, "bucket_mb": None, "scalar": True},
+]  # fmt: skip
+
+
 @SPAWNING
 @given(world_size=st.integers(2, 4), case_list=st.lists(cases, min_size=2, max_size=3))
 @example(world_size=3, case_list=_EVERY_FEATURE)
+@example(world_size=3, case_list=_ADAM_AMPLIFIES)
 def test_zero2_matches_single_process_and_zero1(world_size, case_list):
     """Tied, frozen, unused and 0-dim parameters, float64 or mixed dtypes, 1-3 param groups,
     any bucket size, no_sync micro-batches, both zero_grad modes, clip_grad_norm_: parameters
