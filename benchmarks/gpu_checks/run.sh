@@ -8,7 +8,6 @@ OUT=${OUT:-/tmp/flashsys}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 start=$SECONDS
-py() { python3 "$@"; }
 left() { echo $((${BUDGET:-$1} - (SECONDS - start))); }  # left DEFAULT_BUDGET: seconds left
 step() {  # step NAME SECONDS CMD...: stdout to NAME.md, stderr to NAME.err, exit code and time last
   local name=$1 secs=$2
@@ -28,9 +27,9 @@ PEERS="flash_attention,sdpa cudnn_attention,sdpa flash_attention"
 
 tests() {
   TORCH_FLASHSYS_AUTOTUNE=0 HYPOTHESIS_PROFILE=gpu step gpu_tests "${TEST_TIMEOUT:-480}" \
-    py -m pytest -v -p no:cacheprovider -m gpu -n "${WORKERS:-8}" ${TESTS:-tests} -rf
+    python3 -m pytest -v -p no:cacheprovider -m gpu -n "${WORKERS:-8}" ${TESTS:-tests} -rf
   if [ "${BENCH:-1}" = 1 ] && [ "$(left 560)" -gt 60 ]; then
-    step final_shapes $(($(left 560) - 10)) py benchmarks/flash.py --batch 1 --heads 16 \
+    step final_shapes $(($(left 560) - 10)) python3 benchmarks/flash.py --batch 1 --heads 16 \
       --seq 16384,4096 --dim 64,128 --modes fwd,fwd+bwd --impls "$PEERS" --host-overhead \
       --no-check --out "$OUT/final_shapes.csv"
   fi
@@ -41,56 +40,56 @@ tests() {
 }
 
 attention() {
-  step overhead 120 py benchmarks/flash.py "${HOST[@]}" --impls flash_attention --profile-host
-  step peers "${PEERS_TIMEOUT:-420}" py benchmarks/flash.py --preset peers --workers 8 \
+  step overhead 120 python3 benchmarks/flash.py "${HOST[@]}" --impls flash_attention --profile-host
+  step peers "${PEERS_TIMEOUT:-420}" python3 benchmarks/flash.py --preset peers --workers 8 \
     --out "$OUT/attention_peers_h100.csv"
-  step target_4096 120 py benchmarks/flash.py --batch 1 --heads 16 --seq 4096 --dim 64 \
+  step target_4096 120 python3 benchmarks/flash.py --batch 1 --heads 16 --seq 4096 --dim 64 \
     --modes fwd+bwd --impls "$PEERS" --out "$OUT/target_4096.csv"
-  step longest 120 py benchmarks/flash.py --batch 1 --heads 16 --seq 262144 --dim 64 \
+  step longest 120 python3 benchmarks/flash.py --batch 1 --heads 16 --seq 262144 --dim 64 \
     --modes fwd+bwd --impls flash_attention --no-check
   grep -E "us/call|tottime|^ +[0-9]" "$OUT/overhead.err" | head -24
   shows longest:3 target_4096:6 overhead:9 peers:60
 }
 
 features() {
-  step features "${FEATURES_TIMEOUT:-240}" py benchmarks/flash.py --preset features \
+  step features "${FEATURES_TIMEOUT:-240}" python3 benchmarks/flash.py --preset features \
     --out "$OUT/attention_features_h100.csv"
-  step varlen "${VARLEN_TIMEOUT:-200}" py benchmarks/flash.py --preset varlen \
+  step varlen "${VARLEN_TIMEOUT:-200}" python3 benchmarks/flash.py --preset varlen \
     --out "$OUT/attention_varlen_h100.csv"
-  [ "${PROFILE:-1}" = 1 ] && step profile 120 py benchmarks/flash.py --profile
+  [ "${PROFILE:-1}" = 1 ] && step profile 120 python3 benchmarks/flash.py --profile
   shows profile:30 varlen:16 features:30
 }
 
 startup() {
-  step startup 240 py benchmarks/flash.py --first-call --out "$OUT/attention_startup.csv"
-  step varlen 150 py benchmarks/flash.py --preset varlen --out "$OUT/attention_varlen.csv"
-  step host 120 py benchmarks/flash.py "${HOST[@]}" --impls "$PEERS" --out "$OUT/attention_host.csv"
+  step startup 240 python3 benchmarks/flash.py --first-call --out "$OUT/attention_startup.csv"
+  step varlen 150 python3 benchmarks/flash.py --preset varlen --out "$OUT/attention_varlen.csv"
+  step host 120 python3 benchmarks/flash.py "${HOST[@]}" --impls "$PEERS" --out "$OUT/attention_host.csv"
   shows startup:40 varlen:40 host:40
 }
 
 tune() {
-  step tune "${TUNE_TIMEOUT:-330}" py benchmarks/tune_attention.py ${TUNE_ARGS:-} --out "$OUT/tune.csv"
-  step tune_decode 120 py benchmarks/tune_attention.py --kernels decode --out "$OUT/tune_decode.csv"
+  step tune "${TUNE_TIMEOUT:-330}" python3 benchmarks/tune_attention.py ${TUNE_ARGS:-} --out "$OUT/tune.csv"
+  step tune_decode 120 python3 benchmarks/tune_attention.py --kernels decode --out "$OUT/tune_decode.csv"
   TORCH_FLASHSYS_AUTOTUNE=0 HYPOTHESIS_PROFILE=gpu step attention_tests "${TEST_TIMEOUT:-240}" \
-    py -m pytest -q -m gpu tests/attention -x -p no:cacheprovider
+    python3 -m pytest -q -m gpu tests/attention -x -p no:cacheprovider
   shows attention_tests:12 tune_decode:16 tune:60
 }
 
 harness() {
   local deadline=$((SECONDS + ${TOTAL_BUDGET:-450}))
-  step snapshot_tests 45 py -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_snapshot.py
-  step model "${MODEL_TIMEOUT:-100}" py benchmarks/model.py --size small,medium,large,xl,2.7B \
+  step snapshot_tests 45 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_memory_snapshot.py
+  step model "${MODEL_TIMEOUT:-100}" python3 benchmarks/model.py --size small,medium,large,xl,2.7B \
     --context-length 512 --dtype fp32,bf16 --mode fwd,fwd+bwd --warmup 2 --steps 5 \
     --out "$OUT/model.csv" --plot "$OUT/model.png"
-  step memory "${MEMORY_TIMEOUT:-80}" py benchmarks/model.py --preset memory \
+  step memory "${MEMORY_TIMEOUT:-80}" python3 benchmarks/model.py --preset memory \
     --out "$OUT/memory.csv" --plot "$OUT/memory.png"
-  step snapshot "${SNAPSHOT_TIMEOUT:-45}" py benchmarks/model.py --size 2.7B --context-length 128 \
+  step snapshot "${SNAPSHOT_TIMEOUT:-45}" python3 benchmarks/model.py --size 2.7B --context-length 128 \
     --dtype bf16 --mode train --warmup 1 --steps 1 --memory-max-entries "${SNAPSHOT_ENTRIES:-30000}" \
     --memory-profile "$OUT/snapshot.pickle"
   # The sweep gets what is left: configurations it cannot start in time are rows marked
   # 'skipped (time budget)'. SWEEP_AUTOTUNE=0: default kernel configs (faster to run).
   local budget=$((deadline - SECONDS - 45))
-  TORCH_FLASHSYS_AUTOTUNE="${SWEEP_AUTOTUNE:-1}" step sweep $((budget + 40)) py benchmarks/flash.py \
+  TORCH_FLASHSYS_AUTOTUNE="${SWEEP_AUTOTUNE:-1}" step sweep $((budget + 40)) python3 benchmarks/flash.py \
     --preset sweep --dtype bf16 --modes fwd,bwd --time-budget "$budget" --out "$OUT/sweep.csv" \
     --impls "flash_attention,naive,naive (compiled),sdpa flash_attention" --plot "$OUT/sweep.png"
   shows snapshot_tests:3 snapshot:3
@@ -101,7 +100,7 @@ harness() {
 ddp() {
   local n=${NPROC:-$(ngpus)} marker=gpu
   [ "$n" -ge 2 ] && marker="gpu or multigpu"
-  [ "${SKIP_TESTS:-0}" != 1 ] && step ddp_tests 200 py -m pytest -q -p no:cacheprovider \
+  [ "${SKIP_TESTS:-0}" != 1 ] && step ddp_tests 200 python3 -m pytest -q -p no:cacheprovider \
     -m "$marker" tests/distributed
   # The benchmark gets what is left but ~150 s kept for the profile; it starts no round that
   # would not fit (round 1 always runs: about 80 s on one H200 for the 11 variants).
@@ -129,7 +128,7 @@ sharded() {
 }
 
 e2e() {  # issue 27's training step; E2E_ARGS e.g. "--compiled eager" to split it across calls
-  step e2e "${E2E_TIMEOUT:-560}" py benchmarks/model.py --preset e2e ${E2E_ARGS:-} \
+  step e2e "${E2E_TIMEOUT:-560}" python3 benchmarks/model.py --preset e2e ${E2E_ARGS:-} \
     --out "$OUT/e2e_h100.csv"
   shows e2e:16
 }
@@ -137,15 +136,15 @@ e2e() {  # issue 27's training step; E2E_ARGS e.g. "--compiled eager" to split i
 context_parallel() {
   local n=${NPROC:-$(ngpus 2)} marker=gpu modes=ring
   [ "$n" -ge 2 ] && marker="gpu or multigpu" && modes=ring,ulysses
-  step cp_tests 150 py -m pytest -q -p no:cacheprovider -m "$marker" \
+  step cp_tests 150 python3 -m pytest -q -p no:cacheprovider -m "$marker" \
     tests/distributed/test_context_parallel.py
-  step cp_bench "$(left 300)" py benchmarks/context_parallel.py --nproc "$n" \
+  step cp_bench "$(left 300)" python3 benchmarks/context_parallel.py --nproc "$n" \
     --modes "$modes" ${BENCH_ARGS:---time-budget ${SEARCH_S:-100}} --out "$OUT/context_parallel.csv"
   shows cp_tests:4 cp_bench:16
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
-py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/env.txt"
 echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: \
 $(git status --porcelain 2>/dev/null | wc -l))" | tee -a "$OUT/env.txt"
