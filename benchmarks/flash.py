@@ -113,16 +113,17 @@ def implementations(device: str, causal: bool) -> dict:
     )
     for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
         impls[f"sdpa {name.lower()}"] = sdpa_call(name, is_causal=causal)
-    if _sm90.AVAILABLE:  # the opt-in Hopper forward, whatever TORCH_FLASHSYS_SM90 says
-        impls["flash_attention (hopper)"] = _switched_on(impls["flash_attention"])
+    if _sm90.AVAILABLE:  # both forwards, whatever TORCH_FLASHSYS_SM90 says
+        impls["flash_attention (hopper)"] = _switched(impls["flash_attention"], True)
+        impls["flash_attention (portable)"] = _switched(impls["flash_attention"], False)
     return impls
 
 
-def _switched_on(fn):
-    """``fn`` with the Hopper forward on (``TORCH_FLASHSYS_SM90=1``) for its duration."""
+def _switched(fn, on: bool):
+    """``fn`` with the Hopper forward on or off (``TORCH_FLASHSYS_SM90=1/0``) for its duration."""
 
     def run(q, k, v):
-        saved, _sm90.ENABLED = _sm90.ENABLED, True
+        saved, _sm90.ENABLED = _sm90.ENABLED, on
         try:
             return fn(q, k, v)
         finally:

@@ -68,9 +68,14 @@ def test_only_plain_and_causal_problems_of_two_byte_dtypes_qualify():
 
 
 def test_environment_switch_is_read_at_import():
-    """Opt-in: on with TORCH_FLASHSYS_SM90=1 where Gluon's Hopper API imports, else off."""
+    """Unset: on where Gluon's Hopper API imports on a verified Triton; 1: on wherever it
+    imports; 0: off."""
     code = "from torch_flashsys.attention import _sm90; print(_sm90.enabled())"
-    for value, expected in (("0", "False"), ("", "False"), ("1", str(_sm90.AVAILABLE))):
+    for value, expected in (
+        ("0", "False"),
+        ("", str(_sm90.AVAILABLE and _sm90.VERIFIED)),
+        ("1", str(_sm90.AVAILABLE)),
+    ):
         env = {**os.environ, "TORCH_FLASHSYS_SM90": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout.strip()  # fmt: skip
@@ -89,7 +94,7 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
 
 gpu = pytest.mark.gpu
 needs_sm90 = pytest.mark.skipif(
-    not _on_sm90(), reason="needs an sm90 GPU and TORCH_FLASHSYS_SM90=1 (Gluon's Hopper API)"
+    not _on_sm90(), reason="needs an sm90 GPU with the Hopper path on (Gluon's Hopper API)"
 )
 DTYPES = [torch.bfloat16, torch.float16]
 

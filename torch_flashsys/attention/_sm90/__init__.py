@@ -1,10 +1,10 @@
 """The Hopper (sm90) fast path: which calls take it, and its launch.
 
-Opt-in for now: ``TORCH_FLASHSYS_SM90=1`` (read at import) turns it on. It passed the GPU tests
-on an H100 with Triton 3.6 (docs/attention.md, "Hopper forward"), but the last change to its
-launch grid has not run through the whole GPU suite yet, so it is not the default; ``DEFAULT_ON``
-flips that once it has. With the switch on, the forward of a call runs the warp-specialized Gluon
-kernel (``_fwd``) when all of these hold, else the portable Triton kernel:
+On by default with the Triton it was verified on (3.6: the whole GPU suite on an H100,
+docs/benchmarks.md), opt-in with others whose Gluon API imports (``TORCH_FLASHSYS_SM90=1``),
+off with ``TORCH_FLASHSYS_SM90=0``; the switch is read at import. With it on, the forward of a
+call runs the warp-specialized Gluon kernel (``_fwd``) when all of these hold, else the portable
+Triton kernel:
 
 - a CUDA device of compute capability 9.0 (H100, H200) whose Triton's Gluon API imports
   (:mod:`._gluon`; checked on 3.6, compiles with 3.9);
@@ -44,7 +44,7 @@ PERSISTENT_CAUSAL_MAX = 1024  # causal query lengths up to this run on the persi
 L2_BUDGET = 24 * 2**20  # bytes of keys and values a causal head group keeps in L2 (H100: 50 MB)
 
 
-DEFAULT_ON = False  # the switch's default on a verified Triton (see the module docstring)
+DEFAULT_ON = True  # the switch's default on a verified Triton (see the module docstring)
 # Read once at import (a per-call environment lookup would cost host time on every call):
 # "1" on wherever Gluon's Hopper API imports, "0" off, unset: DEFAULT_ON on a verified Triton.
 _MODE = os.environ.get("TORCH_FLASHSYS_SM90", "")
