@@ -44,32 +44,47 @@ class _Sm90Target(GPUDriver):
         raise NotImplementedError
 
 
-def compile_variants(variants) -> list[str]:
-    """Compile ``(head_dim, causal, dtype)`` variants; one report line each (shared memory,
-    registers at launch). Raises on the first that fails."""
-    triton.runtime.driver.set_active(_Sm90Target())
+def _warmup(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8):
+    """Compile (or find compiled) the kernel for a ``(1, heads, seq, d)`` problem, GQA 2:1, with
+    the launch arguments the library builds (:func:`_sm90.launch_args`)."""
     from torch_flashsys.attention import _sm90
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
 
+    q = torch.zeros(1, heads, seq, d, dtype=dtype)
+    k = torch.zeros(1, heads // 2, seq, d, dtype=dtype)
+    lse = torch.zeros(1, heads, seq)
+    return attn_fwd_sm90.warmup(
+        *_sm90.launch_args(q, k, k, q, lse, 0.125), **_sm90.constexprs(d, causal),
+        num_warps=_sm90.NUM_WARPS, maxnreg=_sm90.MAX_REGS, grid=(1,),
+    )  # fmt: skip
+
+
+def compile_variants(variants) -> list[str]:
+    """Compile ``(head_dim, causal, dtype)`` variants; one report line each (shared memory,
+    registers at launch). Raises on the first that fails."""
     lines = []
     for d, causal, dtype in variants:
-        q = torch.zeros(1, 4, 256, d, dtype=dtype)
-        k = torch.zeros(1, 2, 256, d, dtype=dtype)
-        lse = torch.zeros(1, 4, 256)
-        descs = (_sm90._descriptor(q, _sm90.BLOCK_M), _sm90._descriptor(k, _sm90.BLOCK_N),
-                 _sm90._descriptor(k, _sm90.BLOCK_N), _sm90._descriptor(q, _sm90.BLOCK_M))  # fmt: skip
-        kernel = attn_fwd_sm90.warmup(
-            *descs, lse, lse.stride(0), lse.stride(1), 4, 4, 2, 256, 256, 0.18, 3,
-            CAUSAL=causal, STAGES=_sm90.STAGES[d], num_warps=_sm90.NUM_WARPS,
-            maxnreg=_sm90.MAX_REGS, grid=(1,),
-        )  # fmt: skip
+        kernel = _warmup(d, causal, dtype, 256)
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, "not the warp-specialized kernel"
         lines.append(f"d={d} causal={causal} {dtype}: shared memory {kernel.metadata.shared} bytes")
     return lines
 
 
+def kernels_for_lengths(d: int, causal: bool, dtype: torch.dtype, lengths) -> int:
+    """How many distinct kernels the problems of these sequence lengths compile to: one, unless
+    an integer argument is specialized (Triton recompiles per divisibility by 16 of each)."""
+    return len({id(_warmup(d, causal, dtype, seq)) for seq in lengths})
+
+
+LENGTHS = (256, 763, 2048, 4342, 6411)  # lengths, strides and L2 head groups of each kind
+
+
 if __name__ == "__main__":
+    triton.runtime.driver.set_active(_Sm90Target())
     for line in compile_variants([(64, True, torch.float16), (128, False, torch.bfloat16)]):
         print(line)
+    print(
+        f"{kernels_for_lengths(64, True, torch.float16, LENGTHS)} kernel(s) for lengths {LENGTHS}"
+    )
     sys.exit(0)

@@ -110,6 +110,23 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 _PLANS: dict[tuple, tuple] = {}  # launch key -> (launcher, function, metadata, grid, constexprs)
 
 
+def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor, scale: float) -> tuple:  # fmt: skip
+    """The kernel's runtime arguments (descriptors, strides, sizes) for a 4-D problem."""
+    batch, heads, seq_q, d = q.shape
+    seq_k = k.shape[2]
+    # Causal: heads grouped so that a group's keys and values fit in L2 (L2_BUDGET).
+    group_heads = max(1, L2_BUDGET // (2 * seq_k * d * q.element_size()))
+    return (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
+            _descriptor(out, BLOCK_M), lse, lse.stride(0), lse.stride(1), batch * heads, heads,
+            heads // k.shape[1], seq_q, seq_k, scale * LOG2E, group_heads)  # fmt: skip
+
+
+def constexprs(d: int, causal: bool) -> dict:
+    """The kernel's compile-time arguments."""
+    return {"CAUSAL": causal, "STAGES": STAGES[d]}
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
             persistent: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of a 4-D problem :func:`forward_takes` accepted: out in q's layout, lse
@@ -119,12 +136,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     out = empty_like_layout(q, d)
     lse = q.new_empty((batch, heads, seq_q), dtype=torch.float32)
     index = q.get_device()
-    seq_k = k.shape[2]
-    # Causal: heads grouped so that a group's keys and values fit in L2 (L2_BUDGET).
-    group_heads = max(1, L2_BUDGET // (2 * seq_k * d * q.element_size()))
-    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-            _descriptor(out, BLOCK_M), lse, lse.stride(0), lse.stride(1), batch * heads, heads,
-            heads // k.shape[1], seq_q, seq_k, scale * LOG2E, group_heads)  # fmt: skip
+    args = launch_args(q, k, v, out, lse, scale)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, causal,
            index, persistent)  # fmt: skip
     entry = _PLANS.get(key)
@@ -141,12 +153,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     # program per tile and the hardware's scheduler balances them (H100 measurements:
     # docs/benchmarks.md).
     grid = (min(n_tiles, _sm_count(index)) if persistent else n_tiles, 1, 1)
-    constexprs = {"CAUSAL": causal, "STAGES": STAGES[d]}
+    meta = constexprs(d, causal)
     with torch.cuda.device(q.device):
-        compiled = attn_fwd_sm90[grid](*args, **constexprs, num_warps=NUM_WARPS,
+        compiled = attn_fwd_sm90[grid](*args, **meta, num_warps=NUM_WARPS,
                                        maxnreg=MAX_REGS)  # fmt: skip
     if fast_launch_allowed() and index == torch.cuda.current_device():
-        tail = tuple(constexprs.values())
+        tail = tuple(meta.values())
         remember(_PLANS, key, (compiled.run, compiled.function, compiled.packed_metadata, grid,
                                tail))  # fmt: skip
     return out, lse

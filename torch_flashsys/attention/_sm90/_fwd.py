@@ -38,6 +38,17 @@ from torch_flashsys.attention._sm90._gluon import (
     warpgroup_mma_wait,
 )
 
+_INTEGER_ARGS = [
+    "stride_lb",
+    "stride_lh",
+    "n_bh",
+    "n_heads",
+    "group",
+    "seq_q",
+    "seq_k",
+    "group_heads",
+]
+
 if AVAILABLE:
     LN2 = gl.constexpr(0.6931471805599453)  # ln(2): the kernel works in base 2, lse is natural
 
@@ -255,8 +266,10 @@ if AVAILABLE:
             n_done += 1
 
     # O = softmax(Q K^T * scale) V;  LSE = logsumexp(Q K^T * scale, dim=-1)
-    # (persistent: each program walks query tiles of 2 * BLOCK_M rows of one (batch, head))
-    @gluon.jit
+    # (persistent: each program walks query tiles of 2 * BLOCK_M rows of one (batch, head)).
+    # No integer argument is specialized: Triton would compile a kernel per combination of their
+    # divisibility by 16, i.e. again for many new sequence lengths (2-3 s each on an H100).
+    @gluon.jit(do_not_specialize=_INTEGER_ARGS)
     def attn_fwd_sm90(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, n_bh, n_heads, group, seq_q,
         seq_k, qk_scale, group_heads, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
