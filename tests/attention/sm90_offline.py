@@ -2,7 +2,8 @@
 cuda:90 target, then ``warmup`` (compile, no launch). Run as a script in a fresh process (the
 test suite runs the Triton interpreter, and the stand-in driver must not leak into other tests).
 
-    python -m tests.attention.sm90_offline      # prints one line per variant, exit 0 if all compile
+    python -m tests.attention.sm90_offline            # one line per variant, exit 0 if all compile
+    python -m tests.attention.sm90_offline backward   # the portable backward's compiles (counts)
 """
 
 from __future__ import annotations
@@ -80,8 +81,38 @@ def kernels_for_lengths(d: int, causal: bool, dtype: torch.dtype, lengths) -> in
 LENGTHS = (256, 763, 2048, 4342, 6411)  # lengths, strides and L2 head groups of each kind
 
 
+def backward_compiles(dtype: torch.dtype = torch.float16) -> tuple[int, int]:
+    """Compiles of the portable backward's two kernels for a new problem: ``(during
+    compile_together, during the launches' own warm-up after it)``; (2, 0) when they were
+    compiled together before the launches."""
+    from triton import knobs
+
+    from torch_flashsys.attention._extras import CAUSAL
+    from torch_flashsys.attention._launch import compile_together
+    from torch_flashsys.attention._triton_bwd import backward_launches
+
+    q, k, v, out, dout = (torch.zeros(1, 4, 200, 64, dtype=dtype) for _ in range(5))
+    lse, delta = torch.zeros(1, 4, 200), torch.zeros(1, 4, 200)
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _, launches = backward_launches(dout, q, k, v, out, lse, None, 0.125, CAUSAL, *grads, delta)
+    misses = []
+    knobs.runtime.jit_cache_hook = lambda *a, **kw: misses.append(1) and None
+    try:
+        compile_together([(c, plan.grid, args, plan.constexprs) for c, plan, args in launches])
+        together = len(misses)
+        for cache, plan, args in launches:  # what each launch would compile on its own
+            cache.kernel.warmup(*args, grid=plan.grid, **plan.constexprs)
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    return together, len(misses) - together
+
+
 if __name__ == "__main__":
     triton.runtime.driver.set_active(_Sm90Target())
+    if sys.argv[1:] == ["backward"]:
+        together, after = backward_compiles()
+        print(f"backward kernels compiled together, after: {together}, {after}")
+        sys.exit(0)
     for line in compile_variants([(64, True, torch.float16), (128, False, torch.bfloat16)]):
         print(line)
     print(

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from torch_flashsys.attention import _kernel_config as kc
 from torch_flashsys.attention import _triton_bwd, _triton_fwd
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 KERNELS = {
     "fwd": (_triton_fwd.FWD_SHAPES, _triton_fwd._fwd_footprint),
     "dq": (_triton_bwd.DQ_SHAPES, _triton_bwd._dq_footprint),
@@ -257,3 +259,20 @@ def test_a_length_keeps_its_own_tile_only_where_it_beats_the_compromise(times, f
         want = compromise if ms[compromise][s] <= tolerance * ms[fastest][s] else fastest
         assert table[kc.table_key("dq", 128, True, s)] == [int(x) for x in want.split("x")]
     assert len(table) == len(seqs)
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_a_new_backward_compiles_its_two_kernels_together(setting):
+    """A backward with a new launch key compiles the dQ and dK/dV kernels at once, in threads,
+    before launching them (``_launch.compile_together``); ``TORCH_FLASHSYS_PARALLEL_COMPILE=0``
+    leaves each to its launch. Compiled for sm90 without a GPU (the interpreter compiles nothing):
+    counts the compiles during ``compile_together`` and during the launches' warm-up after it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TORCH_FLASHSYS_PARALLEL_COMPILE"] = setting
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.attention.sm90_offline", "backward"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = "2, 0" if setting == "1" else "0, 2"
+    assert f"backward kernels compiled together, after: {expected}" in done.stdout, done.stdout

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -133,6 +134,40 @@ class LaunchCache:
         g = tuple(grid(meta))
         g = (g + (1, 1))[:3]
         remember(self._entries, key, (run, function, packed, g, tuple(meta[n] for n in tail_names)))
+
+
+def _async_compile_mode() -> Any:
+    try:
+        from triton.runtime import _async_compile
+
+        return _async_compile
+    except ImportError:  # a Triton without it: kernels compile one by one, as they are launched
+        return None
+
+
+_ASYNC = _async_compile_mode()
+
+
+def compile_together(launches: Sequence[tuple[LaunchCache, Callable, Sequence[Any], dict]]) -> None:
+    """Compile the kernels of launches about to be made at once, in threads (Triton's
+    ``AsyncCompileMode``), so that one kernel's ptxas and LLVM steps (which release the GIL)
+    overlap another's front end; the launches then find them compiled. ``launches``: ``(cache,
+    grid, args, constexprs)`` as the :class:`LaunchCache` calls will get them.
+
+    Best effort, for first calls only: nothing happens (each launch compiles its kernel itself)
+    with ``TORCH_FLASHSYS_PARALLEL_COMPILE=0``, under the interpreter or the opt-in autotuner, on a
+    Triton without the API, or while another asynchronous compile mode (e.g. Inductor's) is active.
+    """
+    if _ASYNC is None or os.environ.get("TORCH_FLASHSYS_PARALLEL_COMPILE", "1") == "0":
+        return
+    if interpreter_active() or _ASYNC.active_mode.get() is not None:
+        return
+    if any(hasattr(cache.kernel, "configs") for cache, *_ in launches):
+        return  # the autotuner's warm-up would compile every config
+    pool = ThreadPoolExecutor(len(launches), thread_name_prefix="torch_flashsys-compile")
+    with pool, _ASYNC.AsyncCompileMode(pool):  # leaving: the compiles done, the threads joined
+        for cache, grid, args, constexprs in launches:
+            cache.kernel.warmup(*args, grid=grid, **constexprs)
 
 
 class Plan:

@@ -16,7 +16,13 @@ import triton.language as tl
 from torch import Tensor
 
 from torch_flashsys.attention._extras import Extras
-from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
+from torch_flashsys.attention._launch import (
+    LaunchCache,
+    Plan,
+    compile_together,
+    dot_precision,
+    remember,
+)
 from torch_flashsys.attention._triton_common import (
     LOG2E,
     batch_strides,
@@ -378,33 +384,36 @@ def attention_backward(
         dk.zero_()  # keys of no sequence (none in a well-formed packed batch) get no gradient
         dv.zero_()
     delta = torch.empty_like(lse)
+    first, launches = backward_launches(dout, q, k, v, out, lse, dlse, scale, ex, dq, dk, dv, delta)
+    if first and q.is_cuda:  # a new key: compile both kernels at once (if not compiled yet)
+        with torch.cuda.device(q.device):
+            compile_together([(c, plan.grid, args, plan.constexprs) for c, plan, args in launches])
+    for cache, plan, args in launches:
+        cache(plan, plan.grid, args, plan.constexprs)
+    return dq, dk, dv
+
+
+def backward_launches(dout, q, k, v, out, lse, dlse, scale, ex, dq, dk, dv, delta):
+    """``(new key?, [(launch cache, plan, args)])``: the dQ and dK/dV launches of a backward,
+    their plan made on the key's first call."""
     precision = dot_precision(q.dtype)
     tensors, runtime, flags = kernel_extras(ex, q)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
            dout.stride(), q.dtype, precision, flags, tuple([t.dtype for t in tensors]), problem_dims(q, k, ex),
            runtime, dlse is None)  # fmt: skip
     plan = _PLANS.get(key)
-    if plan is None:
+    first = plan is None
+    if first:
         plan = _plan(
             dout, q, k, v, out, dq, dk, dv, dlse is not None, ex, runtime, flags, precision
         )
         remember(_PLANS, key, plan)
     plan_dq, plan_dkdv = plan
     tail = (scale * LOG2E, scale, *runtime[6:])
-    _launch_dq(
-        plan_dq,
-        plan_dq.grid,
-        (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, *tensors,
-         *plan_dq.ints, *tail),
-        plan_dq.constexprs,
-    )  # fmt: skip
-    _launch_dkdv(
-        plan_dkdv,
-        plan_dkdv.grid,
-        (q, k, v, dout, lse, delta, dk, dv, *tensors, *plan_dkdv.ints, *tail),
-        plan_dkdv.constexprs,
-    )
-    return dq, dk, dv
+    dq_args = (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, *tensors,
+               *plan_dq.ints, *tail)  # fmt: skip
+    dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *tensors, *plan_dkdv.ints, *tail)
+    return first, [(_launch_dq, plan_dq, dq_args), (_launch_dkdv, plan_dkdv, dkdv_args)]
 
 
 def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precision):
