@@ -133,6 +133,20 @@ e2e() {  # issue 27's training step; E2E_ARGS e.g. "--compiled eager" to split i
   shows e2e:16
 }
 
+sm90bwd() {  # the Hopper dK/dV kernel (opt-in): its GPU tests, its A/B, then (if both ran) the
+  # whole GPU suite with it switched on (TESTS, TEST_TIMEOUT as in "tests")
+  HYPOTHESIS_PROFILE=gpu step bwd_tests "${BWD_TEST_TIMEOUT:-150}" python3 -m pytest -q -rf \
+    -p no:cacheprovider -m gpu -n 4 -x tests/attention/test_sm90.py
+  if tail -n 1 "$OUT/bwd_tests.err" | grep -q "exit 0,"; then
+    step bwd_bench "${BWD_BENCH_TIMEOUT:-150}" python3 benchmarks/sm90_bwd.py --out sm90_bwd_h100.csv
+    if tail -n 1 "$OUT/bwd_bench.err" | grep -q "exit 0,"; then
+      TORCH_FLASHSYS_SM90_BWD=1 BENCH=0 tests
+    fi
+  fi
+  shows bwd_tests:8
+  [ -f "$OUT/bwd_bench.md" ] && show bwd_bench 30 && tail -n 5 "$OUT/bwd_bench.err"
+}
+
 context_parallel() {
   local n=${NPROC:-$(ngpus 2)} marker=gpu modes=ring
   [ "$n" -ge 2 ] && marker="gpu or multigpu" && modes=ring,ulysses
@@ -150,7 +164,7 @@ echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: \
 $(git status --porcelain 2>/dev/null | wc -l))" | tee -a "$OUT/env.txt"
 for section in "${@:-tests}"; do
   case $section in
-    tests | attention | features | startup | tune | harness | ddp | sharded | e2e | context_parallel) "$section" ;;
+    tests | attention | features | startup | tune | harness | ddp | sharded | e2e | context_parallel | sm90bwd) "$section" ;;
     *) echo "unknown section $section (see docs/benchmarking.md)" >&2 && exit 2 ;;
   esac
 done

@@ -60,6 +60,26 @@ def _warmup(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8):
     )  # fmt: skip
 
 
+def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bool,
+                heads: int = 8):  # fmt: skip
+    """Compile the Hopper dK/dV kernel for a ``(1, heads, seq, d)`` problem, GQA 2:1."""
+    from torch_flashsys.attention import _sm90
+    from torch_flashsys.attention._sm90._bwd import attn_bwd_dkdv_sm90
+
+    q = torch.zeros(1, heads, seq, d, dtype=dtype)
+    k = torch.zeros(1, heads // 2, seq, d, dtype=dtype)
+    lse = torch.zeros(1, heads, seq)
+    block = _sm90.BWD_BLOCK
+    args = (_sm90._descriptor(q, block), _sm90._descriptor(k, block), _sm90._descriptor(k, block),
+            _sm90._descriptor(q, block), lse, lse, lse.stride(0), lse.stride(1),
+            k, *k.stride()[:3], k, *k.stride()[:3], heads // 2, heads // 2, 2, seq, seq, 0.18,
+            0.125)  # fmt: skip
+    return attn_bwd_dkdv_sm90.warmup(
+        *args, CAUSAL=causal, STAGES=_sm90.BWD_STAGES[d], PIPELINE=pipeline,
+        num_warps=_sm90.NUM_WARPS, maxnreg=_sm90.MAX_REGS, grid=(1,),
+    )  # fmt: skip
+
+
 def compile_variants(variants) -> list[str]:
     """Compile ``(head_dim, causal, dtype)`` variants; one report line each (shared memory,
     registers at launch). Raises on the first that fails."""
@@ -115,6 +135,12 @@ if __name__ == "__main__":
         sys.exit(0)
     for line in compile_variants([(64, True, torch.float16), (128, False, torch.bfloat16)]):
         print(line)
+    for d, causal, dtype, pipeline in [(64, True, torch.float16, True),
+                                       (128, False, torch.bfloat16, False)]:  # fmt: skip
+        kernel = _warmup_bwd(d, causal, dtype, 256, pipeline)
+        assert "wgmma.mma_async" in kernel.asm["ptx"], "not the wgmma kernel"
+        print(f"dK/dV d={d} causal={causal} {dtype} pipeline={pipeline}: shared memory "
+              f"{kernel.metadata.shared} bytes")  # fmt: skip
     print(
         f"{kernels_for_lengths(64, True, torch.float16, LENGTHS)} kernel(s) for lengths {LENGTHS}"
     )

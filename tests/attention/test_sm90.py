@@ -82,6 +82,40 @@ def test_environment_switch_is_read_at_import():
         assert out == expected
 
 
+def test_the_hopper_backward_takes_what_the_forward_takes_once_switched_on():
+    """The dK/dV rule: the forward's, the backward switch, and a dO of q's shape and dtype whose
+    layout a TMA descriptor can read."""
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    with (
+        mock.patch.object(_sm90, "ENABLED", True),
+        mock.patch.object(_sm90, "_is_sm90", return_value=True),
+        mock.patch.object(torch.Tensor, "is_cuda", new=True),
+    ):
+        with mock.patch.object(_sm90, "BWD_ENABLED", False):
+            assert not _sm90.backward_takes(q, q, q, q, 0.1, CAUSAL)
+        with mock.patch.object(_sm90, "BWD_ENABLED", True):
+            assert _sm90.backward_takes(q, q, q, q, 0.1, CAUSAL)
+            assert _sm90.backward_takes(q, q[:, :1], q[:, :1], q.clone(), 0.1, PLAIN)  # GQA
+            wide = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+            for args in (
+                (q, q, q, q.half(), 0.1, PLAIN),  # dO of another dtype
+                (q, q, q, wide[..., ::2], 0.1, PLAIN),  # dO's last dimension strided
+                (q, q, q, q, 0.1, Extras(softcap=5.0)),  # not a plain or causal problem
+            ):
+                assert not _sm90.backward_takes(*args)
+
+
+def test_the_backward_switch_is_read_at_import():
+    """TORCH_FLASHSYS_SM90_BWD=1 turns the Hopper dK/dV kernel on wherever the forward is on;
+    unset, it is off (opt-in while it is measured)."""
+    code = "from torch_flashsys.attention import _sm90; print(_sm90.BWD_ENABLED)"
+    for value, expected in (("", "False"), ("1", str(_sm90.AVAILABLE and _sm90.VERIFIED))):
+        env = {**os.environ, "TORCH_FLASHSYS_SM90_BWD": value, "TORCH_FLASHSYS_SM90": ""}
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+        assert out == expected
+
+
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
 def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     """The Gluon source compiles for sm90 without a GPU (so CI checks it on its Triton)."""
@@ -89,7 +123,7 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("shared memory") == 2, done.stdout
+    assert done.stdout.count("shared memory") == 4, done.stdout  # two forwards, two dK/dV
     # A new sequence length compiles nothing: no integer argument is specialized (the first
     # call at a new length took 2-3 s on an H100 when they were).
     assert "\n1 kernel(s) for lengths" in done.stdout, done.stdout
@@ -160,3 +194,49 @@ def test_hopper_path_handles_tiny_sequences(length, seq):
         out = flash_attention(q, k, k, is_causal=False)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), k.double())
     assert (out.double() - ref).abs().max().item() < 2e-3
+
+
+@contextmanager
+def _hopper_backward(pipeline: bool = True):
+    """The Hopper dK/dV kernel switched on (every length allowed), its calls counted."""
+    with (
+        mock.patch.object(_sm90, "BWD_ENABLED", True),
+        mock.patch.object(_sm90, "BWD_PIPELINE", pipeline),
+        mock.patch.object(_sm90, "MIN_SEQ_K", 1),
+        mock.patch.object(_sm90, "backward_dkdv", wraps=_sm90.backward_dkdv) as spy,
+    ):
+        yield spy
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=20, deadline=None)
+@given(case=cases(max_seq=700, head_dims=(64, 128), max_batch=3), pipeline=st.booleans())
+@example(case=Case(4, 4, 4, 1100, 1100, 128, True, None, False, True, seed=1), pipeline=True)
+@example(case=Case(3, 8, 1, 1500, 700, 64, False, 0.3, False, False, seed=2), pipeline=True)
+@example(case=Case(1, 2, 3, 300, 1000, 64, True, None, False, False, seed=3), pipeline=False)
+def test_hopper_backward_matches_float64(case, dtype, pipeline):
+    """dK and dV from the Hopper kernel (counted) match float64 as the portable kernels' must:
+    GQA groups, ragged lengths, seq_k above and below seq_q, causal and not, strided layouts."""
+    with _hopper_backward(pipeline) as spy:
+        check_against_reference(case, dtype, _run(case), device="cuda")
+    assert spy.call_count == 1
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_backward_is_bitwise_reproducible(causal):
+    """No atomics: two backward passes give the same bits."""
+    q = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    dout = torch.randn_like(q)
+    with _hopper_backward() as spy:
+        grads = []
+        for _ in range(2):
+            out = flash_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    assert spy.call_count == 2
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

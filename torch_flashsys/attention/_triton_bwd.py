@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from torch_flashsys.attention._extras import Extras
+import torch_flashsys.attention._sm90 as _sm90
+from torch_flashsys.attention._extras import CAUSAL, Extras
 from torch_flashsys.attention._launch import (
     LaunchCache,
     Plan,
@@ -385,11 +386,16 @@ def attention_backward(
         dv.zero_()
     delta = torch.empty_like(lse)
     first, launches = backward_launches(dout, q, k, v, out, lse, dlse, scale, ex, dq, dk, dv, delta)
+    hopper = _sm90.backward_takes(q, k, v, dout, scale, ex)
+    if hopper:  # dK/dV on the Hopper kernel, after the dQ kernel has stored D
+        launches = launches[:1]
     if first and q.is_cuda:  # a new key: compile both kernels at once (if not compiled yet)
         with torch.cuda.device(q.device):
             compile_together([(c, plan.grid, args, plan.constexprs) for c, plan, args in launches])
     for cache, plan, args in launches:
         cache(plan, plan.grid, args, plan.constexprs)
+    if hopper:
+        _sm90.backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale, ex is CAUSAL)
     return dq, dk, dv
 
 

@@ -30,6 +30,7 @@ from torch_flashsys.attention._sm90._gluon import AVAILABLE, VERIFIED, TensorDes
 from torch_flashsys.attention._tensors import empty_like_layout
 
 if AVAILABLE:
+    from torch_flashsys.attention._sm90._bwd import attn_bwd_dkdv_sm90
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax is base 2
@@ -49,6 +50,13 @@ DEFAULT_ON = True  # the switch's default on a verified Triton (see the module d
 # "1" on wherever Gluon's Hopper API imports, "0" off, unset: DEFAULT_ON on a verified Triton.
 _MODE = os.environ.get("TORCH_FLASHSYS_SM90", "")
 ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFIED))
+
+
+# The Gluon dK/dV kernel (``_bwd``): opt-in while it is measured (``TORCH_FLASHSYS_SM90_BWD=1``).
+BWD_ENABLED = ENABLED and os.environ.get("TORCH_FLASHSYS_SM90_BWD", "") == "1"
+BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
+BWD_STAGES = {64: 4, 128: 3}  # Q/dO ring depth per head dim (shared memory: 96 / 160 KB)
+BWD_PIPELINE = True  # keep one step's dV/dK products in flight while the next S^T, dP^T issue
 
 
 def enabled() -> bool:
@@ -166,3 +174,48 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                   scale: float, ex: Extras) -> bool:  # fmt: skip
+    """Whether the dK/dV of this 4-D problem run on the Hopper kernel: the forward's rule, the
+    switch, and dO a TMA operand of q's shape."""
+    return (BWD_ENABLED and dout.shape == q.shape and dout.dtype == q.dtype
+            and forward_takes(q, k, v, scale, ex) and _tma_ok(dout))  # fmt: skip
+
+
+_BWD_PLANS: dict[tuple, tuple] = {}
+
+
+def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                  lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                  scale: float, causal: bool, pipeline: bool | None = None) -> None:  # fmt: skip
+    """dK and dV of a problem :func:`backward_takes` accepted into ``dk``/``dv`` (k's and v's
+    shapes, any strides with a unit last one), from ``lse`` and ``delta`` (float32 (B, H, L),
+    one layout; delta as the portable dQ kernel stores it)."""
+    batch, heads, seq_q, d = q.shape
+    n_kv = k.shape[1]
+    seq_k = k.shape[2]
+    pipeline = BWD_PIPELINE if pipeline is None else pipeline
+    args = (_descriptor(q, BWD_BLOCK), _descriptor(k, BWD_BLOCK), _descriptor(v, BWD_BLOCK),
+            _descriptor(dout, BWD_BLOCK), lse, delta, lse.stride(0), lse.stride(1),
+            dk, dk.stride(0), dk.stride(1), dk.stride(2), dv, dv.stride(0), dv.stride(1),
+            dv.stride(2), batch * n_kv, n_kv, heads // n_kv, seq_q, seq_k, scale * LOG2E,
+            scale)  # fmt: skip
+    index = q.get_device()
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
+           dv.stride(), q.dtype, causal, index, pipeline)  # fmt: skip
+    entry = _BWD_PLANS.get(key)
+    if entry is not None and index == torch.cuda.current_device() and not launch_hooks_set():
+        run, function, packed, (g0, g1, g2), tail = entry
+        run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(index), function, packed, None, None,
+            None, *args, *tail)  # fmt: skip
+        return
+    grid = (triton_cdiv(seq_k, 2 * BWD_BLOCK) * batch * n_kv, 1, 1)
+    meta = {"CAUSAL": causal, "STAGES": BWD_STAGES[d], "PIPELINE": pipeline}
+    with torch.cuda.device(q.device):
+        compiled = attn_bwd_dkdv_sm90[grid](*args, **meta, num_warps=NUM_WARPS,
+                                            maxnreg=MAX_REGS)  # fmt: skip
+    if fast_launch_allowed() and index == torch.cuda.current_device():
+        remember(_BWD_PLANS, key, (compiled.run, compiled.function, compiled.packed_metadata,
+                                   grid, tuple(meta.values())))  # fmt: skip

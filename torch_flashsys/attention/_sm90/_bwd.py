@@ -1,0 +1,261 @@
+"""FlashAttention dK/dV for Hopper (sm90) in Gluon: warp-specialized, TMA loads, async wgmma.
+
+The dK/dV half of the backward (the portable dQ kernel runs first and stores ``D = rowsum(dO * O)``
+(minus dLSE), which this kernel reads). One program per key tile of ``2 * BLOCK_N`` keys of one
+(batch, key/value head), heaviest causal tiles first (key tile 0 is seen by every query). Three
+partitions:
+
+- a **load** warp: the program's K and V tiles once (two halves each), then for every query head
+  of the GQA group and every query tile that sees these keys, the tile's Q and dO into a ring of
+  ``STAGES`` shared-memory buffers (ready barrier: TMA byte count; empty barrier: both consumers);
+- two **consumer** warpgroups, each owning ``BLOCK_N`` (64) keys of the tile and accumulating
+  their dK and dV in registers over the query tiles:
+  ``S^T = K Q^T``, ``dP^T = V dO^T`` (both operands in shared memory), ``P^T = exp2(S^T * scale
+  * log2 e - LSE * log2 e)``, ``dS^T = P^T (dP^T - D)``, ``dV += P^T dO``, ``dK += dS^T Q`` (P^T and
+  dS^T from registers). With ``PIPELINE`` the dV/dK products of one query tile stay in flight while
+  the next tile's ``S^T``/``dP^T`` are issued (FA3's intra-warpgroup overlap).
+
+Deterministic: every dK/dV row is summed by one program in a fixed order, no atomics. Query rows
+past ``seq_q`` read as zeros (TMA bounds) and their LSE as +inf, so their P is 0; keys past
+``seq_k`` only touch dK/dV rows that are never stored.
+
+Written against Triton 3.6's Gluon; :mod:`._gluon` guards the import.
+"""
+
+from __future__ import annotations
+
+from torch_flashsys.attention._sm90._gluon import (
+    AVAILABLE,
+    gl,
+    gluon,
+    mbarrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+_INTEGER_ARGS = [
+    "stride_lb",
+    "stride_lh",
+    "stride_kb",
+    "stride_kh",
+    "stride_kn",
+    "stride_vb",
+    "stride_vh",
+    "stride_vn",
+    "n_bhk",
+    "n_kv_heads",
+    "group",
+    "seq_q",
+    "seq_k",
+]
+
+if AVAILABLE:
+    LOG2E = gl.constexpr(1.4426950408889634)
+
+    @gluon.jit
+    def _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M: gl.constexpr, BLOCK_N2: gl.constexpr,
+                      CAUSAL: gl.constexpr):  # fmt: skip
+        """This program's (b, hk, n0, first query tile, query tiles): key tiles in order (causal:
+        tile 0 is the heaviest), heads varying fastest."""
+        pid = gl.program_id(0)
+        bhk = pid % n_bhk
+        n0 = (pid // n_bhk) * BLOCK_N2
+        n_m = gl.cdiv(seq_q, BLOCK_M)
+        m_lo = 0
+        if CAUSAL:  # top-left aligned: query row i sees keys j <= i
+            m_lo = gl.minimum(n0 // BLOCK_M, n_m)
+        return bhk // n_kv_heads, bhk % n_kv_heads, n0, m_lo, n_m
+
+    @gluon.jit
+    def _probs(s_t, lse2, n0w, m0, qk_scale, CAUSAL: gl.constexpr):
+        """``P^T`` of one (keys x queries) tile; causal tiles that cross the diagonal are masked
+        (``m0 < n0w + BLOCK_N``: some query of the tile precedes some key)."""
+        BLOCK_N: gl.constexpr = s_t.type.shape[0]
+        BLOCK_M: gl.constexpr = s_t.type.shape[1]
+        s_layout: gl.constexpr = s_t.type.layout
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+        if CAUSAL:
+            if m0 < n0w + BLOCK_N:
+                keys = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+                rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                p_t = gl.where(keys[:, None] <= rows[None, :], p_t, 0.0)
+        return p_t
+
+    @gluon.jit
+    def _row_stats(LSE, Delta, l_off, m0, seq_q, layout: gl.constexpr, BLOCK_M: gl.constexpr):
+        """LSE (base 2) and D of query rows m0.. as row vectors of the (keys x queries) tile;
+        rows past seq_q get LSE +inf (P = 0)."""
+        rows = m0 + gl.arange(0, BLOCK_M, layout=layout)
+        ok = rows < seq_q
+        lse2 = gl.load(LSE + l_off + rows, mask=ok, other=float("inf")) * LOG2E
+        delta = gl.load(Delta + l_off + rows, mask=ok, other=0.0)
+        return lse2, delta
+
+    @gluon.jit
+    def _consume(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr,
+                 WG: gl.constexpr):  # fmt: skip
+        """Consumer warpgroup WG: keys [n0 + WG * BLOCK_N, + BLOCK_N) of this program's tile."""
+        q_desc, k_desc, v_desc, do_desc = descs
+        q_smem, k_smem, v_smem, do_smem = bufs
+        kv_ready, ready, empty = bars
+        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
+        LSE, Delta, stride_lb, stride_lh, DK, sdk_b, sdk_h, sdk_n, DV, sdv_b, sdv_h, sdv_n = outs
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
+                                             CAUSAL)  # fmt: skip
+        n0w = n0 + WG * BLOCK_N
+        k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+        mbarrier.wait(kv_ready, 0)
+        n_steps = group * (n_m - m_lo)
+        if PIPELINE:
+            # Step 0's S^T and dP^T are issued before the loop, and every step issues the next
+            # step's pair before it waits for its own dV/dK products (the last step re-issues
+            # its own pair, drained after the loop, so the loop-carried values keep one type).
+            if n_steps > 0:
+                mbarrier.wait(ready.index(0), 0)
+            q = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+            do = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
+            s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        for step in range(n_steps):
+            g = step // (n_m - m_lo)
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
+            h = hk * group + g
+            l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            lse2, delta = _row_stats(LSE, Delta, l_off, m0, seq_q, col_layout, BLOCK_M)
+            st = step % STAGES
+            q = q_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
+            do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
+            if not PIPELINE:
+                mbarrier.wait(ready.index(st), (step // STAGES) & 1)
+                s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
+            p_t = _probs(s_w, lse2, n0w, m0, qk_scale, CAUSAL)
+            dp_w = warpgroup_mma_wait(0, deps=(dp_t, v, do))[0]
+            ds_t = p_t * (dp_w - delta[None, :])
+            pa = gl.convert_layout(p_t.to(dtype), a_layout)
+            dsa = gl.convert_layout(ds_t.to(dtype), a_layout)
+            dv = warpgroup_mma(pa, do, dv, is_async=True)
+            dk = warpgroup_mma(dsa, q, dk, is_async=True)
+            if PIPELINE:
+                more = step + 1 < n_steps
+                nt = gl.where(more, (step + 1) % STAGES, st)
+                if more:
+                    mbarrier.wait(ready.index(nt), ((step + 1) // STAGES) & 1)
+                q_next = q_smem.index(nt).reshape([BLOCK_M, HEAD_DIM])
+                do_next = do_smem.index(nt).reshape([BLOCK_M, HEAD_DIM])
+                s_t = warpgroup_mma(k, q_next.permute((1, 0)), zero_s, use_acc=False,
+                                    is_async=True)  # fmt: skip
+                dp_t = warpgroup_mma(v, do_next.permute((1, 0)), zero_s, use_acc=False,
+                                     is_async=True)  # fmt: skip
+                dv, dk = warpgroup_mma_wait(2, deps=(dv, dk, pa, dsa, q, do))[:2]
+            else:
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, dsa, q, do))[:2]
+            mbarrier.arrive(empty.index(st), count=1)  # both warpgroups release a stage
+        if PIPELINE:
+            warpgroup_mma_wait(0, deps=(s_t, dp_t))
+        # Epilogue: dK = scale * sum dS^T Q and dV, stored straight from registers (once per
+        # program); rows past seq_k are not stored.
+        rows = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        ok = (rows < seq_k)[:, None]
+        dk_base = DK + b.to(gl.int64) * sdk_b + hk.to(gl.int64) * sdk_h
+        dv_base = DV + b.to(gl.int64) * sdv_b + hk.to(gl.int64) * sdv_h
+        rows64 = rows.to(gl.int64)[:, None]
+        gl.store(dk_base + rows64 * sdk_n + cols[None, :], (dk * sm_scale).to(dtype), mask=ok)
+        gl.store(dv_base + rows64 * sdv_n + cols[None, :], dv.to(dtype), mask=ok)
+
+    @gluon.jit
+    def _consumer0(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+        _consume(descs, bufs, bars, sched, outs, CAUSAL, PIPELINE, 0)
+
+    @gluon.jit
+    def _consumer1(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+        _consume(descs, bufs, bars, sched, outs, CAUSAL, PIPELINE, 1)
+
+    @gluon.jit
+    def _load(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+        """Load warp: K and V (two halves each) once, then Q and dO per step into the ring."""
+        q_desc, k_desc, v_desc, do_desc = descs
+        q_smem, k_smem, v_smem, do_smem = bufs
+        kv_ready, ready, empty = bars
+        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
+                                             CAUSAL)  # fmt: skip
+        mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for i in gl.static_range(2):
+            tma_load(k_desc, [b, hk, n0 + i * BLOCK_N, 0], kv_ready, k_smem.index(i))
+            tma_load(v_desc, [b, hk, n0 + i * BLOCK_N, 0], kv_ready, v_smem.index(i))
+        n_steps = group * (n_m - m_lo)
+        for step in range(n_steps):
+            g = step // (n_m - m_lo)
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
+            st = step % STAGES
+            mbarrier.wait(empty.index(st), ((step // STAGES) & 1) ^ 1)  # fresh: parity 1 passes
+            mbarrier.expect(ready.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma_load(q_desc, [b, hk * group + g, m0, 0], ready.index(st), q_smem.index(st))
+            tma_load(do_desc, [b, hk * group + g, m0, 0], ready.index(st), do_smem.index(st))
+
+    # dV_j = sum_i P_ij^T dO_i;  dK_j = scale * sum_i dS_ij^T Q_i  (over every query head of the
+    # GQA group), P = exp(S - LSE), dS = P (dP - D), dP = dO V^T.
+    @gluon.jit(do_not_specialize=_INTEGER_ARGS)
+    def attn_bwd_dkdv_sm90(
+        q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,
+        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, n_bhk, n_kv_heads, group,
+        seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+        PIPELINE: gl.constexpr,
+    ):  # fmt: skip
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        gl.static_assert(BLOCK_N == 64, "one warpgroup of 64 keys per consumer")
+        gl.static_assert(BLOCK_M == BLOCK_N, "one descriptor block for queries and keys")
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(
+            dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout
+        )
+        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        descs = (q_desc, k_desc, v_desc, do_desc)
+        bufs = (q_smem, k_smem, v_smem, do_smem)
+        bars = (kv_ready, ready, empty)
+        sched = (n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale)
+        outs = (LSE, Delta, stride_lb, stride_lh, DK, stride_kb, stride_kh, stride_kn, DV,
+                stride_vb, stride_vh, stride_vn)  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_consumer0, (descs, bufs, bars, sched, outs, CAUSAL, PIPELINE)),
+                (_consumer1, (descs, bufs, bars, sched, outs, CAUSAL, PIPELINE)),
+                (_load, (descs, bufs, bars, sched, outs, CAUSAL, PIPELINE)),
+            ],
+            [4, 1],
+            [240, 24],
+        )
