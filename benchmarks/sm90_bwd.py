@@ -1,6 +1,6 @@
 """The Hopper dK/dV kernel against the portable one, SDPA's cuDNN in the same run (H100/H200).
 
-    python3 benchmarks/sm90_bwd.py [--out sm90_bwd_h100.csv]
+    python3 benchmarks/sm90_bwd.py [--out sm90_bwd_h100.csv] [--smoke]
 
 Per shape (bf16): backward-only and fwd+bwd ``do_bench`` medians of flash_attention with the
 portable backward, with the Hopper dK/dV kernel (pipelined and not), and of SDPA's cuDNN backend;
@@ -10,17 +10,18 @@ gradients of the Hopper variants are checked against the portable ones on the wa
 
 from __future__ import annotations
 
-import argparse
-import csv
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._harness import bench, parser, report
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
+from torch_flashsys.attention._extras import CAUSAL, PLAIN
 
 SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
     (1, 16, 16, 16384, 64, True),
@@ -29,7 +30,10 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
     (4, 16, 16, 4096, 64, False),
     (4, 32, 8, 2048, 64, True),
 ]
+SMOKE_SHAPES = [(1, 4, 2, 96, 64, True)]
 VARIANTS = {"portable": (False, True), "hopper": (True, True), "hopper, no pipeline": (True, False)}
+COLUMNS = ("shape", "impl", "bwd_ms", "fwd_bwd_ms", "dkdv_kernel_ms", "dkdv_tflops",
+           "max_grad_diff_vs_portable")  # fmt: skip
 
 
 def _grads(fn, q, k, v, dout):
@@ -37,6 +41,7 @@ def _grads(fn, q, k, v, dout):
 
 
 def _kernel_ms(fn, q, k, v, dout, name_part: str, iters: int = 5) -> float:
+    """CUDA time per backward of the kernels whose name contains ``name_part``."""
     out = fn(q, k, v)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
@@ -46,54 +51,65 @@ def _kernel_ms(fn, q, k, v, dout, name_part: str, iters: int = 5) -> float:
     return total / iters / 1000
 
 
-def rows_for(shape):
+def _timings(fn, q, k, v, dout, device) -> dict:
+    out = fn(q, k, v)
+    bwd = bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), device)
+    both = bench(lambda: _grads(fn, q, k, v, dout), device)
+    return {"bwd_ms": bwd["median_ms"], "fwd_bwd_ms": both["median_ms"]}
+
+
+def rows_for(shape, device: str) -> list[dict]:
     b, h, hk, n, d, causal = shape
-    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q = torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hk, n, d, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
     dout = torch.randn_like(q)
-    ours = lambda q, k, v: flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
-    flops = 4 * 2 * b * h * n * n * d / (2 if causal else 1)  # dK/dV's four matmuls
-    rows, reference = [], None
-    for name, (on, pipeline) in VARIANTS.items():
-        _sm90.BWD_ENABLED, _sm90.BWD_PIPELINE = on, pipeline
-        grads = _grads(ours, q, k, v, dout)
-        if reference is None:
-            reference = grads
-        diff = max((a.float() - r.float()).abs().max().item() for a, r in zip(grads, reference, strict=True))
-        out = ours(q, k, v)
-        bwd = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))  # noqa: B023
-        both = do_bench(lambda: _grads(ours, q, k, v, dout))
-        kernel = _kernel_ms(ours, q, k, v, dout, "dkdv")
-        rows.append((name, bwd, both, kernel, flops / kernel / 1e9, diff))
-    _sm90.BWD_ENABLED = False
-
-    def cudnn(q, k, v):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
-
-    out = cudnn(q, k, v)
-    bwd = do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
-    both = do_bench(lambda: _grads(cudnn, q, k, v, dout))
-    rows.append(("sdpa cudnn", bwd, both, float("nan"), float("nan"), float("nan")))
     label = f"{b}x{h}/{hk}x{n}x{d}{' causal' if causal else ''}"
-    return [(label, *r) for r in rows]
+
+    def ours(q, k, v):
+        return flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
+
+    flops = 4 * 2 * b * h * n * n * d / (2 if causal else 1)  # dK/dV's four matmuls
+    hopper = device == "cuda" and _sm90.forward_takes(q, k, v, d**-0.5, CAUSAL if causal else PLAIN)
+    rows, reference = [], None
+    saved = _sm90.BWD_ENABLED, _sm90.BWD_PIPELINE
+    try:
+        for name, (on, pipeline) in VARIANTS.items():
+            if on and not hopper:  # no Hopper GPU (or the forward's rule says no)
+                continue
+            _sm90.BWD_ENABLED, _sm90.BWD_PIPELINE = on, pipeline
+            grads = _grads(ours, q, k, v, dout)
+            reference = grads if reference is None else reference
+            diff = max((a - r).abs().max().item() for a, r in zip(grads, reference, strict=True))
+            row = {"shape": label, "impl": name, **_timings(ours, q, k, v, dout, device),
+                   "max_grad_diff_vs_portable": diff}  # fmt: skip
+            if device == "cuda":
+                row["dkdv_kernel_ms"] = _kernel_ms(ours, q, k, v, dout, "dkdv")
+                row["dkdv_tflops"] = flops / row["dkdv_kernel_ms"] / 1e9
+            rows.append(row)
+    finally:
+        _sm90.BWD_ENABLED, _sm90.BWD_PIPELINE = saved
+    if device == "cuda":
+
+        def cudnn(q, k, v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                      enable_gqa=h != hk)  # fmt: skip
+
+        rows.append(
+            {"shape": label, "impl": "sdpa cudnn", **_timings(cudnn, q, k, v, dout, device)}
+        )
+    return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="CSV name, written under $OUT (or here)")
-    args = parser.parse_args()
-    rows = [r for shape in SHAPES for r in rows_for(shape)]
-    header = ("shape", "impl", "bwd_ms", "fwd_bwd_ms", "dkdv_kernel_ms", "dkdv_tflops",
-              "max_grad_diff_vs_portable")  # fmt: skip
-    if args.out:
-        with open(os.path.join(os.environ.get("OUT", "."), args.out), "w", newline="") as f:
-            csv.writer(f).writerows([header, *rows])
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print("| " + " | ".join(header) + " |")
-    for r in rows:
-        print("| " + " | ".join(x if isinstance(x, str) else f"{x:.4g}" for x in r) + " |")
+    p = parser(__doc__, smoke="one tiny shape, portable backward only (CPU without a GPU)")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    rows = [r for shape in shapes for r in rows_for(shape, device)]
+    report("Hopper dK/dV kernel against the portable one", rows, COLUMNS, args.out)
 
 
 if __name__ == "__main__":

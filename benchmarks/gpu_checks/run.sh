@@ -138,7 +138,7 @@ sm90bwd() {  # the Hopper dK/dV kernel (opt-in): its GPU tests, its A/B, then (i
   HYPOTHESIS_PROFILE=gpu step bwd_tests "${BWD_TEST_TIMEOUT:-150}" python3 -m pytest -q -rf \
     -p no:cacheprovider -m gpu -n 4 -x tests/attention/test_sm90.py
   if tail -n 1 "$OUT/bwd_tests.err" | grep -q "exit 0,"; then
-    step bwd_bench "${BWD_BENCH_TIMEOUT:-150}" python3 benchmarks/sm90_bwd.py --out sm90_bwd_h100.csv
+    step bwd_bench "${BWD_BENCH_TIMEOUT:-150}" python3 benchmarks/sm90_bwd.py --out "$OUT/sm90_bwd_h100.csv"
     if tail -n 1 "$OUT/bwd_bench.err" | grep -q "exit 0,"; then
       TORCH_FLASHSYS_SM90_BWD=1 BENCH=0 tests
     fi
