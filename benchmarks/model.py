@@ -1,7 +1,8 @@
 r"""End-to-end benchmark of the reference LM: forward, forward+backward and a full AdamW train step.
 
 Mean and standard deviation per phase, tokens/s and peak memory over the measured steps; a
-configuration that runs out of memory is an OOM row; lists are swept. Modes, columns, NVTX ranges
+configuration that runs out of memory is an OOM row; lists are swept. ``--preset e2e`` instead
+alternates SDPA and flash_attention in one model every step and reports medians. Modes, columns, NVTX ranges
 and the memory_viz snapshot: docs/benchmarking.md, sections 1 and 2.
 
     python benchmarks/model.py --size small,medium,large,xl,2.7B --context-length 512 \
@@ -49,7 +50,8 @@ PRESETS = {
     "memory": dict(size="2.7B", context_length="128,256,512", dtype="fp32,bf16", mode="fwd,train",
                    warmup=1, steps=2),
     # Issue 27's training step: the LLaMA-1B-shaped LM (GQA 32/8), 8192 tokens a step, SDPA's
-    # default against flash_attention, eager and compiled; rows model,context,...,sdpa_ms,ours_ms.
+    # default against flash_attention in interleaved rounds (run_e2e), eager and compiled; rows
+    # model,context,batch,compiled,sdpa_ms,ours_ms.
     "e2e": dict(size="1B", context_length="2048,4096,8192", attention="sdpa,flash", dtype="bf16",
                 mode="train", tokens=8192, compiled="both", warmup=3, steps=10),
 }  # fmt: skip
@@ -240,29 +242,62 @@ def _plot(rows: list[dict], args: argparse.Namespace) -> None:
         line_plot(args.plot, series, "model size", "time per step (ms, mean)", title, log="y")
 
 
-def e2e_rows(rows: list[dict]) -> list[dict]:
-    """One row per (model, context, batch, compiled): SDPA's and flash_attention's mean step."""
-    cases: dict[tuple, dict] = {}
-    for r in rows:
-        case = cases.setdefault((r["size"], r["context"], r["batch"], r["compile"]), {})
-        case["sdpa_ms" if r["attention"] == "sdpa" else "ours_ms"] = r.get("step ms")
-    out = []
-    for (size, ctx, batch, compiled), ms in cases.items():
-        sdpa, ours = ms.get("sdpa_ms"), ms.get("ours_ms")
-        ratio = ours / sdpa if isinstance(sdpa, float) and isinstance(ours, float) else None
-        out.append({"model": size, "context": ctx, "batch": batch, "compiled": compiled,
-                    "sdpa_ms": sdpa, "ours_ms": ours, "ours / sdpa": ratio})  # fmt: skip
-    return out
+def run_e2e(args: argparse.Namespace) -> list[dict]:
+    """Issue 27's training step: one model per (compiled, size, context), its attention switched
+    (``set_attention``) between SDPA and flash_attention every step, in rounds whose order
+    alternates, one AdamW for both; median ms per step of each, one row per case."""
+    device = torch.device(args.device)
+    torch.set_float32_matmul_precision(args.matmul_precision)
+    rows = []
+    for compile_, size, ctx in itertools.product(args.compiles, args.sizes, args.contexts):
+        model, run_model = _build(args, size, ctx, "sdpa", device, compile_)
+        batch = max(1, args.tokens // ctx) if args.tokens else args.batch
+        row = {"model": size, "context": ctx, "batch": batch, "compiled": compile_}
+        rows.append(row)
+        if model is None:
+            row["sdpa_ms"] = row["ours_ms"] = "OOM"
+            continue
+        try:
+            row.update(_interleaved(model, run_model, ctx, batch, args, device))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            row["sdpa_ms"] = row["ours_ms"] = "OOM"
+        del model, run_model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _interleaved(model, run_model, ctx: int, batch: int, args, device) -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (batch, ctx), device=device, generator=gen)
+    targets = torch.randint(0, args.vocab, (batch, ctx), device=device, generator=gen)
+    step = _stepper(run_model, "train", DTYPES[args.dtypes[0]], device, tokens, targets)
+    choices = {"sdpa_ms": "sdpa", "ours_ms": "flash"}
+    for attention in choices.values():  # warm-up (and compile) each
+        model.set_attention(attention)
+        for _ in range(args.warmup):
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in choices}
+    for i in range(args.steps):
+        for name in list(choices)[:: 1 if i % 2 == 0 else -1]:
+            model.set_attention(choices[name])
+            samples[name].append(step()["step"])
+    ms = {name: statistics.median(xs) for name, xs in samples.items()}
+    return {**ms, "ours / sdpa": ms["ours_ms"] / ms["sdpa_ms"], "rounds": args.steps}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    rows = run(args)
     if args.preset == "e2e":
-        rows = e2e_rows(rows)
+        rows = run_e2e(args)
         cols = ["model", "context", "batch", "compiled", "sdpa_ms", "ours_ms", "ours / sdpa"]
         title = "Training step (bf16 autocast, AdamW): SDPA's default against flash_attention"
-        return report(f"{title}, {args.steps} measured steps", rows, cols, args.out)
+        title += f", median of {args.steps} interleaved rounds"
+        return report(title, rows, cols, args.out)
+    rows = run(args)
     if args.plot:
         _plot(rows, args)
     cols = ["size", "context", "attention", "dtype", "mode"]
