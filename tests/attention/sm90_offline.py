@@ -60,7 +60,7 @@ def _warmup(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8):
     )  # fmt: skip
 
 
-def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, schedule: str,
+def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bool,
                 heads: int = 8):  # fmt: skip
     """Compile the Hopper dK/dV kernel for a ``(1, heads, seq, d)`` problem, GQA 2:1."""
     from torch_flashsys.attention import _sm90
@@ -75,7 +75,7 @@ def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, schedule: st
             k, *k.stride()[:3], k, *k.stride()[:3], heads // 2, heads // 2, 2, seq, seq, 0.18,
             0.125)  # fmt: skip
     return attn_bwd_dkdv_sm90.warmup(
-        *args, CAUSAL=causal, STAGES=_sm90.BWD_STAGES[d], SCHEDULE=_sm90.BWD_SCHEDULES[schedule],
+        *args, CAUSAL=causal, STAGES=_sm90.BWD_STAGES[d], PIPELINE=pipeline,
         num_warps=_sm90.NUM_WARPS, maxnreg=_sm90.MAX_REGS, grid=(1,),
     )  # fmt: skip
 
@@ -135,12 +135,11 @@ if __name__ == "__main__":
         sys.exit(0)
     for line in compile_variants([(64, True, torch.float16), (128, False, torch.bfloat16)]):
         print(line)
-    for d, causal, dtype, schedule in [(64, True, torch.float16, "pipelined"),
-                                       (128, False, torch.bfloat16, "serial"),
-                                       (64, False, torch.bfloat16, "pingpong")]:  # fmt: skip
-        kernel = _warmup_bwd(d, causal, dtype, 256, schedule)
+    for d, causal, dtype, pipeline in [(64, True, torch.float16, True),
+                                       (128, False, torch.bfloat16, False)]:  # fmt: skip
+        kernel = _warmup_bwd(d, causal, dtype, 256, pipeline)
         assert "wgmma.mma_async" in kernel.asm["ptx"], "not the wgmma kernel"
-        print(f"dK/dV d={d} causal={causal} {dtype} {schedule}: shared memory "
+        print(f"dK/dV d={d} causal={causal} {dtype} pipeline={pipeline}: shared memory "
               f"{kernel.metadata.shared} bytes")  # fmt: skip
     print(
         f"{kernels_for_lengths(64, True, torch.float16, LENGTHS)} kernel(s) for lengths {LENGTHS}"

@@ -56,10 +56,7 @@ ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFI
 BWD_ENABLED = ENABLED and os.environ.get("TORCH_FLASHSYS_SM90_BWD", "") == "1"
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
 BWD_STAGES = {64: 4, 128: 3}  # Q/dO ring depth per head dim (shared memory: 96 / 160 KB)
-# How a consumer orders its products (``_bwd``'s SCHEDULE): "serial" (measured fastest on an
-# H100, docs/benchmarks.md), "pipelined", or "pingpong" (not yet measured).
-BWD_SCHEDULES = {"serial": 0, "pipelined": 1, "pingpong": 2}
-BWD_SCHEDULE = "serial"
+BWD_PIPELINE = True  # keep one step's dV/dK products in flight while the next S^T, dP^T issue
 
 
 def enabled() -> bool:
@@ -192,14 +189,14 @@ _BWD_PLANS: dict[tuple, tuple] = {}
 
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                   lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                  scale: float, causal: bool, schedule: str | None = None) -> None:  # fmt: skip
+                  scale: float, causal: bool, pipeline: bool | None = None) -> None:  # fmt: skip
     """dK and dV of a problem :func:`backward_takes` accepted into ``dk``/``dv`` (k's and v's
     shapes, any strides with a unit last one), from ``lse`` and ``delta`` (float32 (B, H, L),
     one layout; delta as the portable dQ kernel stores it)."""
     batch, heads, seq_q, d = q.shape
     n_kv = k.shape[1]
     seq_k = k.shape[2]
-    schedule = BWD_SCHEDULES[BWD_SCHEDULE if schedule is None else schedule]
+    pipeline = BWD_PIPELINE if pipeline is None else pipeline
     args = (_descriptor(q, BWD_BLOCK), _descriptor(k, BWD_BLOCK), _descriptor(v, BWD_BLOCK),
             _descriptor(dout, BWD_BLOCK), lse, delta, lse.stride(0), lse.stride(1),
             dk, dk.stride(0), dk.stride(1), dk.stride(2), dv, dv.stride(0), dv.stride(1),
@@ -207,7 +204,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
             scale)  # fmt: skip
     index = q.get_device()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
-           dv.stride(), q.dtype, causal, index, schedule)  # fmt: skip
+           dv.stride(), q.dtype, causal, index, pipeline)  # fmt: skip
     entry = _BWD_PLANS.get(key)
     if entry is not None and index == torch.cuda.current_device() and not launch_hooks_set():
         run, function, packed, (g0, g1, g2), tail = entry
@@ -215,7 +212,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
             None, *args, *tail)  # fmt: skip
         return
     grid = (triton_cdiv(seq_k, 2 * BWD_BLOCK) * batch * n_kv, 1, 1)
-    meta = {"CAUSAL": causal, "STAGES": BWD_STAGES[d], "SCHEDULE": schedule}
+    meta = {"CAUSAL": causal, "STAGES": BWD_STAGES[d], "PIPELINE": pipeline}
     with torch.cuda.device(q.device):
         compiled = attn_bwd_dkdv_sm90[grid](*args, **meta, num_warps=NUM_WARPS,
                                             maxnreg=MAX_REGS)  # fmt: skip

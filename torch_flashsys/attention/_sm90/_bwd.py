@@ -12,12 +12,8 @@ partitions:
   their dK and dV in registers over the query tiles:
   ``S^T = K Q^T``, ``dP^T = V dO^T`` (both operands in shared memory), ``P^T = exp2(S^T * scale
   * log2 e - LSE * log2 e)``, ``dS^T = P^T (dP^T - D)``, ``dV += P^T dO``, ``dK += dS^T Q`` (P^T and
-  dS^T from registers). ``SCHEDULE`` orders the products: 0 (serial) issues each step's pair of
-  products and waits for them in turn; 1 (pipelined) keeps one step's dV/dK products in flight
-  while the next step's ``S^T``/``dP^T`` are issued (FA3's intra-warpgroup overlap); 2 (ping-pong)
-  is serial with the two warpgroups taking turns to issue their products, as the forward's
-  consumers do, so that one's exponentials run while the other's products use the tensor cores
-  (without it both wait on the same ring stage and tend to compute in phase).
+  dS^T from registers). With ``PIPELINE`` the dV/dK products of one query tile stay in flight while
+  the next tile's ``S^T``/``dP^T`` are issued (FA3's intra-warpgroup overlap).
 
 Deterministic: every dK/dV row is summed by one program in a fixed order, no atomics. Query rows
 past ``seq_q`` read as zeros (TMA bounds) and their LSE as +inf, so their P is 0; keys past
@@ -55,8 +51,6 @@ _INTEGER_ARGS = [
 ]
 
 if AVAILABLE:
-    from torch_flashsys.attention._sm90._fwd import _my_turn, _pass_turn
-
     LOG2E = gl.constexpr(1.4426950408889634)
 
     @gluon.jit
@@ -99,15 +93,13 @@ if AVAILABLE:
         return lse2, delta
 
     @gluon.jit
-    def _consume(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr,
+    def _consume(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr,
                  WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: keys [n0 + WG * BLOCK_N, + BLOCK_N) of this program's tile."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
-        kv_ready, ready, empty, turns = bars
+        kv_ready, ready, empty = bars
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
-        PIPELINE: gl.constexpr = SCHEDULE == 1
-        PINGPONG: gl.constexpr = SCHEDULE == 2
         LSE, Delta, stride_lb, stride_lh, DK, sdk_b, sdk_h, sdk_n, DV, sdv_b, sdv_h, sdv_n = outs
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -153,24 +145,16 @@ if AVAILABLE:
             do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             if not PIPELINE:
                 mbarrier.wait(ready.index(st), (step // STAGES) & 1)
-                if PINGPONG:
-                    _my_turn(turns, 2 * step, WG)
                 s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                if PINGPONG:
-                    _pass_turn(turns, WG)
             s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
             p_t = _probs(s_w, lse2, n0w, m0, qk_scale, CAUSAL)
             dp_w = warpgroup_mma_wait(0, deps=(dp_t, v, do))[0]
             ds_t = p_t * (dp_w - delta[None, :])
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
             dsa = gl.convert_layout(ds_t.to(dtype), a_layout)
-            if PINGPONG:
-                _my_turn(turns, 2 * step + 1, WG)
             dv = warpgroup_mma(pa, do, dv, is_async=True)
             dk = warpgroup_mma(dsa, q, dk, is_async=True)
-            if PINGPONG:
-                _pass_turn(turns, WG)
             if PIPELINE:
                 more = step + 1 < n_steps
                 nt = gl.where(more, (step + 1) % STAGES, st)
@@ -200,19 +184,19 @@ if AVAILABLE:
         gl.store(dv_base + rows64 * sdv_n + cols[None, :], dv.to(dtype), mask=ok)
 
     @gluon.jit
-    def _consumer0(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr):
-        _consume(descs, bufs, bars, sched, outs, CAUSAL, SCHEDULE, 0)
+    def _consumer0(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+        _consume(descs, bufs, bars, sched, outs, CAUSAL, PIPELINE, 0)
 
     @gluon.jit
-    def _consumer1(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr):
-        _consume(descs, bufs, bars, sched, outs, CAUSAL, SCHEDULE, 1)
+    def _consumer1(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+        _consume(descs, bufs, bars, sched, outs, CAUSAL, PIPELINE, 1)
 
     @gluon.jit
-    def _load(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, SCHEDULE: gl.constexpr):
+    def _load(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
         """Load warp: K and V (two halves each) once, then Q and dO per step into the ring."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
-        kv_ready, ready, empty, turns = bars
+        kv_ready, ready, empty = bars
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -240,7 +224,7 @@ if AVAILABLE:
         q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,
         stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, n_bhk, n_kv_heads, group,
         seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-        SCHEDULE: gl.constexpr,
+        PIPELINE: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -256,24 +240,21 @@ if AVAILABLE:
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(turns.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
         descs = (q_desc, k_desc, v_desc, do_desc)
         bufs = (q_smem, k_smem, v_smem, do_smem)
-        bars = (kv_ready, ready, empty, turns)
+        bars = (kv_ready, ready, empty)
         sched = (n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale)
         outs = (LSE, Delta, stride_lb, stride_lh, DK, stride_kb, stride_kh, stride_kn, DV,
                 stride_vb, stride_vh, stride_vn)  # fmt: skip
         gl.warp_specialize(
             [
-                (_consumer0, (descs, bufs, bars, sched, outs, CAUSAL, SCHEDULE)),
-                (_consumer1, (descs, bufs, bars, sched, outs, CAUSAL, SCHEDULE)),
-                (_load, (descs, bufs, bars, sched, outs, CAUSAL, SCHEDULE)),
+                (_consumer0, (descs, bufs, bars, sched, outs, CAUSAL, PIPELINE)),
+                (_consumer1, (descs, bufs, bars, sched, outs, CAUSAL, PIPELINE)),
+                (_load, (descs, bufs, bars, sched, outs, CAUSAL, PIPELINE)),
             ],
             [4, 1],
             [240, 24],
