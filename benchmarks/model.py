@@ -2,8 +2,8 @@ r"""End-to-end benchmark of the reference LM: forward, forward+backward and a fu
 
 Mean and standard deviation per phase, tokens/s and peak memory over the measured steps; a
 configuration that runs out of memory is an OOM row; lists are swept. ``--preset e2e`` instead
-alternates SDPA and flash_attention in one model every step and reports medians. Modes, columns, NVTX ranges
-and the memory_viz snapshot: docs/benchmarking.md, sections 1 and 2.
+alternates SDPA and flash_attention in one model every step and reports medians. Modes, columns,
+NVTX ranges and the memory_viz snapshot: docs/benchmarking.md, sections 1 and 2.
 
     python benchmarks/model.py --size small,medium,large,xl,2.7B --context-length 512 \
         --dtype fp32,bf16 --mode fwd,fwd+bwd --out model.csv --plot model.png
@@ -129,10 +129,16 @@ def _stepper(model, mode: str, dtype, device: torch.device, tokens, targets):
     return step
 
 
-def _measure(model, ctx: int, args, dtype_name: str, mode: str, device, snapshot_path) -> dict:
+def _batch(vocab: int, batch: int, ctx: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed random (tokens, targets) of shape (batch, ctx): the same data every run."""
     gen = torch.Generator(device=device).manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.batch, ctx), device=device, generator=gen)
-    targets = torch.randint(0, args.vocab, (args.batch, ctx), device=device, generator=gen)
+    tokens = torch.randint(0, vocab, (batch, ctx), device=device, generator=gen)
+    targets = torch.randint(0, vocab, (batch, ctx), device=device, generator=gen)
+    return tokens, targets
+
+
+def _measure(model, ctx: int, args, dtype_name: str, mode: str, device, snapshot_path) -> dict:
+    tokens, targets = _batch(args.vocab, args.batch, ctx, device)
     step = _stepper(model, mode, DTYPES[dtype_name], device, tokens, targets)
     cuda = device.type == "cuda"
     with nvtx_range("warmup", cuda):
@@ -271,9 +277,7 @@ def run_e2e(args: argparse.Namespace) -> list[dict]:
 
 
 def _interleaved(model, run_model, ctx: int, batch: int, args, device) -> dict:
-    gen = torch.Generator(device=device).manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (batch, ctx), device=device, generator=gen)
-    targets = torch.randint(0, args.vocab, (batch, ctx), device=device, generator=gen)
+    tokens, targets = _batch(args.vocab, batch, ctx, device)
     step = _stepper(run_model, "train", DTYPES[args.dtypes[0]], device, tokens, targets)
     choices = {"sdpa_ms": "sdpa", "ours_ms": "flash"}
     for attention in choices.values():  # warm-up (and compile) each

@@ -69,14 +69,10 @@ def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bo
     q = torch.zeros(1, heads, seq, d, dtype=dtype)
     k = torch.zeros(1, heads // 2, seq, d, dtype=dtype)
     lse = torch.zeros(1, heads, seq)
-    block = _sm90.BWD_BLOCK
-    args = (_sm90._descriptor(q, block), _sm90._descriptor(k, block), _sm90._descriptor(k, block),
-            _sm90._descriptor(q, block), lse, lse, lse.stride(0), lse.stride(1),
-            k, *k.stride()[:3], k, *k.stride()[:3], heads // 2, heads // 2, 2, seq, seq, 0.18,
-            0.125)  # fmt: skip
     return attn_bwd_dkdv_sm90.warmup(
-        *args, CAUSAL=causal, STAGES=_sm90.BWD_STAGES[d], PIPELINE=pipeline,
-        num_warps=_sm90.NUM_WARPS, maxnreg=_sm90.MAX_REGS, grid=(1,),
+        *_sm90.backward_launch_args(q, k, k, q, lse, lse, k, k, 0.125), CAUSAL=causal,
+        STAGES=_sm90.BWD_STAGES[d], PIPELINE=pipeline, num_warps=_sm90.NUM_WARPS,
+        maxnreg=_sm90.MAX_REGS, grid=(1,),
     )  # fmt: skip
 
 

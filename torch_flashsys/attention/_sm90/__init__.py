@@ -187,21 +187,28 @@ def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
 _BWD_PLANS: dict[tuple, tuple] = {}
 
 
+def backward_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                         lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor,
+                         dv: torch.Tensor, scale: float) -> tuple:  # fmt: skip
+    """The dK/dV kernel's runtime arguments (descriptors, strides, sizes) for a 4-D problem."""
+    batch, heads, seq_q, _ = q.shape
+    n_kv, seq_k = k.shape[1], k.shape[2]
+    return (_descriptor(q, BWD_BLOCK), _descriptor(k, BWD_BLOCK), _descriptor(v, BWD_BLOCK),
+            _descriptor(dout, BWD_BLOCK), lse, delta, lse.stride(0), lse.stride(1),
+            dk, dk.stride(0), dk.stride(1), dk.stride(2), dv, dv.stride(0), dv.stride(1),
+            dv.stride(2), batch * n_kv, n_kv, heads // n_kv, seq_q, seq_k, scale * LOG2E,
+            scale)  # fmt: skip
+
+
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                   lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   scale: float, causal: bool, pipeline: bool | None = None) -> None:  # fmt: skip
     """dK and dV of a problem :func:`backward_takes` accepted into ``dk``/``dv`` (k's and v's
     shapes, any strides with a unit last one), from ``lse`` and ``delta`` (float32 (B, H, L),
     one layout; delta as the portable dQ kernel stores it)."""
-    batch, heads, seq_q, d = q.shape
-    n_kv = k.shape[1]
-    seq_k = k.shape[2]
+    batch, n_kv, seq_k, d = k.shape
     pipeline = BWD_PIPELINE if pipeline is None else pipeline
-    args = (_descriptor(q, BWD_BLOCK), _descriptor(k, BWD_BLOCK), _descriptor(v, BWD_BLOCK),
-            _descriptor(dout, BWD_BLOCK), lse, delta, lse.stride(0), lse.stride(1),
-            dk, dk.stride(0), dk.stride(1), dk.stride(2), dv, dv.stride(0), dv.stride(1),
-            dv.stride(2), batch * n_kv, n_kv, heads // n_kv, seq_q, seq_k, scale * LOG2E,
-            scale)  # fmt: skip
+    args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
     index = q.get_device()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
            dv.stride(), q.dtype, causal, index, pipeline)  # fmt: skip
