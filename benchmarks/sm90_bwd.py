@@ -1,11 +1,13 @@
-"""The Hopper dK/dV kernel against the portable one, SDPA's cuDNN in the same run (H100/H200).
+"""The Hopper backward kernels against the portable ones, SDPA's cuDNN in the same run (H100/H200).
 
     python3 benchmarks/sm90_bwd.py [--out sm90_bwd_h100.csv] [--smoke]
 
 Per shape (bf16): backward-only and fwd+bwd ``do_bench`` medians of flash_attention with the
-portable backward, with the Hopper dK/dV kernel (pipelined and not), and of SDPA's cuDNN backend;
-then each dK/dV kernel's own CUDA time (torch.profiler) and TFLOP/s over its four matmuls. The
-gradients of the Hopper variants are checked against the portable ones on the way.
+portable backward (the deterministic one), with the Hopper dK/dV kernel after the portable dQ
+kernel, with the fused Hopper backward (head dim 64), and of SDPA's cuDNN backend; then the
+CUDA time of each variant's backward kernels (torch.profiler; the fused one's preprocessing and
+dQ conversion included) and TFLOP/s over the backward's five matmuls. The gradients of the
+Hopper variants are checked against the portable ones on the way.
 """
 
 from __future__ import annotations
@@ -31,23 +33,29 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
     (4, 32, 8, 2048, 64, True),
 ]
 SMOKE_SHAPES = [(1, 4, 2, 96, 64, True)]
-VARIANTS = {"portable": (False, True), "hopper": (True, True), "hopper, no pipeline": (True, False)}
-COLUMNS = ("shape", "impl", "bwd_ms", "fwd_bwd_ms", "dkdv_kernel_ms", "dkdv_tflops",
+VARIANTS = {  # name: (the dK/dV kernel on, the fused kernel on)
+    "portable": (False, False),
+    "hopper dK/dV": (True, False),
+    "hopper fused": (False, True),
+}
+COLUMNS = ("shape", "impl", "bwd_ms", "fwd_bwd_ms", "bwd_kernels_ms", "bwd_tflops",
            "max_grad_diff_vs_portable")  # fmt: skip
+KERNELS = ("attn_bwd", "direct_copy_kernel")  # our backward kernels, the fused one's dQ convert
 
 
 def _grads(fn, q, k, v, dout):
     return torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
 
 
-def _kernel_ms(fn, q, k, v, dout, name_part: str, iters: int = 5) -> float:
-    """CUDA time per backward of the kernels whose name contains ``name_part``."""
+def _kernel_ms(fn, q, k, v, dout, name_parts, iters: int = 5) -> float:
+    """CUDA time per backward of the kernels whose name contains one of ``name_parts``."""
     out = fn(q, k, v)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         torch.cuda.synchronize()
-    total = sum(e.device_time_total for e in prof.key_averages() if name_part in e.key)
+    total = sum(e.device_time_total for e in prof.key_averages()
+                if any(part in e.key for part in name_parts))  # fmt: skip
     return total / iters / 1000
 
 
@@ -70,26 +78,29 @@ def rows_for(shape, device: str) -> list[dict]:
     def ours(q, k, v):
         return flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
 
-    flops = 4 * 2 * b * h * n * n * d / (2 if causal else 1)  # dK/dV's four matmuls
-    hopper = device == "cuda" and _sm90.forward_takes(q, k, v, d**-0.5, CAUSAL if causal else PLAIN)
+    flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)  # the backward's five matmuls
+    ex = CAUSAL if causal else PLAIN
+    hopper = device == "cuda" and _sm90.forward_takes(q, k, v, d**-0.5, ex)
     rows, reference = [], None
-    saved = _sm90.BWD_ENABLED, _sm90.BWD_PIPELINE
+    saved = _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED
     try:
-        for name, (on, pipeline) in VARIANTS.items():
-            if on and not hopper:  # no Hopper GPU (or the forward's rule says no)
+        for name, (dkdv, fused) in VARIANTS.items():
+            _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED = dkdv, fused
+            if (dkdv or fused) and not hopper:  # no Hopper GPU (or the forward's rule says no)
                 continue
-            _sm90.BWD_ENABLED, _sm90.BWD_PIPELINE = on, pipeline
+            if fused and not _sm90.fused_takes(q, k, v, dout, d**-0.5, ex):  # e.g. head dim 128
+                continue
             grads = _grads(ours, q, k, v, dout)
             reference = grads if reference is None else reference
             diff = max((a - r).abs().max().item() for a, r in zip(grads, reference, strict=True))
             row = {"shape": label, "impl": name, **_timings(ours, q, k, v, dout, device),
                    "max_grad_diff_vs_portable": diff}  # fmt: skip
             if device == "cuda":
-                row["dkdv_kernel_ms"] = _kernel_ms(ours, q, k, v, dout, "dkdv")
-                row["dkdv_tflops"] = flops / row["dkdv_kernel_ms"] / 1e9
+                row["bwd_kernels_ms"] = _kernel_ms(ours, q, k, v, dout, KERNELS)
+                row["bwd_tflops"] = flops / row["bwd_kernels_ms"] / 1e9
             rows.append(row)
     finally:
-        _sm90.BWD_ENABLED, _sm90.BWD_PIPELINE = saved
+        _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED = saved
     if device == "cuda":
 
         def cudnn(q, k, v):
@@ -109,7 +120,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     rows = [r for shape in shapes for r in rows_for(shape, device)]
-    report("Hopper dK/dV kernel against the portable one", rows, COLUMNS, args.out)
+    report("Hopper backward kernels against the portable ones", rows, COLUMNS, args.out)
 
 
 if __name__ == "__main__":

@@ -133,14 +133,14 @@ e2e() {  # issue 27's training step; E2E_ARGS e.g. "--compiled eager" to split i
   shows e2e:16
 }
 
-sm90bwd() {  # the Hopper dK/dV kernel (opt-in): its GPU tests, its A/B, then (if both ran) the
+sm90bwd() {  # the Hopper backward kernels (opt-in): their GPU tests, the A/B, then (if both ran) the
   # whole GPU suite with it switched on (TESTS, TEST_TIMEOUT as in "tests")
   HYPOTHESIS_PROFILE=gpu step bwd_tests "${BWD_TEST_TIMEOUT:-150}" python3 -m pytest -q -rf \
     -p no:cacheprovider -m gpu -n 4 -x tests/attention/test_sm90.py
   if tail -n 1 "$OUT/bwd_tests.err" | grep -q "exit 0,"; then
     step bwd_bench "${BWD_BENCH_TIMEOUT:-150}" python3 benchmarks/sm90_bwd.py --out "$OUT/sm90_bwd_h100.csv"
     if tail -n 1 "$OUT/bwd_bench.err" | grep -q "exit 0,"; then
-      TORCH_FLASHSYS_SM90_BWD=1 BENCH=0 tests
+      TORCH_FLASHSYS_SM90_BWD=${SM90_BWD:-fused} BENCH=0 tests
     fi
   fi
   shows bwd_tests:8

@@ -76,6 +76,21 @@ def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bo
     )  # fmt: skip
 
 
+def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8):
+    """Compile the fused Hopper backward for a ``(1, heads, seq, d)`` problem, GQA 2:1."""
+    from torch_flashsys.attention import _sm90
+    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
+
+    q = torch.zeros(1, heads, seq, d, dtype=dtype)
+    k = torch.zeros(1, heads // 2, seq, d, dtype=dtype)
+    lse = torch.zeros(1, heads, seq)
+    dq_acc = torch.zeros(1, heads, seq, d)
+    return attn_bwd_sm90.warmup(
+        *_sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, dq_acc, 0.125),
+        **_sm90.fused_constexprs(d, causal, dtype), grid=(1,),
+    )  # fmt: skip
+
+
 def compile_variants(variants) -> list[str]:
     """Compile ``(head_dim, causal, dtype)`` variants; one report line each (shared memory,
     registers at launch). Raises on the first that fails."""
@@ -137,6 +152,10 @@ if __name__ == "__main__":
         assert "wgmma.mma_async" in kernel.asm["ptx"], "not the wgmma kernel"
         print(f"dK/dV d={d} causal={causal} {dtype} pipeline={pipeline}: shared memory "
               f"{kernel.metadata.shared} bytes")  # fmt: skip
+    for causal, dtype in [(True, torch.bfloat16), (False, torch.float16)]:
+        kernel = _warmup_fused(64, causal, dtype, 256)
+        assert "add.v2.f32" in kernel.asm["ptx"], "no vectorized atomic dQ sums"
+        print(f"fused d=64 causal={causal} {dtype}: shared memory {kernel.metadata.shared} bytes")
     print(
         f"{kernels_for_lengths(64, True, torch.float16, LENGTHS)} kernel(s) for lengths {LENGTHS}"
     )

@@ -116,6 +116,86 @@ def test_the_backward_switch_is_read_at_import():
         assert out == expected
 
 
+def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
+    """The fused backward's rule: the forward's, its switch, head dim 64, dO a TMA operand of q's
+    shape and dtype, and not under ``torch.use_deterministic_algorithms(True)`` (its dQ sums are
+    atomic: that mode gets the portable, reproducible backward)."""
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    wide = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    with (
+        mock.patch.object(_sm90, "ENABLED", True),
+        mock.patch.object(_sm90, "_is_sm90", return_value=True),
+        mock.patch.object(torch.Tensor, "is_cuda", new=True),
+    ):
+        with mock.patch.object(_sm90, "FUSED_ENABLED", False):
+            assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
+        with mock.patch.object(_sm90, "FUSED_ENABLED", True):
+            assert _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
+            assert _sm90.fused_takes(q, q[:, :1], q[:, :1], q.clone(), 0.1, PLAIN)  # GQA
+            for args in (
+                (wide, wide, wide, wide, 0.1, PLAIN),  # no configuration for head dim 128
+                (q, q, q, q.half(), 0.1, PLAIN),  # dO of another dtype
+                (q, q, q, wide[..., ::2], 0.1, PLAIN),  # dO's last dimension strided
+                (q, q, q, q, 0.1, Extras(softcap=5.0)),  # not a plain or causal problem
+            ):
+                assert not _sm90.fused_takes(*args)
+            deterministic = torch.are_deterministic_algorithms_enabled()
+            try:
+                torch.use_deterministic_algorithms(True)
+                assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
+            finally:
+                torch.use_deterministic_algorithms(deterministic)
+
+
+def test_the_fused_backward_switch_is_read_at_import():
+    """TORCH_FLASHSYS_SM90_BWD=fused turns the fused backward on wherever the forward is on,
+    =1 the dK/dV kernel instead, =0 neither; unset, FUSED_DEFAULT decides on a verified Triton."""
+    code = ("from torch_flashsys.attention import _sm90; "
+            "print(_sm90.FUSED_ENABLED, _sm90.BWD_ENABLED)")  # fmt: skip
+    on = _sm90.AVAILABLE and _sm90.VERIFIED
+    for value, expected in (
+        ("", f"{on and _sm90.FUSED_DEFAULT} False"),
+        ("fused", f"{on} False"),
+        ("1", f"False {on}"),
+        ("0", "False False"),
+    ):
+        env = {**os.environ, "TORCH_FLASHSYS_SM90_BWD": value, "TORCH_FLASHSYS_SM90": ""}
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+        assert out == expected, value
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    batch=st.integers(1, 2), heads=st.integers(1, 3), seq=st.integers(1, 150),
+    transposed=st.booleans(), with_dlse=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, transposed,
+                                                          with_dlse, seed):  # fmt: skip
+    """The preprocessing kernel (plain Triton; the interpreter on CPU): D = rowsum(dO * O) - dLSE
+    for every row of every head, any layout of O and dO, and a zeroed dQ buffer."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    if transposed:  # (B, L, H, D) memory
+        out = rand(batch, seq, heads, 64).half().transpose(1, 2)
+    else:
+        out = rand(batch, heads, seq, 64).half()
+    dout = rand(batch, heads, seq, 64).half()
+    lse = rand(batch, heads, seq)
+    dlse = rand(batch, heads, seq) if with_dlse else None
+    delta, dq_acc = _sm90.backward_prep(out, dout, lse, dlse)
+    ref = (out.double() * dout.double()).sum(-1)
+    if with_dlse:
+        ref -= dlse.double()
+    assert delta.shape == lse.shape and delta.stride() == lse.stride()
+    assert (delta.double() - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
+    assert dq_acc.shape == out.shape and dq_acc.dtype == torch.float32 and dq_acc.is_contiguous()
+    assert not dq_acc.any()
+
+
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
 def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     """The Gluon source compiles for sm90 without a GPU (so CI checks it on its Triton)."""
@@ -123,7 +203,8 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("shared memory") == 4, done.stdout  # two forwards, two dK/dV
+    # two forwards, two dK/dV kernels, two fused backwards (with vectorized atomic dQ sums)
+    assert done.stdout.count("shared memory") == 6, done.stdout
     # A new sequence length compiles nothing: no integer argument is specialized (the first
     # call at a new length took 2-3 s on an H100 when they were).
     assert "\n1 kernel(s) for lengths" in done.stdout, done.stdout
@@ -240,3 +321,60 @@ def test_hopper_backward_is_bitwise_reproducible(causal):
             grads.append(torch.autograd.grad(out, (q, k, v), dout))
     assert spy.call_count == 2
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+@contextmanager
+def _fused_backward():
+    """The fused Hopper backward switched on (every length allowed), its calls counted."""
+    with (
+        mock.patch.object(_sm90, "FUSED_ENABLED", True),
+        mock.patch.object(_sm90, "MIN_SEQ_K", 1),
+        mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy,
+    ):
+        yield spy
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=25, deadline=None)
+@given(case=cases(max_seq=700, head_dims=(64,), max_batch=3))
+@example(case=Case(4, 4, 4, 1100, 1100, 64, True, None, False, True, seed=1))
+@example(case=Case(3, 8, 1, 1500, 700, 64, False, 0.3, False, False, seed=2))
+@example(case=Case(1, 2, 3, 300, 1000, 64, True, None, False, False, seed=3))
+@example(case=Case(2, 6, 2, 1, 5, 64, False, None, True, False, seed=4))
+def test_fused_backward_matches_float64(case, dtype):
+    """dQ, dK and dV from the fused kernel (counted) match float64 as the portable kernels'
+    must, with dLSE: GQA groups, ragged lengths, seq_k above and below seq_q, causal and not,
+    3-D and strided layouts."""
+    with _fused_backward() as spy:
+        check_against_reference(case, dtype, _run(case), device="cuda")
+    assert spy.call_count == 1
+
+
+@gpu
+@needs_sm90
+def test_fused_backward_steps_aside_for_deterministic_algorithms():
+    """Under ``torch.use_deterministic_algorithms(True)`` the reproducible backward runs: two
+    passes give the same bits, and the fused kernel is not called."""
+    q = torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    dout = torch.randn_like(q)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    with _fused_backward() as spy:
+        try:
+            torch.use_deterministic_algorithms(True)
+            grads = []
+            for _ in range(2):
+                out = flash_attention(q, k, v, is_causal=True, enable_gqa=True)
+                grads.append(torch.autograd.grad(out, (q, k, v), dout))
+        finally:
+            torch.use_deterministic_algorithms(deterministic)
+        assert spy.call_count == 0
+        out = flash_attention(q, k, v, is_causal=True, enable_gqa=True)
+        fused = torch.autograd.grad(out, (q, k, v), dout)
+        assert spy.call_count == 1
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    for a, b in zip(fused, grads[0], strict=True):  # the same gradients up to summation order
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()

@@ -378,6 +378,8 @@ def attention_backward(
     The last dimension of every 4-D tensor must be contiguous (stride 1). Everything the launch
     key determines (strides, lengths, grids, constexprs) is computed on the key's first call only.
     """
+    if q.numel() and _sm90.fused_takes(q, k, v, dout, scale, ex):  # Hopper: the fused kernel
+        return _sm90.backward(dout, q, k, v, out, lse, dlse, scale, ex is CAUSAL)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0:
         return dq, dk.zero_(), dv.zero_()

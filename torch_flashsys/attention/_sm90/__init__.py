@@ -25,12 +25,18 @@ import os
 import torch
 
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
-from torch_flashsys.attention._launch import fast_launch_allowed, launch_hooks_set, remember
+from torch_flashsys.attention._launch import (
+    LaunchCache,
+    fast_launch_allowed,
+    launch_hooks_set,
+    remember,
+)
+from torch_flashsys.attention._sm90._prep import attn_bwd_prep
 from torch_flashsys.attention._sm90._gluon import AVAILABLE, VERIFIED, TensorDescriptor, gl
 from torch_flashsys.attention._tensors import empty_like_layout
 
 if AVAILABLE:
-    from torch_flashsys.attention._sm90._bwd import attn_bwd_dkdv_sm90
+    from torch_flashsys.attention._sm90._bwd import attn_bwd_dkdv_sm90, attn_bwd_sm90
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax is base 2
@@ -52,8 +58,18 @@ _MODE = os.environ.get("TORCH_FLASHSYS_SM90", "")
 ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFIED))
 
 
-# The Gluon dK/dV kernel (``_bwd``): opt-in while it is measured (``TORCH_FLASHSYS_SM90_BWD=1``).
-BWD_ENABLED = ENABLED and os.environ.get("TORCH_FLASHSYS_SM90_BWD", "") == "1"
+# The Gluon backward kernels (``_bwd``), read once at import: ``TORCH_FLASHSYS_SM90_BWD=1`` the
+# deterministic dK/dV kernel (after the portable dQ kernel), ``=fused`` the fused five-product
+# kernel (dQ by float32 atomics), ``=0`` neither; unset: the fused kernel if FUSED_DEFAULT on a
+# verified Triton.
+_BWD_MODE = os.environ.get("TORCH_FLASHSYS_SM90_BWD", "")
+BWD_ENABLED = ENABLED and _BWD_MODE == "1"
+FUSED_DEFAULT = False
+FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
+                                                      and VERIFIED))  # fmt: skip
+FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
+FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
+FUSED_REGS = (192, 104)  # per thread: each consumer warpgroup, the dQ warpgroup
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
 BWD_STAGES = {64: 4, 128: 3}  # Q/dO ring depth per head dim (shared memory: 96 / 160 KB)
 BWD_PIPELINE = True  # keep one step's dV/dK products in flight while the next S^T, dP^T issue
@@ -226,3 +242,83 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
     if fast_launch_allowed() and index == torch.cuda.current_device():
         remember(_BWD_PLANS, key, (compiled.run, compiled.function, compiled.packed_metadata,
                                    grid, tuple(meta.values())))  # fmt: skip
+
+
+def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                scale: float, ex: Extras) -> bool:  # fmt: skip
+    """Whether the backward of this 4-D problem runs on the fused Hopper kernel: the forward's
+    rule, the switch, a head dim it has a configuration for, dO a TMA operand of q's shape, and
+    deterministic algorithms not requested (its dQ sums are atomic)."""
+    return (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES and dout.shape == q.shape
+            and dout.dtype == q.dtype and forward_takes(q, k, v, scale, ex) and _tma_ok(dout)
+            and not torch.are_deterministic_algorithms_enabled())  # fmt: skip
+
+
+_launch_prep = LaunchCache(attn_bwd_prep, n_tensors=5)
+PREP_BLOCK = 64
+
+
+def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                  dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(delta, dq_acc)``: D = rowsum(dO * O) - dLSE in lse's layout, and a zeroed float32
+    (B, H, L, d) buffer for the fused kernel's dQ sums."""
+    batch, heads, seq_q, d = out.shape
+    delta = torch.empty_like(lse)
+    dq_acc = out.new_empty((batch, heads, seq_q, d), dtype=torch.float32)
+    key = (out.shape, out.stride(), dout.stride(), lse.stride(), out.dtype, dlse is None)
+    args = (out, dout, lse if dlse is None else dlse, delta, dq_acc, *out.stride()[:3],
+            *dout.stride()[:3], lse.stride(0), lse.stride(1), heads, seq_q)  # fmt: skip
+    grid = (triton_cdiv(seq_q, PREP_BLOCK), batch * heads)
+    _launch_prep(key, lambda meta: grid, args,
+                 {"HAS_DLSE": dlse is not None, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d})
+    return delta, dq_acc
+
+
+_FUSED_PLANS: dict[tuple, tuple] = {}
+
+
+def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                      lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                      dq_acc: torch.Tensor, scale: float) -> tuple:  # fmt: skip
+    """The fused kernel's runtime arguments: the dK/dV kernel's, with the dQ buffer (contiguous
+    float32 (B, H, L, d)) inserted."""
+    args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
+    return (*args[:16], dq_acc, *args[16:])
+
+
+def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
+    """The fused kernel's compile-time arguments (and launch options)."""
+    ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
+                                                     getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
+    return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
+            "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "num_warps": NUM_WARPS,
+            "maxnreg": FUSED_MAX_REGS}  # fmt: skip
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, scale: float,
+             causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of a problem :func:`fused_takes` accepted, in q's, k's and v's layouts:
+    the preprocessing kernel, the fused kernel, then dQ's float32 sums converted."""
+    delta, dq_acc = backward_prep(out, dout, lse, dlse)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    args = fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale)
+    index = q.get_device()
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
+           dv.stride(), q.dtype, causal, index)  # fmt: skip
+    entry = _FUSED_PLANS.get(key)
+    if entry is not None and index == torch.cuda.current_device() and not launch_hooks_set():
+        run, function, packed, (g0, g1, g2), tail = entry
+        run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(index), function, packed, None, None,
+            None, *args, *tail)  # fmt: skip
+    else:
+        batch, n_kv, seq_k, d = k.shape
+        grid = (triton_cdiv(seq_k, 2 * BWD_BLOCK) * batch * n_kv, 1, 1)
+        meta = fused_constexprs(d, causal, q.dtype)
+        with torch.cuda.device(q.device):
+            compiled = attn_bwd_sm90[grid](*args, **meta)
+        if fast_launch_allowed() and index == torch.cuda.current_device():
+            tail = tuple(v for n, v in meta.items() if n not in ("num_warps", "maxnreg"))
+            remember(_FUSED_PLANS, key, (compiled.run, compiled.function,
+                                         compiled.packed_metadata, grid, tail))  # fmt: skip
+    return torch.empty_like(q).copy_(dq_acc), dk, dv

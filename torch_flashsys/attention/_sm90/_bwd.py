@@ -26,9 +26,11 @@ from __future__ import annotations
 
 from torch_flashsys.attention._sm90._gluon import (
     AVAILABLE,
+    fence_async_shared,
     gl,
     gluon,
     mbarrier,
+    thread_barrier,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
@@ -258,4 +260,186 @@ if AVAILABLE:
             ],
             [4, 1],
             [240, 24],
+        )
+
+
+    # The fused backward: dQ as well, so S and dP are computed once (five matrix products).
+    @gluon.jit
+    def _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                       WG: gl.constexpr):  # fmt: skip
+        """Consumer warpgroup WG of the fused kernel: as :func:`_consume` (serial), and each
+        step's dS^T goes to shared memory, where the dQ warpgroup reads it and this warpgroup's
+        dK product takes it as its A operand."""
+        q_desc, k_desc, v_desc, do_desc = descs
+        q_smem, k_smem, v_smem, do_smem = bufs
+        kv_ready, ready, empty = bars
+        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
+        LSE, Delta, stride_lb, stride_lh, DK, sdk_b, sdk_h, sdk_n, DV, sdv_b, sdv_h, sdv_n = outs
+        ds_smem, ds_ready, ds_empty, DQ = dqs
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
+                                             CAUSAL)  # fmt: skip
+        n0w = n0 + WG * BLOCK_N
+        k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+        mbarrier.wait(kv_ready, 0)
+        n_steps = group * (n_m - m_lo)
+        for step in range(n_steps):
+            g = step // (n_m - m_lo)
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
+            h = hk * group + g
+            l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+            lse2, delta = _row_stats(LSE, Delta, l_off, m0, seq_q, col_layout, BLOCK_M)
+            st = step % STAGES
+            q = q_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
+            do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
+            mbarrier.wait(ready.index(st), (step // STAGES) & 1)
+            s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
+            p_t = _probs(s_w, lse2, n0w, m0, qk_scale, CAUSAL)
+            pa = gl.convert_layout(p_t.to(dtype), a_layout)
+            dp_w = warpgroup_mma_wait(0, deps=(dp_t, v, do))[0]
+            dv = warpgroup_mma(pa, do, dv, is_async=True)
+            ds_t = (p_t * (dp_w - delta[None, :])).to(dtype)
+            # Hand dS^T over: the buffer is free once the dQ warpgroup's product read it.
+            buf = step % 2
+            ds_buf = ds_smem.index(2 * buf + WG)
+            mbarrier.wait(ds_empty.index(buf), ((step // 2) & 1) ^ 1)  # fresh: parity 1 passes
+            ds_buf.store(ds_t)
+            fence_async_shared()  # every thread's stores, before the async proxy reads them
+            thread_barrier()  # ... all of this warpgroup's, before one thread arrives
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, ds_buf, q, do))[:2]
+            mbarrier.arrive(empty.index(st), count=1)  # both warpgroups release a stage
+        rows = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        ok = (rows < seq_k)[:, None]
+        dk_base = DK + b.to(gl.int64) * sdk_b + hk.to(gl.int64) * sdk_h
+        dv_base = DV + b.to(gl.int64) * sdv_b + hk.to(gl.int64) * sdv_h
+        rows64 = rows.to(gl.int64)[:, None]
+        gl.store(dk_base + rows64 * sdk_n + cols[None, :], (dk * sm_scale).to(dtype), mask=ok)
+        gl.store(dv_base + rows64 * sdv_n + cols[None, :], dv.to(dtype), mask=ok)
+
+    @gluon.jit
+    def _fused_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
+        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, 0)
+
+    @gluon.jit
+    def _fused_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
+        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, 1)
+
+    @gluon.jit
+    def _fused_load(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
+        _load(descs, bufs, bars, sched, outs, CAUSAL, False)
+
+    @gluon.jit
+    def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
+        """The dQ warpgroup: per step, dQ_i += scale * dS_i K over the program's 2 x BLOCK_N keys
+        (both consumers' dS^T tiles from shared memory, K as loaded), added into the float32
+        dQ buffer with atomics, so the consumers never wait on the reduction."""
+        q_desc, k_desc, v_desc, do_desc = descs
+        q_smem, k_smem, v_smem, do_smem = bufs
+        kv_ready, ready, empty = bars
+        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
+        ds_smem, ds_ready, ds_empty, DQ = dqs
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
+                                             CAUSAL)  # fmt: skip
+        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        offs = rows[:, None] * HEAD_DIM + cols[None, :]  # the buffer is (B, H, seq_q, HEAD_DIM)
+        zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        k0 = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+        k1 = k_smem.index(1).reshape([BLOCK_N, HEAD_DIM])
+        mbarrier.wait(kv_ready, 0)
+        n_steps = group * (n_m - m_lo)
+        for step in range(n_steps):
+            g = step // (n_m - m_lo)
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
+            buf = step % 2
+            ds0 = ds_smem.index(2 * buf).permute((1, 0))
+            ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
+            mbarrier.wait(ds_ready.index(buf), (step // 2) & 1)
+            dq = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
+            dq = warpgroup_mma(ds1, k1, dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=(dq, ds0, ds1, k0, k1))[0]
+            mbarrier.arrive(ds_empty.index(buf), count=1)
+            # Rows of HEAD_DIM floats from a multiple of HEAD_DIM: vectorized atomics.
+            row0 = ((b * n_kv_heads + hk) * group + g).to(gl.int64) * seq_q + m0
+            base = DQ + row0 * HEAD_DIM
+            ok = (m0 + rows < seq_q)[:, None]
+            gl.atomic_add(base + offs, dq * sm_scale, mask=ok, sem="relaxed")
+
+    # dQ = scale * sum_j dS_ij K_j; dK, dV as the dK/dV kernel. dQ is summed with float32 atomics
+    # (not reproducible bit for bit: the order of the additions varies).
+    @gluon.jit(do_not_specialize=_INTEGER_ARGS)
+    def attn_bwd_sm90(
+        q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,
+        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ,
+        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+        STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        DQ_REGS: gl.constexpr,
+    ):  # fmt: skip
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        gl.static_assert(BLOCK_N == 64, "one warpgroup of 64 keys per consumer")
+        gl.static_assert(BLOCK_M == BLOCK_N, "one descriptor block for queries and keys")
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(
+            dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout
+        )
+        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M], DS_LAYOUT)  # 2 x 2
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves stored
+            mbarrier.init(ds_empty.index(i), count=1)  # the dQ warpgroup's product read them
+        descs = (q_desc, k_desc, v_desc, do_desc)
+        bufs = (q_smem, k_smem, v_smem, do_smem)
+        bars = (kv_ready, ready, empty)
+        sched = (n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale)
+        outs = (LSE, Delta, stride_lb, stride_lh, DK, stride_kb, stride_kh, stride_kn, DV,
+                stride_vb, stride_vh, stride_vn)  # fmt: skip
+        dqs = (ds_smem, ds_ready, ds_empty, DQ)
+        gl.warp_specialize(
+            [
+                (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
+                (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
+                (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
+                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, DQ_REGS, 24],
         )

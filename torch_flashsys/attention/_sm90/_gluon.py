@@ -3,7 +3,8 @@
 Gluon's API moves between Triton releases; the Hopper kernels are written against Triton 3.6 and
 also compile with 3.9, whose TMA copies are named ``async_load`` / ``async_store`` (3.6:
 ``async_copy_global_to_shared`` / ``async_copy_shared_to_global``): :data:`tma_load` and
-:data:`tma_store` are whichever this Triton has. ``AVAILABLE`` is False where the import fails
+:data:`tma_store` are whichever this Triton has, as is :data:`thread_barrier` (3.9:
+``gl.barrier``). ``AVAILABLE`` is False where the import fails
 (no Gluon, another API): the kernels are then not defined and the portable Triton kernels serve
 every call. ``VERIFIED`` says whether this Triton is one the kernels were run and checked on.
 """
@@ -24,9 +25,11 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
 
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.9: ``barrier``
     AVAILABLE = hasattr(gl, "warp_specialize") and hasattr(gl, "NVMMADistributedLayout")
 except Exception:  # ImportError, or an API whose import itself fails
     gluon = gl = fence_async_shared = mbarrier = tma = tma_load = tma_store = None
+    thread_barrier = None
     warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     AVAILABLE = False
 
@@ -49,6 +52,7 @@ __all__ = [
     "mbarrier",
     "tma",
     "tma_load",
+    "thread_barrier",
     "tma_store",
     "warpgroup_mma",
     "warpgroup_mma_wait",

@@ -1,0 +1,34 @@
+"""The fused Hopper backward's preprocessing, a plain Triton kernel (it runs anywhere, the
+interpreter included): ``D = rowsum(dO * O) - dLSE`` for every query row, and the float32 dQ
+buffer zeroed for the backward's atomic sums."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["seq_q"])
+def attn_bwd_prep(
+    O, DO, DLSE, Delta, DQ, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, n_heads, seq_q, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, b * n_heads + h). ``DQ`` is (B, H, seq_q, HEAD_DIM), contiguous."""
+    bh = tl.program_id(1)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = rows < seq_q
+    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + cols[None, :],
+                mask=ok[:, None], other=0.0)  # fmt: skip
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom
+                 + cols[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    l_off = b * stride_lb + h * stride_lh + rows
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + l_off, mask=ok, other=0.0)
+    tl.store(Delta + l_off, delta, mask=ok)
+    dq = DQ + bh.to(tl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+    tl.store(dq, tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=ok[:, None])
