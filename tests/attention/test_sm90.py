@@ -179,10 +179,9 @@ def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, tra
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
 
-    if transposed:  # (B, L, H, D) memory
-        out = rand(batch, seq, heads, 64).half().transpose(1, 2)
-    else:
-        out = rand(batch, heads, seq, 64).half()
+    shape = (batch, seq, heads, 64) if transposed else (batch, heads, seq, 64)
+    out = rand(*shape).half()
+    out = out.transpose(1, 2) if transposed else out  # (B, L, H, D) memory
     dout = rand(batch, heads, seq, 64).half()
     lse = rand(batch, heads, seq)
     dlse = rand(batch, heads, seq) if with_dlse else None

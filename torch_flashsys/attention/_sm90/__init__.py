@@ -31,8 +31,8 @@ from torch_flashsys.attention._launch import (
     launch_hooks_set,
     remember,
 )
-from torch_flashsys.attention._sm90._prep import attn_bwd_prep
 from torch_flashsys.attention._sm90._gluon import AVAILABLE, VERIFIED, TensorDescriptor, gl
+from torch_flashsys.attention._sm90._prep import attn_bwd_prep
 from torch_flashsys.attention._tensors import empty_like_layout
 
 if AVAILABLE:
@@ -269,8 +269,12 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     args = (out, dout, lse if dlse is None else dlse, delta, dq_acc, *out.stride()[:3],
             *dout.stride()[:3], lse.stride(0), lse.stride(1), heads, seq_q)  # fmt: skip
     grid = (triton_cdiv(seq_q, PREP_BLOCK), batch * heads)
-    _launch_prep(key, lambda meta: grid, args,
-                 {"HAS_DLSE": dlse is not None, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d})
+    _launch_prep(
+        key,
+        lambda meta: grid,
+        args,
+        {"HAS_DLSE": dlse is not None, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d},
+    )
     return delta, dq_acc
 
 

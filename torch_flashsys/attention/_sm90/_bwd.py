@@ -262,7 +262,6 @@ if AVAILABLE:
             [240, 24],
         )
 
-
     # The fused backward: dQ as well, so S and dP are computed once (five matrix products).
     @gluon.jit
     def _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,

@@ -10,7 +10,7 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["seq_q"])
 def attn_bwd_prep(
-    O, DO, DLSE, Delta, DQ, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    Out, DO, DLSE, Delta, DQ, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, n_heads, seq_q, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
@@ -21,7 +21,7 @@ def attn_bwd_prep(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, HEAD_DIM)
     ok = rows < seq_q
-    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + cols[None, :],
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + cols[None, :],
                 mask=ok[:, None], other=0.0)  # fmt: skip
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom
                  + cols[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
