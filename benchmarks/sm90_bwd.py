@@ -24,6 +24,7 @@ from benchmarks._harness import bench, parser, report
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 from torch_flashsys.attention._extras import CAUSAL, PLAIN
+from torch_flashsys.attention._triton_fwd import attention_forward
 
 SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
     (1, 16, 16, 16384, 64, True),
@@ -114,9 +115,74 @@ def rows_for(shape, device: str) -> list[dict]:
     return rows
 
 
+# Compile-time variants of the fused kernel (--variants): consumer/dQ-warpgroup registers, dS
+# buffers, K/V and dS^T as register operands, and two measurement-only cuts (PROBE 1: the dQ
+# product without its atomic sums; 2: no dQ work at all; both give wrong dQ).
+FUSED_VARIANTS = {
+    "ss dK, 192/104 regs": {"CONSUMER_REGS": 192, "DQ_REGS": 104},
+    "ss dK": {},
+    "rs dK": {"DK_RS": True},
+    "rs dK, 4 dS buffers": {"DK_RS": True, "NBUF": 4},
+    "rs dK, rs K/V": {"DK_RS": True, "KV_RS": True},
+    "rs dK, no atomics (probe)": {"DK_RS": True, "PROBE": 1},
+    "rs dK, no dQ (probe)": {"DK_RS": True, "PROBE": 2},
+}
+VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
+                  (4, 32, 8, 2048, 64, True)]  # fmt: skip
+
+
+def variant_rows(shape) -> list[dict]:
+    """Kernel-only ``do_bench`` medians of each fused variant (the preprocessing and the dQ
+    conversion excluded), with its largest gradient difference from the portable backward."""
+    from triton.testing import do_bench
+
+    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
+
+    b, h, hk, n, d, causal = shape
+    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    dout = torch.randn_like(q)
+    out = flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
+    saved = _sm90.FUSED_ENABLED
+    _sm90.FUSED_ENABLED = False
+    try:
+        ref = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    finally:
+        _sm90.FUSED_ENABLED = saved
+    ex = CAUSAL if causal else PLAIN
+    o2, lse = (_sm90.forward(q, k, v, d**-0.5, causal) if _sm90.forward_takes(q, k, v, d**-0.5, ex)
+               else attention_forward(q, k, v, d**-0.5, ex))  # fmt: skip
+    label = f"{b}x{h}/{hk}x{n}x{d}{' causal' if causal else ''}"
+    flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)
+    rows = []
+    for name, extra in FUSED_VARIANTS.items():
+        delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
+        meta = {**_sm90.fused_constexprs(d, causal, q.dtype), **extra}
+        grid = (-(-n // (2 * _sm90.BWD_BLOCK)) * b * hk, 1, 1)
+        attn_bwd_sm90[grid](*args, **meta)
+        got = (dq_acc.to(q.dtype), dk, dv)
+        diff = max(
+            (a.float() - r.float()).abs().max().item() for a, r in zip(got, ref, strict=True)
+        )
+        ms = do_bench(lambda g=grid, a=args, m=meta: attn_bwd_sm90[g](*a, **m), warmup=25, rep=200)
+        rows.append({"shape": label, "variant": name, "kernel_ms": ms,
+                     "tflops": flops / ms / 1e9, "max_grad_diff_vs_portable": diff})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     p = parser(__doc__, smoke="one tiny shape, portable backward only (CPU without a GPU)")
+    p.add_argument("--variants", action="store_true",
+                   help="time compile-time variants of the fused kernel (kernel only; GPU)")  # fmt: skip
     args = p.parse_args()
+    if args.variants:
+        rows = [r for shape in VARIANT_SHAPES for r in variant_rows(shape)]
+        columns = ("shape", "variant", "kernel_ms", "tflops", "max_grad_diff_vs_portable")
+        report("Fused Hopper backward: compile-time variants", rows, columns, args.out)
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     rows = [r for shape in shapes for r in rows_for(shape, device)]

@@ -281,6 +281,7 @@ def _hopper_backward(pipeline: bool = True):
     """The Hopper dK/dV kernel switched on (every length allowed), its calls counted."""
     with (
         mock.patch.object(_sm90, "BWD_ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_ENABLED", False),
         mock.patch.object(_sm90, "BWD_PIPELINE", pipeline),
         mock.patch.object(_sm90, "MIN_SEQ_K", 1),
         mock.patch.object(_sm90, "backward_dkdv", wraps=_sm90.backward_dkdv) as spy,

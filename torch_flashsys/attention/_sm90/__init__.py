@@ -69,7 +69,7 @@ FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_
                                                       and VERIFIED))  # fmt: skip
 FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
-FUSED_REGS = (192, 104)  # per thread: each consumer warpgroup, the dQ warpgroup
+FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
 BWD_STAGES = {64: 4, 128: 3}  # Q/dO ring depth per head dim (shared memory: 96 / 160 KB)
 BWD_PIPELINE = True  # keep one step's dV/dK products in flight while the next S^T, dP^T issue

@@ -265,10 +265,12 @@ if AVAILABLE:
     # The fused backward: dQ as well, so S and dP are computed once (five matrix products).
     @gluon.jit
     def _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                       WG: gl.constexpr):  # fmt: skip
+                       KV_RS: gl.constexpr, DK_RS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the fused kernel: as :func:`_consume` (serial), and each
-        step's dS^T goes to shared memory, where the dQ warpgroup reads it and this warpgroup's
-        dK product takes it as its A operand."""
+        step's dS^T goes to shared memory, where the dQ warpgroup reads it. ``KV_RS``: this
+        warpgroup's K and V tiles are held in registers as the A operands of S^T and dP^T (else
+        read from shared memory by every product); ``DK_RS``: dS^T is the dK product's A
+        operand from registers (else from its shared-memory copy)."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
@@ -279,6 +281,7 @@ if AVAILABLE:
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = q_smem.type.shape[0]
+        NBUF: gl.constexpr = ds_ready.type.shape[0]
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
@@ -297,6 +300,11 @@ if AVAILABLE:
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
         mbarrier.wait(kv_ready, 0)
+        if KV_RS:
+            kv_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout,
+                                                          k_width=2)  # fmt: skip
+            ka = k.load(kv_layout)
+            va = v.load(kv_layout)
         n_steps = group * (n_m - m_lo)
         for step in range(n_steps):
             g = step // (n_m - m_lo)
@@ -308,24 +316,39 @@ if AVAILABLE:
             q = q_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             mbarrier.wait(ready.index(st), (step // STAGES) & 1)
-            s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
+            if KV_RS:
+                s_t = warpgroup_mma(ka, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                dp_t = warpgroup_mma(va, do.permute((1, 0)), zero_s, use_acc=False,
+                                     is_async=True)  # fmt: skip
+                s_w = warpgroup_mma_wait(1, deps=(s_t, ka, q))[0]
+            else:
+                s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False,
+                                     is_async=True)  # fmt: skip
+                s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
             p_t = _probs(s_w, lse2, n0w, m0, qk_scale, CAUSAL)
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
-            dp_w = warpgroup_mma_wait(0, deps=(dp_t, v, do))[0]
+            if KV_RS:
+                dp_w = warpgroup_mma_wait(0, deps=(dp_t, va, do))[0]
+            else:
+                dp_w = warpgroup_mma_wait(0, deps=(dp_t, v, do))[0]
             dv = warpgroup_mma(pa, do, dv, is_async=True)
             ds_t = (p_t * (dp_w - delta[None, :])).to(dtype)
             # Hand dS^T over: the buffer is free once the dQ warpgroup's product read it.
-            buf = step % 2
+            buf = step % NBUF
             ds_buf = ds_smem.index(2 * buf + WG)
-            mbarrier.wait(ds_empty.index(buf), ((step // 2) & 1) ^ 1)  # fresh: parity 1 passes
+            mbarrier.wait(ds_empty.index(buf), ((step // NBUF) & 1) ^ 1)  # fresh: parity 1 passes
             ds_buf.store(ds_t)
             fence_async_shared()  # every thread's stores, before the async proxy reads them
             thread_barrier()  # ... all of this warpgroup's, before one thread arrives
             mbarrier.arrive(ds_ready.index(buf), count=1)
-            dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, ds_buf, q, do))[:2]
+            if DK_RS:
+                dsa = gl.convert_layout(ds_t, a_layout)
+                dk = warpgroup_mma(dsa, q, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, dsa, q, do))[:2]
+            else:
+                dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, ds_buf, q, do))[:2]
             mbarrier.arrive(empty.index(st), count=1)  # both warpgroups release a stage
         rows = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
@@ -337,19 +360,22 @@ if AVAILABLE:
         gl.store(dv_base + rows64 * sdv_n + cols[None, :], dv.to(dtype), mask=ok)
 
     @gluon.jit
-    def _fused_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
-        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, 0)
+    def _fused_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                         KV_RS: gl.constexpr, DK_RS: gl.constexpr):  # fmt: skip
+        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, 0)
 
     @gluon.jit
-    def _fused_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
-        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, 1)
+    def _fused_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                         KV_RS: gl.constexpr, DK_RS: gl.constexpr):  # fmt: skip
+        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, 1)
 
     @gluon.jit
     def _fused_load(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
         _load(descs, bufs, bars, sched, outs, CAUSAL, False)
 
     @gluon.jit
-    def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
+    def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                  PROBE: gl.constexpr):  # fmt: skip
         """The dQ warpgroup: per step, dQ_i += scale * dS_i K over the program's 2 x BLOCK_N keys
         (both consumers' dS^T tiles from shared memory, K as loaded), added into the float32
         dQ buffer with atomics, so the consumers never wait on the reduction."""
@@ -361,6 +387,7 @@ if AVAILABLE:
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        NBUF: gl.constexpr = ds_ready.type.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
         )
@@ -377,19 +404,24 @@ if AVAILABLE:
         for step in range(n_steps):
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
-            buf = step % 2
+            buf = step % NBUF
             ds0 = ds_smem.index(2 * buf).permute((1, 0))
             ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
-            mbarrier.wait(ds_ready.index(buf), (step // 2) & 1)
-            dq = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
-            dq = warpgroup_mma(ds1, k1, dq, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq, ds0, ds1, k0, k1))[0]
-            mbarrier.arrive(ds_empty.index(buf), count=1)
-            # Rows of HEAD_DIM floats from a multiple of HEAD_DIM: vectorized atomics.
-            row0 = ((b * n_kv_heads + hk) * group + g).to(gl.int64) * seq_q + m0
-            base = DQ + row0 * HEAD_DIM
-            ok = (m0 + rows < seq_q)[:, None]
-            gl.atomic_add(base + offs, dq * sm_scale, mask=ok, sem="relaxed")
+            mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
+            if PROBE == 2:  # measurement only: no dQ work at all
+                mbarrier.arrive(ds_empty.index(buf), count=1)
+            else:
+                dq = warpgroup_mma(ds0, k0, zero, use_acc=False, is_async=True)
+                dq = warpgroup_mma(ds1, k1, dq, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq, ds0, ds1, k0, k1))[0]
+                mbarrier.arrive(ds_empty.index(buf), count=1)
+                # Rows of HEAD_DIM floats from a multiple of HEAD_DIM: vectorized atomics.
+                row0 = ((b * n_kv_heads + hk) * group + g).to(gl.int64) * seq_q + m0
+                base = DQ + row0 * HEAD_DIM
+                ok = (m0 + rows < seq_q)[:, None]
+                if PROBE == 1:  # measurement only: the product, no sums
+                    ok = ok & (dq == 12345.0)
+                gl.atomic_add(base + offs, dq * sm_scale, mask=ok, sem="relaxed")
 
     # dQ = scale * sum_j dS_ij K_j; dK, dV as the dK/dV kernel. dQ is summed with float32 atomics
     # (not reproducible bit for bit: the order of the additions varies).
@@ -399,7 +431,8 @@ if AVAILABLE:
         stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ,
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        DQ_REGS: gl.constexpr,
+        DQ_REGS: gl.constexpr, NBUF: gl.constexpr = 2, KV_RS: gl.constexpr = False,
+        DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -412,17 +445,17 @@ if AVAILABLE:
         )
         k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M], DS_LAYOUT)  # 2 x 2
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NBUF, BLOCK_N, BLOCK_M], DS_LAYOUT)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        ds_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-        for i in gl.static_range(2):
+        for i in gl.static_range(NBUF):
             mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves stored
             mbarrier.init(ds_empty.index(i), count=1)  # the dQ warpgroup's product read them
         descs = (q_desc, k_desc, v_desc, do_desc)
@@ -434,9 +467,9 @@ if AVAILABLE:
         dqs = (ds_smem, ds_ready, ds_empty, DQ)
         gl.warp_specialize(
             [
-                (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
-                (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
-                (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
+                (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS)),
+                (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS)),
+                (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE)),
                 (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
             ],
             [4, 4, 1],
