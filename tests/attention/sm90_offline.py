@@ -85,10 +85,12 @@ def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int
     k = torch.zeros(1, heads // 2, seq, d, dtype=dtype)
     lse = torch.zeros(1, heads, seq)
     dq_acc = torch.zeros(1, heads, seq, d)
-    return attn_bwd_sm90.warmup(
-        *_sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, dq_acc, 0.125),
-        **_sm90.fused_constexprs(d, causal, dtype), grid=(1,),
-    )  # fmt: skip
+    args = _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, dq_acc, 0.125)
+    meta = _sm90.fused_constexprs(d, causal, dtype)
+    # The direct launch passes every parameter after the runtime arguments from ``meta``.
+    missing = set(attn_bwd_sm90.arg_names[len(args) :]) - set(meta)
+    assert not missing, f"fused_constexprs lacks {sorted(missing)}"
+    return attn_bwd_sm90.warmup(*args, **meta, grid=(1,))
 
 
 def compile_variants(variants) -> list[str]:

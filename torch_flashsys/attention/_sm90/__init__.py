@@ -291,11 +291,13 @@ def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
 
 
 def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
-    """The fused kernel's compile-time arguments (and launch options)."""
+    """The fused kernel's compile-time arguments, every one (the direct launch passes them all),
+    and launch options. The variants beside the defaults: ``benchmarks/sm90_bwd.py --variants``."""
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
-            "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "num_warps": NUM_WARPS,
+            "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": 2, "KV_RS": False,
+            "DK_RS": False, "PROBE": 0, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 
@@ -322,7 +324,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         with torch.cuda.device(q.device):
             compiled = attn_bwd_sm90[grid](*args, **meta)
         if fast_launch_allowed() and index == torch.cuda.current_device():
-            tail = tuple(v for n, v in meta.items() if n not in ("num_warps", "maxnreg"))
+            tail = tuple(meta[n] for n in attn_bwd_sm90.arg_names[len(args) :])
             remember(_FUSED_PLANS, key, (compiled.run, compiled.function,
                                          compiled.packed_metadata, grid, tail))  # fmt: skip
     return torch.empty_like(q).copy_(dq_acc), dk, dv
