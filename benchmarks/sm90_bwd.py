@@ -83,10 +83,11 @@ def rows_for(shape, device: str) -> list[dict]:
     ex = CAUSAL if causal else PLAIN
     hopper = device == "cuda" and _sm90.forward_takes(q, k, v, d**-0.5, ex)
     rows, reference = [], None
-    saved = _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED
+    saved = _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_FULL
     try:
         for name, (dkdv, fused) in VARIANTS.items():
-            _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED = dkdv, fused
+            # (the fused kernel for full attention too, to measure it there)
+            _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_FULL = dkdv, fused, fused
             if (dkdv or fused) and not hopper:  # no Hopper GPU (or the forward's rule says no)
                 continue
             if fused and not _sm90.fused_takes(q, k, v, dout, d**-0.5, ex):  # e.g. head dim 128
@@ -101,7 +102,7 @@ def rows_for(shape, device: str) -> list[dict]:
                 row["bwd_tflops"] = flops / row["bwd_kernels_ms"] / 1e9
             rows.append(row)
     finally:
-        _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED = saved
+        _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_FULL = saved
     if device == "cuda":
 
         def cudnn(q, k, v):

@@ -117,9 +117,10 @@ def test_the_backward_switch_is_read_at_import():
 
 
 def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
-    """The fused backward's rule: the forward's, its switch, head dim 64, dO a TMA operand of q's
-    shape and dtype, and not under ``torch.use_deterministic_algorithms(True)`` (its dQ sums are
-    atomic: that mode gets the portable, reproducible backward)."""
+    """The fused backward's rule: the forward's, its switch, head dim 64, causal (full attention
+    too with FUSED_FULL), dO a TMA operand of q's shape and dtype, and not under
+    ``torch.use_deterministic_algorithms(True)`` (its dQ sums are atomic: that mode gets the
+    portable, reproducible backward)."""
     q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
     wide = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     with (
@@ -131,11 +132,15 @@ def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
             assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
         with mock.patch.object(_sm90, "FUSED_ENABLED", True):
             assert _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
-            assert _sm90.fused_takes(q, q[:, :1], q[:, :1], q.clone(), 0.1, PLAIN)  # GQA
+            assert _sm90.fused_takes(q, q[:, :1], q[:, :1], q.clone(), 0.1, CAUSAL)  # GQA
+            with mock.patch.object(_sm90, "FUSED_FULL", False):  # the default: causal only
+                assert not _sm90.fused_takes(q, q, q, q, 0.1, PLAIN)
+            with mock.patch.object(_sm90, "FUSED_FULL", True):
+                assert _sm90.fused_takes(q, q, q, q, 0.1, PLAIN)
             for args in (
-                (wide, wide, wide, wide, 0.1, PLAIN),  # no configuration for head dim 128
-                (q, q, q, q.half(), 0.1, PLAIN),  # dO of another dtype
-                (q, q, q, wide[..., ::2], 0.1, PLAIN),  # dO's last dimension strided
+                (wide, wide, wide, wide, 0.1, CAUSAL),  # no configuration for head dim 128
+                (q, q, q, q.half(), 0.1, CAUSAL),  # dO of another dtype
+                (q, q, q, wide[..., ::2], 0.1, CAUSAL),  # dO's last dimension strided
                 (q, q, q, q, 0.1, Extras(softcap=5.0)),  # not a plain or causal problem
             ):
                 assert not _sm90.fused_takes(*args)
@@ -148,16 +153,17 @@ def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
 
 
 def test_the_fused_backward_switch_is_read_at_import():
-    """TORCH_FLASHSYS_SM90_BWD=fused turns the fused backward on wherever the forward is on,
-    =1 the dK/dV kernel instead, =0 neither; unset, FUSED_DEFAULT decides on a verified Triton."""
+    """TORCH_FLASHSYS_SM90_BWD=fused turns the fused backward on wherever the forward is on, for
+    full attention too; =1 the dK/dV kernel instead, =0 neither; unset, FUSED_DEFAULT decides on
+    a verified Triton (causal problems only)."""
     code = ("from torch_flashsys.attention import _sm90; "
-            "print(_sm90.FUSED_ENABLED, _sm90.BWD_ENABLED)")  # fmt: skip
+            "print(_sm90.FUSED_ENABLED, _sm90.FUSED_FULL, _sm90.BWD_ENABLED)")  # fmt: skip
     on = _sm90.AVAILABLE and _sm90.VERIFIED
     for value, expected in (
-        ("", f"{on and _sm90.FUSED_DEFAULT} False"),
-        ("fused", f"{on} False"),
-        ("1", f"False {on}"),
-        ("0", "False False"),
+        ("", f"{on and _sm90.FUSED_DEFAULT} False False"),
+        ("fused", f"{on} True False"),
+        ("1", f"False False {on}"),
+        ("0", "False False False"),
     ):
         env = {**os.environ, "TORCH_FLASHSYS_SM90_BWD": value, "TORCH_FLASHSYS_SM90": ""}
         out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
@@ -328,6 +334,7 @@ def _fused_backward():
     """The fused Hopper backward switched on (every length allowed), its calls counted."""
     with (
         mock.patch.object(_sm90, "FUSED_ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_FULL", True),
         mock.patch.object(_sm90, "MIN_SEQ_K", 1),
         mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy,
     ):
@@ -343,10 +350,12 @@ def _fused_backward():
 @example(case=Case(3, 8, 1, 1500, 700, 64, False, 0.3, False, False, seed=2))
 @example(case=Case(1, 2, 3, 300, 1000, 64, True, None, False, False, seed=3))
 @example(case=Case(2, 6, 2, 1, 5, 64, False, None, True, False, seed=4))
+@example(case=Case(2, 1, 2, 645, 2, 64, False, 0.48238948795141395, True, False, seed=642))
 def test_fused_backward_matches_float64(case, dtype):
     """dQ, dK and dV from the fused kernel (counted) match float64 as the portable kernels'
     must, with dLSE: GQA groups, ragged lengths, seq_k above and below seq_q, causal and not,
-    3-D and strided layouts."""
+    3-D and strided layouts. The last example (2 keys, a large scale) once gave NaN in dQ:
+    exp(0 - LSE) of the zero-filled keys past the end overflowed float16."""
     with _fused_backward() as spy:
         check_against_reference(case, dtype, _run(case), device="cuda")
     assert spy.call_count == 1

@@ -14,7 +14,11 @@ Triton kernel:
 - a positive scale, and every stride but the last a multiple of 16 bytes, 16-byte aligned data
   (what TMA descriptors need).
 
-The backward is the portable one (it reads the same ``out`` and ``lse``).
+The backward of a causal head-dim-64 problem the forward rule admits (and whose dO a TMA
+descriptor can read) runs the fused Gluon kernel (``_bwd.attn_bwd_sm90``, after the
+preprocessing kernel ``_prep``), unless ``torch.are_deterministic_algorithms_enabled()``: its dQ
+is summed with float32 atomics, so it is not bitwise reproducible. Every other backward is the
+portable one (deterministic; it reads the same ``out`` and ``lse``). The switches are below.
 """
 
 from __future__ import annotations
@@ -58,15 +62,18 @@ _MODE = os.environ.get("TORCH_FLASHSYS_SM90", "")
 ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFIED))
 
 
-# The Gluon backward kernels (``_bwd``), read once at import: ``TORCH_FLASHSYS_SM90_BWD=1`` the
-# deterministic dK/dV kernel (after the portable dQ kernel), ``=fused`` the fused five-product
-# kernel (dQ by float32 atomics), ``=0`` neither; unset: the fused kernel if FUSED_DEFAULT on a
-# verified Triton.
+# The Gluon backward kernels (``_bwd``), read once at import: unset, the fused five-product
+# kernel (dQ by float32 atomics, so not bitwise reproducible) runs the causal problems it takes
+# on a verified Triton (FUSED_DEFAULT; H100: faster than the portable backward there, slower for
+# full attention, docs/benchmarks.md); ``TORCH_FLASHSYS_SM90_BWD=fused`` runs it for full
+# attention too; ``=1`` the deterministic dK/dV kernel after the portable dQ kernel instead;
+# ``=0`` neither. Under torch.use_deterministic_algorithms(True) the fused kernel never runs.
 _BWD_MODE = os.environ.get("TORCH_FLASHSYS_SM90_BWD", "")
 BWD_ENABLED = ENABLED and _BWD_MODE == "1"
-FUSED_DEFAULT = False
+FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
                                                       and VERIFIED))  # fmt: skip
+FUSED_FULL = _BWD_MODE == "fused"  # full (non-causal) attention on the fused kernel as well
 FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
@@ -247,9 +254,10 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
 def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                 scale: float, ex: Extras) -> bool:  # fmt: skip
     """Whether the backward of this 4-D problem runs on the fused Hopper kernel: the forward's
-    rule, the switch, a head dim it has a configuration for, dO a TMA operand of q's shape, and
-    deterministic algorithms not requested (its dQ sums are atomic)."""
-    return (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES and dout.shape == q.shape
+    rule, the switch, a head dim it has a configuration for, causal (or FUSED_FULL), dO a TMA
+    operand of q's shape, and deterministic algorithms not requested (its dQ sums are atomic)."""
+    return (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES and (ex is CAUSAL or FUSED_FULL)
+            and dout.shape == q.shape
             and dout.dtype == q.dtype and forward_takes(q, k, v, scale, ex) and _tma_ok(dout)
             and not torch.are_deterministic_algorithms_enabled())  # fmt: skip
 

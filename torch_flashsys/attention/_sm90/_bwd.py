@@ -327,6 +327,10 @@ if AVAILABLE:
                                      is_async=True)  # fmt: skip
                 s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
             p_t = _probs(s_w, lse2, n0w, m0, qk_scale, CAUSAL)
+            if n0w + BLOCK_N > seq_k:  # keys past the end (zeros): P = 0, so that dS is 0 there
+                # (exp(0 - LSE) can overflow 16 bits, and dQ's inf * 0 would be NaN)
+                keys = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+                p_t = gl.where(keys[:, None] < seq_k, p_t, 0.0)
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
             if KV_RS:
                 dp_w = warpgroup_mma_wait(0, deps=(dp_t, va, do))[0]
