@@ -34,6 +34,10 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
     (4, 32, 8, 2048, 64, True),
 ]
 SMOKE_SHAPES = [(1, 4, 2, 96, 64, True)]
+# --rule: where the fused kernel runs by default (causal, head dim 64): 16384 tokens a step at
+# 1k-16k, without and with GQA (4 query heads per key/value head).
+RULE_SHAPES = [(16384 // n, 16, kv, n, 64, True) for kv in (16, 4)
+               for n in (1024, 2048, 4096, 8192, 16384)]  # fmt: skip
 VARIANTS = {  # name: (the dK/dV kernel on, the fused kernel on)
     "portable": (False, False),
     "hopper dK/dV": (True, False),
@@ -67,7 +71,7 @@ def _timings(fn, q, k, v, dout, device) -> dict:
     return {"bwd_ms": bwd["median_ms"], "fwd_bwd_ms": both["median_ms"]}
 
 
-def rows_for(shape, device: str) -> list[dict]:
+def rows_for(shape, device: str, variants=None) -> list[dict]:
     b, h, hk, n, d, causal = shape
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q = torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
@@ -85,7 +89,7 @@ def rows_for(shape, device: str) -> list[dict]:
     rows, reference = [], None
     saved = _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_FULL
     try:
-        for name, (dkdv, fused) in VARIANTS.items():
+        for name, (dkdv, fused) in (variants or VARIANTS).items():
             # (the fused kernel for full attention too, to measure it there)
             _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_FULL = dkdv, fused, fused
             if (dkdv or fused) and not hopper:  # no Hopper GPU (or the forward's rule says no)
@@ -178,7 +182,15 @@ def main() -> None:
     p = parser(__doc__, smoke="one tiny shape, portable backward only (CPU without a GPU)")
     p.add_argument("--variants", action="store_true",
                    help="time compile-time variants of the fused kernel (kernel only; GPU)")  # fmt: skip
+    p.add_argument("--rule", action="store_true",
+                   help="portable against fused backward, causal head dim 64, 1k-16k, GQA or not")  # fmt: skip
     args = p.parse_args()
+    if args.rule:
+        pick = {name: VARIANTS[name] for name in ("portable", "hopper fused")}
+        rows = [r for shape in RULE_SHAPES for r in rows_for(shape, "cuda", pick)]
+        report("Fused Hopper backward against the portable one (causal, d 64)", rows, COLUMNS,
+               args.out)  # fmt: skip
+        return
     if args.variants:
         rows = [r for shape in VARIANT_SHAPES for r in variant_rows(shape)]
         columns = ("shape", "variant", "kernel_ms", "tflops", "max_grad_diff_vs_portable")
