@@ -87,11 +87,11 @@ def rows_for(shape, device: str, variants=None) -> list[dict]:
     ex = CAUSAL if causal else PLAIN
     hopper = device == "cuda" and _sm90.forward_takes(q, k, v, d**-0.5, ex)
     rows, reference = [], None
-    saved = _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_FULL
+    saved = _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_ALL
     try:
         for name, (dkdv, fused) in (variants or VARIANTS).items():
             # (the fused kernel for full attention too, to measure it there)
-            _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_FULL = dkdv, fused, fused
+            _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_ALL = dkdv, fused, fused
             if (dkdv or fused) and not hopper:  # no Hopper GPU (or the forward's rule says no)
                 continue
             if fused and not _sm90.fused_takes(q, k, v, dout, d**-0.5, ex):  # e.g. head dim 128
@@ -106,7 +106,7 @@ def rows_for(shape, device: str, variants=None) -> list[dict]:
                 row["bwd_tflops"] = flops / row["bwd_kernels_ms"] / 1e9
             rows.append(row)
     finally:
-        _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_FULL = saved
+        _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_ALL = saved
     if device == "cuda":
 
         def cudnn(q, k, v):

@@ -117,47 +117,52 @@ def test_the_backward_switch_is_read_at_import():
 
 
 def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
-    """The fused backward's rule: the forward's, its switch, head dim 64, causal (full attention
-    too with FUSED_FULL), dO a TMA operand of q's shape and dtype, and not under
-    ``torch.use_deterministic_algorithms(True)`` (its dQ sums are atomic: that mode gets the
-    portable, reproducible backward)."""
-    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    """The fused backward's rule: the forward's, its switch, head dim 64, where it measured
+    faster (causal, GQA, up to FUSED_MAX_SEQ_Q query rows; every problem with FUSED_ALL), dO a
+    TMA operand of q's shape and dtype, and not under ``torch.use_deterministic_algorithms(True)``
+    (its dQ sums are atomic: that mode gets the portable, reproducible backward)."""
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    kv = q[:, :1]  # GQA 4:1
     wide = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    strided = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)[..., ::2]
     with (
         mock.patch.object(_sm90, "ENABLED", True),
         mock.patch.object(_sm90, "_is_sm90", return_value=True),
         mock.patch.object(torch.Tensor, "is_cuda", new=True),
     ):
         with mock.patch.object(_sm90, "FUSED_ENABLED", False):
-            assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
+            assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)
         with mock.patch.object(_sm90, "FUSED_ENABLED", True):
-            assert _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
-            assert _sm90.fused_takes(q, q[:, :1], q[:, :1], q.clone(), 0.1, CAUSAL)  # GQA
-            with mock.patch.object(_sm90, "FUSED_FULL", False):  # the default: causal only
-                assert not _sm90.fused_takes(q, q, q, q, 0.1, PLAIN)
-            with mock.patch.object(_sm90, "FUSED_FULL", True):
+            assert _sm90.fused_takes(q, kv, kv, q.clone(), 0.1, CAUSAL)
+            with mock.patch.object(_sm90, "FUSED_ALL", False):  # the default rule
+                assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)  # no GQA
+                assert not _sm90.fused_takes(q, kv, kv, q, 0.1, PLAIN)  # full attention
+                with mock.patch.object(_sm90, "FUSED_MAX_SEQ_Q", 7):
+                    assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)  # 8 query rows
+            with mock.patch.object(_sm90, "FUSED_ALL", True):
+                assert _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
                 assert _sm90.fused_takes(q, q, q, q, 0.1, PLAIN)
             for args in (
-                (wide, wide, wide, wide, 0.1, CAUSAL),  # no configuration for head dim 128
-                (q, q, q, q.half(), 0.1, CAUSAL),  # dO of another dtype
-                (q, q, q, wide[..., ::2], 0.1, CAUSAL),  # dO's last dimension strided
-                (q, q, q, q, 0.1, Extras(softcap=5.0)),  # not a plain or causal problem
+                (wide, wide[:, :1], wide[:, :1], wide, 0.1, CAUSAL),  # no head dim 128 config
+                (q, kv, kv, q.half(), 0.1, CAUSAL),  # dO of another dtype
+                (q, kv, kv, strided, 0.1, CAUSAL),  # dO's last dimension strided
+                (q, kv, kv, q, 0.1, Extras(softcap=5.0)),  # not a plain or causal problem
             ):
                 assert not _sm90.fused_takes(*args)
             deterministic = torch.are_deterministic_algorithms_enabled()
             try:
                 torch.use_deterministic_algorithms(True)
-                assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
+                assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)
             finally:
                 torch.use_deterministic_algorithms(deterministic)
 
 
 def test_the_fused_backward_switch_is_read_at_import():
     """TORCH_FLASHSYS_SM90_BWD=fused turns the fused backward on wherever the forward is on, for
-    full attention too; =1 the dK/dV kernel instead, =0 neither; unset, FUSED_DEFAULT decides on
-    a verified Triton (causal problems only)."""
+    every problem it can run; =1 the dK/dV kernel instead, =0 neither; unset, FUSED_DEFAULT
+    decides on a verified Triton (where it measured faster)."""
     code = ("from torch_flashsys.attention import _sm90; "
-            "print(_sm90.FUSED_ENABLED, _sm90.FUSED_FULL, _sm90.BWD_ENABLED)")  # fmt: skip
+            "print(_sm90.FUSED_ENABLED, _sm90.FUSED_ALL, _sm90.BWD_ENABLED)")  # fmt: skip
     on = _sm90.AVAILABLE and _sm90.VERIFIED
     for value, expected in (
         ("", f"{on and _sm90.FUSED_DEFAULT} False False"),
@@ -334,7 +339,7 @@ def _fused_backward():
     """The fused Hopper backward switched on (every length allowed), its calls counted."""
     with (
         mock.patch.object(_sm90, "FUSED_ENABLED", True),
-        mock.patch.object(_sm90, "FUSED_FULL", True),
+        mock.patch.object(_sm90, "FUSED_ALL", True),
         mock.patch.object(_sm90, "MIN_SEQ_K", 1),
         mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy,
     ):

@@ -14,8 +14,8 @@ Triton kernel:
 - a positive scale, and every stride but the last a multiple of 16 bytes, 16-byte aligned data
   (what TMA descriptors need).
 
-The backward of a causal head-dim-64 problem the forward rule admits (and whose dO a TMA
-descriptor can read) runs the fused Gluon kernel (``_bwd.attn_bwd_sm90``, after the
+The backward of a causal head-dim-64 GQA problem of up to 8192 query rows that the forward rule
+admits (and whose dO a TMA descriptor can read) runs the fused Gluon kernel (``_bwd.attn_bwd_sm90``, after the
 preprocessing kernel ``_prep``), unless ``torch.are_deterministic_algorithms_enabled()``: its dQ
 is summed with float32 atomics, so it is not bitwise reproducible. Every other backward is the
 portable one (deterministic; it reads the same ``out`` and ``lse``). The switches are below.
@@ -62,18 +62,20 @@ _MODE = os.environ.get("TORCH_FLASHSYS_SM90", "")
 ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFIED))
 
 
-# The Gluon backward kernels (``_bwd``), read once at import: unset, the fused five-product
-# kernel (dQ by float32 atomics, so not bitwise reproducible) runs the causal problems it takes
-# on a verified Triton (FUSED_DEFAULT; H100: faster than the portable backward there, slower for
-# full attention, docs/benchmarks.md); ``TORCH_FLASHSYS_SM90_BWD=fused`` runs it for full
-# attention too; ``=1`` the deterministic dK/dV kernel after the portable dQ kernel instead;
-# ``=0`` neither. Under torch.use_deterministic_algorithms(True) the fused kernel never runs.
+# The Gluon backward kernels (``_bwd``), read once at import. Unset: the fused five-product
+# kernel (dQ by float32 atomics, so not bitwise reproducible) runs, on a verified Triton
+# (FUSED_DEFAULT), the problems where it measured faster than the portable backward on an H100
+# (causal with GQA, query length up to FUSED_MAX_SEQ_Q; docs/benchmarks.md), the portable
+# backward the rest. ``TORCH_FLASHSYS_SM90_BWD=fused``: the fused kernel for every problem it
+# can run (FUSED_ALL); ``=1``: the deterministic dK/dV kernel after the portable dQ kernel;
+# ``=0``: neither. Under torch.use_deterministic_algorithms(True) the fused kernel never runs.
 _BWD_MODE = os.environ.get("TORCH_FLASHSYS_SM90_BWD", "")
 BWD_ENABLED = ENABLED and _BWD_MODE == "1"
 FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
                                                       and VERIFIED))  # fmt: skip
-FUSED_FULL = _BWD_MODE == "fused"  # full (non-causal) attention on the fused kernel as well
+FUSED_ALL = _BWD_MODE == "fused"
+FUSED_MAX_SEQ_Q = 8192
 FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
@@ -254,12 +256,20 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
 def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                 scale: float, ex: Extras) -> bool:  # fmt: skip
     """Whether the backward of this 4-D problem runs on the fused Hopper kernel: the forward's
-    rule, the switch, a head dim it has a configuration for, causal (or FUSED_FULL), dO a TMA
-    operand of q's shape, and deterministic algorithms not requested (its dQ sums are atomic)."""
-    return (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES and (ex is CAUSAL or FUSED_FULL)
+    rule, the switch, a head dim it has a configuration for, a problem where it is the faster
+    backward (or FUSED_ALL), dO a TMA operand of q's shape, and deterministic algorithms not
+    requested (its dQ sums are atomic)."""
+    return (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES and (FUSED_ALL or _fused_wins(q, k, ex))
             and dout.shape == q.shape
             and dout.dtype == q.dtype and forward_takes(q, k, v, scale, ex) and _tma_ok(dout)
             and not torch.are_deterministic_algorithms_enabled())  # fmt: skip
+
+
+def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
+    """Where the fused backward measured faster than the portable one (H100, causal head dim
+    64, ``benchmarks/sm90_bwd.py --rule``): causal with GQA (many query tiles per key tile) up to
+    FUSED_MAX_SEQ_Q query rows; without GQA it was slower at every length."""
+    return ex is CAUSAL and q.shape[1] > k.shape[1] and q.shape[2] <= FUSED_MAX_SEQ_Q
 
 
 _launch_prep = LaunchCache(attn_bwd_prep, n_tensors=5)
