@@ -118,7 +118,7 @@ def test_the_backward_switch_is_read_at_import():
 
 def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
     """The fused backward's rule: the forward's, its switch, head dim 64, where it measured
-    faster (causal, GQA, up to FUSED_MAX_SEQ_Q query rows; every problem with FUSED_ALL), dO a
+    faster (causal, GQA, query lengths in FUSED_SEQ_Q; every problem with FUSED_ALL), dO a
     TMA operand of q's shape and dtype, and not under ``torch.use_deterministic_algorithms(True)``
     (its dQ sums are atomic: that mode gets the portable, reproducible backward)."""
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
@@ -126,6 +126,7 @@ def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
     wide = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     strided = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)[..., ::2]
     with (
+        mock.patch.object(_sm90, "FUSED_SEQ_Q", (8, 8)),  # these 8 query rows in the range
         mock.patch.object(_sm90, "ENABLED", True),
         mock.patch.object(_sm90, "_is_sm90", return_value=True),
         mock.patch.object(torch.Tensor, "is_cuda", new=True),
@@ -137,8 +138,10 @@ def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
             with mock.patch.object(_sm90, "FUSED_ALL", False):  # the default rule
                 assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)  # no GQA
                 assert not _sm90.fused_takes(q, kv, kv, q, 0.1, PLAIN)  # full attention
-                with mock.patch.object(_sm90, "FUSED_MAX_SEQ_Q", 7):
+                with mock.patch.object(_sm90, "FUSED_SEQ_Q", (1, 7)):
                     assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)  # 8 query rows
+                with mock.patch.object(_sm90, "FUSED_SEQ_Q", (9, 100)):
+                    assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)
             with mock.patch.object(_sm90, "FUSED_ALL", True):
                 assert _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
                 assert _sm90.fused_takes(q, q, q, q, 0.1, PLAIN)

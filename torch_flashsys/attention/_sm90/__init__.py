@@ -14,7 +14,7 @@ Triton kernel:
 - a positive scale, and every stride but the last a multiple of 16 bytes, 16-byte aligned data
   (what TMA descriptors need).
 
-The backward of a causal head-dim-64 GQA problem of up to 8192 query rows that the forward rule
+The backward of a causal head-dim-64 GQA problem of 2048-8192 query rows that the forward rule
 admits (and whose dO a TMA descriptor can read) runs the fused Gluon kernel (``_bwd.attn_bwd_sm90``, after the
 preprocessing kernel ``_prep``), unless ``torch.are_deterministic_algorithms_enabled()``: its dQ
 is summed with float32 atomics, so it is not bitwise reproducible. Every other backward is the
@@ -65,7 +65,7 @@ ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFI
 # The Gluon backward kernels (``_bwd``), read once at import. Unset: the fused five-product
 # kernel (dQ by float32 atomics, so not bitwise reproducible) runs, on a verified Triton
 # (FUSED_DEFAULT), the problems where it measured faster than the portable backward on an H100
-# (causal with GQA, query length up to FUSED_MAX_SEQ_Q; docs/benchmarks.md), the portable
+# (causal with GQA, query lengths in FUSED_SEQ_Q; docs/benchmarks.md), the portable
 # backward the rest. ``TORCH_FLASHSYS_SM90_BWD=fused``: the fused kernel for every problem it
 # can run (FUSED_ALL); ``=1``: the deterministic dK/dV kernel after the portable dQ kernel;
 # ``=0``: neither. Under torch.use_deterministic_algorithms(True) the fused kernel never runs.
@@ -75,7 +75,7 @@ FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
                                                       and VERIFIED))  # fmt: skip
 FUSED_ALL = _BWD_MODE == "fused"
-FUSED_MAX_SEQ_Q = 8192
+FUSED_SEQ_Q = (2048, 8192)  # query lengths where the fused kernel runs by default
 FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
@@ -267,9 +267,11 @@ def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
 
 def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     """Where the fused backward measured faster than the portable one (H100, causal head dim
-    64, ``benchmarks/sm90_bwd.py --rule``): causal with GQA (many query tiles per key tile) up to
-    FUSED_MAX_SEQ_Q query rows; without GQA it was slower at every length."""
-    return ex is CAUSAL and q.shape[1] > k.shape[1] and q.shape[2] <= FUSED_MAX_SEQ_Q
+    64, ``benchmarks/sm90_bwd.py --rule`` and the training step): causal with GQA (many query
+    tiles per key tile), query lengths in FUSED_SEQ_Q. Without GQA it was slower at every
+    length; with GQA at 1024 and 16384 its forward+backward was slower."""
+    lo, hi = FUSED_SEQ_Q
+    return ex is CAUSAL and q.shape[1] > k.shape[1] and lo <= q.shape[2] <= hi
 
 
 _launch_prep = LaunchCache(attn_bwd_prep, n_tensors=5)
