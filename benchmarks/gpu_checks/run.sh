@@ -139,12 +139,15 @@ sm90bwd() {  # the Hopper backward kernels (opt-in): their GPU tests, the A/B, t
     -p no:cacheprovider -m gpu -n 4 -x tests/attention/test_sm90.py
   if tail -n 1 "$OUT/bwd_tests.err" | grep -q "exit 0,"; then
     step bwd_bench "${BWD_BENCH_TIMEOUT:-150}" python3 benchmarks/sm90_bwd.py --out "$OUT/sm90_bwd_h100.csv"
+    step bwd_rule "${BWD_RULE_TIMEOUT:-120}" python3 benchmarks/sm90_bwd.py --rule \
+      --out "$OUT/sm90_fused_rule_h100.csv"
     if tail -n 1 "$OUT/bwd_bench.err" | grep -q "exit 0,"; then
       TORCH_FLASHSYS_SM90_BWD=${SM90_BWD:-fused} BENCH=0 tests
     fi
   fi
   shows bwd_tests:8
   [ -f "$OUT/bwd_bench.md" ] && show bwd_bench 30 && tail -n 5 "$OUT/bwd_bench.err"
+  [ -f "$OUT/bwd_rule.md" ] && show bwd_rule 34
 }
 
 context_parallel() {

@@ -1,5 +1,6 @@
-"""Compile the Hopper (Gluon) forward for sm90 without a GPU: a stand-in driver that reports a
-cuda:90 target, then ``warmup`` (compile, no launch). Run as a script in a fresh process (the
+"""Compile the Hopper (Gluon) kernels for sm90 without a GPU (the forward, the dK/dV kernel and
+the fused backward): a stand-in driver that reports a cuda:90 target, then ``warmup`` (compile,
+no launch). Run as a script in a fresh process (the
 test suite runs the Triton interpreter, and the stand-in driver must not leak into other tests).
 
     python -m tests.attention.sm90_offline            # one line per variant, exit 0 if all compile
