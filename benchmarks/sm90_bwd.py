@@ -24,7 +24,7 @@ from benchmarks._harness import bench, parser, report
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 from torch_flashsys.attention._extras import CAUSAL, PLAIN
-from torch_flashsys.attention._triton_fwd import attention_forward
+from torch_flashsys.attention._ops import _forward
 
 SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
     (1, 16, 16, 16384, 64, True),
@@ -155,9 +155,7 @@ def variant_rows(shape) -> list[dict]:
         ref = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     finally:
         _sm90.FUSED_ENABLED = saved
-    ex = CAUSAL if causal else PLAIN
-    o2, lse = (_sm90.forward(q, k, v, d**-0.5, causal) if _sm90.forward_takes(q, k, v, d**-0.5, ex)
-               else attention_forward(q, k, v, d**-0.5, ex))  # fmt: skip
+    o2, lse = _forward(q, k, v, d**-0.5, CAUSAL if causal else PLAIN)  # flash_attention's own
     label = f"{b}x{h}/{hk}x{n}x{d}{' causal' if causal else ''}"
     flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)
     rows = []

@@ -46,15 +46,20 @@ class _Sm90Target(GPUDriver):
         raise NotImplementedError
 
 
+def _problem(d: int, dtype: torch.dtype, seq: int, heads: int):
+    """Zero ``(q, k, lse)`` of a ``(1, heads, seq, d)`` problem, GQA 2:1 (k also stands for v)."""
+    q = torch.zeros(1, heads, seq, d, dtype=dtype)
+    k = torch.zeros(1, heads // 2, seq, d, dtype=dtype)
+    return q, k, torch.zeros(1, heads, seq)
+
+
 def _warmup(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8):
     """Compile (or find compiled) the kernel for a ``(1, heads, seq, d)`` problem, GQA 2:1, with
     the launch arguments the library builds (:func:`_sm90.launch_args`)."""
     from torch_flashsys.attention import _sm90
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
 
-    q = torch.zeros(1, heads, seq, d, dtype=dtype)
-    k = torch.zeros(1, heads // 2, seq, d, dtype=dtype)
-    lse = torch.zeros(1, heads, seq)
+    q, k, lse = _problem(d, dtype, seq, heads)
     return attn_fwd_sm90.warmup(
         *_sm90.launch_args(q, k, k, q, lse, 0.125), **_sm90.constexprs(d, causal),
         num_warps=_sm90.NUM_WARPS, maxnreg=_sm90.MAX_REGS, grid=(1,),
@@ -67,9 +72,7 @@ def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bo
     from torch_flashsys.attention import _sm90
     from torch_flashsys.attention._sm90._bwd import attn_bwd_dkdv_sm90
 
-    q = torch.zeros(1, heads, seq, d, dtype=dtype)
-    k = torch.zeros(1, heads // 2, seq, d, dtype=dtype)
-    lse = torch.zeros(1, heads, seq)
+    q, k, lse = _problem(d, dtype, seq, heads)
     return attn_bwd_dkdv_sm90.warmup(
         *_sm90.backward_launch_args(q, k, k, q, lse, lse, k, k, 0.125), CAUSAL=causal,
         STAGES=_sm90.BWD_STAGES[d], PIPELINE=pipeline, num_warps=_sm90.NUM_WARPS,
@@ -82,9 +85,7 @@ def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int
     from torch_flashsys.attention import _sm90
     from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
 
-    q = torch.zeros(1, heads, seq, d, dtype=dtype)
-    k = torch.zeros(1, heads // 2, seq, d, dtype=dtype)
-    lse = torch.zeros(1, heads, seq)
+    q, k, lse = _problem(d, dtype, seq, heads)
     dq_acc = torch.zeros(1, heads, seq, d)
     args = _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, dq_acc, 0.125)
     meta = _sm90.fused_constexprs(d, causal, dtype)
