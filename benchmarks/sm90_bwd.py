@@ -176,13 +176,72 @@ def variant_rows(shape) -> list[dict]:
     return rows
 
 
+BREAKDOWN_SHAPES = [(16, 16, 4, 1024, 64, True), (8, 16, 4, 2048, 64, True),
+                    (1, 16, 4, 16384, 64, True)]  # fmt: skip
+
+
+def breakdown_rows(shape, iters: int = 10) -> list[dict]:
+    """CUDA time per call of every kernel (torch.profiler) in a loop of fwd+bwd and in a loop of
+    backward only, portable and fused backward: which kernel a fresh forward slows down."""
+    b, h, hk, n, d, causal = shape
+    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    dout = torch.randn_like(q)
+    label = f"{b}x{h}/{hk}x{n}x{d}{' causal' if causal else ''}"
+
+    def ours(q, k, v):
+        return flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
+
+    rows = []
+    saved = _sm90.FUSED_ENABLED, _sm90.FUSED_ALL
+    try:
+        for name, fused in (("portable", False), ("hopper fused", True)):
+            _sm90.FUSED_ENABLED = _sm90.FUSED_ALL = fused
+            out = ours(q, k, v)
+            loops = {"fwd+bwd": lambda: _grads(ours, q, k, v, dout),
+                     "bwd": lambda o=out: torch.autograd.grad(o, (q, k, v), dout,
+                                                               retain_graph=True)}  # fmt: skip
+            for mode, fn in loops.items():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]
+                ) as prof:
+                    start.record()
+                    for _ in range(iters):
+                        fn()
+                    end.record()
+                    torch.cuda.synchronize()
+                rows.append({"shape": label, "impl": name, "mode": mode, "kernel": "(wall)",
+                             "ms": start.elapsed_time(end) / iters})  # fmt: skip
+                for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+                    if e.device_time_total > 0:
+                        rows.append({"shape": label, "impl": name, "mode": mode,
+                                     "kernel": e.key[:60],
+                                     "ms": e.device_time_total / iters / 1000})  # fmt: skip
+    finally:
+        _sm90.FUSED_ENABLED, _sm90.FUSED_ALL = saved
+    return rows
+
+
 def main() -> None:
     p = parser(__doc__, smoke="one tiny shape, portable backward only (CPU without a GPU)")
     p.add_argument("--variants", action="store_true",
                    help="time compile-time variants of the fused kernel (kernel only; GPU)")  # fmt: skip
     p.add_argument("--rule", action="store_true",
                    help="portable against fused backward, causal head dim 64, 1k-16k, GQA or not")  # fmt: skip
+    p.add_argument("--breakdown", action="store_true",
+                   help="kernel times in fwd+bwd and bwd-only loops, portable and fused (GPU)")  # fmt: skip
     args = p.parse_args()
+    if args.breakdown:
+        rows = [r for shape in BREAKDOWN_SHAPES for r in breakdown_rows(shape)]
+        report("Kernel times per call: fwd+bwd against backward only (causal GQA 4:1, d 64)",
+               rows, ("shape", "impl", "mode", "kernel", "ms"), args.out)  # fmt: skip
+        return
     if args.rule:
         pick = {name: VARIANTS[name] for name in ("portable", "hopper fused")}
         rows = [r for shape in RULE_SHAPES for r in rows_for(shape, "cuda", pick)]

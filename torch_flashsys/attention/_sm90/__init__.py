@@ -172,29 +172,42 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     args = launch_args(q, k, v, out, lse, scale)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, causal,
            index, persistent)  # fmt: skip
-    entry = _PLANS.get(key)
-    if entry is not None and index == torch.cuda.current_device() and not launch_hooks_set():
+
+    def plan() -> tuple[tuple, dict]:
+        n_tiles = triton_cdiv(seq_q, 2 * BLOCK_M) * batch * heads
+        long = persistent is False or (persistent is None and causal
+                                       and seq_q > PERSISTENT_CAUSAL_MAX)  # fmt: skip
+        # Persistent (one program per SM) for full attention and short causal sequences (the
+        # next tile's loads overlap this one's epilogue); longer causal tiles differ in cost,
+        # so one program per tile and the hardware's scheduler balances them (H100
+        # measurements: docs/benchmarks.md).
+        grid = (n_tiles if long else min(n_tiles, _sm_count(index)), 1, 1)
+        return grid, {**constexprs(d, causal), "num_warps": NUM_WARPS, "maxnreg": MAX_REGS}
+
+    _launch_planned(attn_fwd_sm90, _PLANS, key, index, args, plan)
+    return out, lse
+
+
+def _launch_planned(kernel, plans: dict, key: tuple, index: int, args: tuple, plan) -> None:
+    """Launch a Gluon ``kernel`` on ``args`` (runtime arguments in parameter order). After the
+    key's first call on the current device the compiled kernel is launched directly from
+    ``plans[key]``; else ``plan()`` gives ``(grid, meta)`` (every constexpr, and launch options),
+    the JIT launches (compiling once), and the plan is remembered, its constexprs in parameter
+    order (the direct launch passes every parameter, defaults included)."""
+    entry = plans.get(key)
+    current = index == torch.cuda.current_device()
+    if entry is not None and current and not launch_hooks_set():
         run, function, packed, (g0, g1, g2), tail = entry
         run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(index), function, packed, None, None,
             None, *args, *tail)  # fmt: skip
-        return out, lse
-    n_tiles = triton_cdiv(seq_q, 2 * BLOCK_M) * batch * heads
-    if persistent is None:
-        persistent = not causal or seq_q <= PERSISTENT_CAUSAL_MAX
-    # Persistent (one program per SM) for full attention and short causal sequences (the next
-    # tile's loads overlap this one's epilogue); longer causal tiles differ in cost, so one
-    # program per tile and the hardware's scheduler balances them (H100 measurements:
-    # docs/benchmarks.md).
-    grid = (min(n_tiles, _sm_count(index)) if persistent else n_tiles, 1, 1)
-    meta = constexprs(d, causal)
-    with torch.cuda.device(q.device):
-        compiled = attn_fwd_sm90[grid](*args, **meta, num_warps=NUM_WARPS,
-                                       maxnreg=MAX_REGS)  # fmt: skip
-    if fast_launch_allowed() and index == torch.cuda.current_device():
-        tail = tuple(meta.values())
-        remember(_PLANS, key, (compiled.run, compiled.function, compiled.packed_metadata, grid,
-                               tail))  # fmt: skip
-    return out, lse
+        return
+    grid, meta = plan()
+    with torch.cuda.device(index):
+        compiled = kernel[grid](*args, **meta)
+    if fast_launch_allowed() and current:
+        tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
+        remember(plans, key, (compiled.run, compiled.function, compiled.packed_metadata, grid,
+                              tail))  # fmt: skip
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -237,20 +250,13 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
     index = q.get_device()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
            dv.stride(), q.dtype, causal, index, pipeline)  # fmt: skip
-    entry = _BWD_PLANS.get(key)
-    if entry is not None and index == torch.cuda.current_device() and not launch_hooks_set():
-        run, function, packed, (g0, g1, g2), tail = entry
-        run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(index), function, packed, None, None,
-            None, *args, *tail)  # fmt: skip
-        return
-    grid = (triton_cdiv(seq_k, 2 * BWD_BLOCK) * batch * n_kv, 1, 1)
-    meta = {"CAUSAL": causal, "STAGES": BWD_STAGES[d], "PIPELINE": pipeline}
-    with torch.cuda.device(q.device):
-        compiled = attn_bwd_dkdv_sm90[grid](*args, **meta, num_warps=NUM_WARPS,
-                                            maxnreg=MAX_REGS)  # fmt: skip
-    if fast_launch_allowed() and index == torch.cuda.current_device():
-        remember(_BWD_PLANS, key, (compiled.run, compiled.function, compiled.packed_metadata,
-                                   grid, tuple(meta.values())))  # fmt: skip
+
+    def plan() -> tuple[tuple, dict]:
+        grid = (triton_cdiv(seq_k, 2 * BWD_BLOCK) * batch * n_kv, 1, 1)
+        return grid, {"CAUSAL": causal, "STAGES": BWD_STAGES[d], "PIPELINE": pipeline,
+                      "num_warps": NUM_WARPS, "maxnreg": MAX_REGS}  # fmt: skip
+
+    _launch_planned(attn_bwd_dkdv_sm90, _BWD_PLANS, key, index, args, plan)
 
 
 def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -332,19 +338,11 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     index = q.get_device()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
            dv.stride(), q.dtype, causal, index)  # fmt: skip
-    entry = _FUSED_PLANS.get(key)
-    if entry is not None and index == torch.cuda.current_device() and not launch_hooks_set():
-        run, function, packed, (g0, g1, g2), tail = entry
-        run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(index), function, packed, None, None,
-            None, *args, *tail)  # fmt: skip
-    else:
+
+    def plan() -> tuple[tuple, dict]:
         batch, n_kv, seq_k, d = k.shape
         grid = (triton_cdiv(seq_k, 2 * BWD_BLOCK) * batch * n_kv, 1, 1)
-        meta = fused_constexprs(d, causal, q.dtype)
-        with torch.cuda.device(q.device):
-            compiled = attn_bwd_sm90[grid](*args, **meta)
-        if fast_launch_allowed() and index == torch.cuda.current_device():
-            tail = tuple(meta[n] for n in attn_bwd_sm90.arg_names[len(args) :])
-            remember(_FUSED_PLANS, key, (compiled.run, compiled.function,
-                                         compiled.packed_metadata, grid, tail))  # fmt: skip
+        return grid, fused_constexprs(d, causal, q.dtype)
+
+    _launch_planned(attn_bwd_sm90, _FUSED_PLANS, key, index, args, plan)
     return torch.empty_like(q).copy_(dq_acc), dk, dv

@@ -95,6 +95,24 @@ if AVAILABLE:
         return lse2, delta
 
     @gluon.jit
+    def _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs):
+        """Epilogue of a consumer: dK = scale * sum dS^T Q and dV of keys n0w.., stored straight
+        from registers (once per program); rows past seq_k are not stored."""
+        LSE, Delta, stride_lb, stride_lh, DK, sdk_b, sdk_h, sdk_n, DV, sdv_b, sdv_h, sdv_n = outs
+        BLOCK_N: gl.constexpr = dk.type.shape[0]
+        HEAD_DIM: gl.constexpr = dk.type.shape[1]
+        acc_layout: gl.constexpr = dk.type.layout
+        rows = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        ok = (rows < seq_k)[:, None]
+        dk_base = DK + b.to(gl.int64) * sdk_b + hk.to(gl.int64) * sdk_h
+        dv_base = DV + b.to(gl.int64) * sdv_b + hk.to(gl.int64) * sdv_h
+        rows64 = rows.to(gl.int64)[:, None]
+        gl.store(dk_base + rows64 * sdk_n + cols[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+                 mask=ok)  # fmt: skip
+        gl.store(dv_base + rows64 * sdv_n + cols[None, :], dv.to(DV.dtype.element_ty), mask=ok)
+
+    @gluon.jit
     def _consume(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr,
                  WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: keys [n0 + WG * BLOCK_N, + BLOCK_N) of this program's tile."""
@@ -174,16 +192,7 @@ if AVAILABLE:
             mbarrier.arrive(empty.index(st), count=1)  # both warpgroups release a stage
         if PIPELINE:
             warpgroup_mma_wait(0, deps=(s_t, dp_t))
-        # Epilogue: dK = scale * sum dS^T Q and dV, stored straight from registers (once per
-        # program); rows past seq_k are not stored.
-        rows = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        ok = (rows < seq_k)[:, None]
-        dk_base = DK + b.to(gl.int64) * sdk_b + hk.to(gl.int64) * sdk_h
-        dv_base = DV + b.to(gl.int64) * sdv_b + hk.to(gl.int64) * sdv_h
-        rows64 = rows.to(gl.int64)[:, None]
-        gl.store(dk_base + rows64 * sdk_n + cols[None, :], (dk * sm_scale).to(dtype), mask=ok)
-        gl.store(dv_base + rows64 * sdv_n + cols[None, :], dv.to(dtype), mask=ok)
+        _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
 
     @gluon.jit
     def _consumer0(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
@@ -354,14 +363,7 @@ if AVAILABLE:
                 dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, ds_buf, q, do))[:2]
             mbarrier.arrive(empty.index(st), count=1)  # both warpgroups release a stage
-        rows = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        ok = (rows < seq_k)[:, None]
-        dk_base = DK + b.to(gl.int64) * sdk_b + hk.to(gl.int64) * sdk_h
-        dv_base = DV + b.to(gl.int64) * sdv_b + hk.to(gl.int64) * sdv_h
-        rows64 = rows.to(gl.int64)[:, None]
-        gl.store(dk_base + rows64 * sdk_n + cols[None, :], (dk * sm_scale).to(dtype), mask=ok)
-        gl.store(dv_base + rows64 * sdv_n + cols[None, :], dv.to(dtype), mask=ok)
+        _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
 
     @gluon.jit
     def _fused_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
