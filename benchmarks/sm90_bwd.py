@@ -129,9 +129,6 @@ FUSED_VARIANTS = {
     "rs dK": {"DK_RS": True},
     "rs dK, 4 dS buffers": {"DK_RS": True, "NBUF": 4},
     "rs dK, rs K/V": {"DK_RS": True, "KV_RS": True},
-    "ss dK, pipelined": {"PIPELINE": True},
-    "ss dK, pipelined, 4 dS buffers": {"PIPELINE": True, "NBUF": 4},
-    "rs dK, pipelined": {"DK_RS": True, "PIPELINE": True},
     "rs dK, no atomics (probe)": {"DK_RS": True, "PROBE": 1},
     "rs dK, no dQ (probe)": {"DK_RS": True, "PROBE": 2},
 }

@@ -78,7 +78,6 @@ FUSED_ALL = _BWD_MODE == "fused"
 FUSED_SEQ_Q = (2048, 8192)  # query lengths where the fused kernel runs by default
 FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
-FUSED_PIPELINE = False  # issue the next step's S^T/dP^T before waiting on dV/dK (measuring)
 FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
 BWD_STAGES = {64: 4, 128: 3}  # Q/dO ring depth per head dim (shared memory: 96 / 160 KB)
@@ -324,7 +323,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": 2, "KV_RS": False,
-            "DK_RS": False, "PROBE": 0, "PIPELINE": FUSED_PIPELINE, "num_warps": NUM_WARPS,
+            "DK_RS": False, "PROBE": 0, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 

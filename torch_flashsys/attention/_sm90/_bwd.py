@@ -274,16 +274,12 @@ if AVAILABLE:
     # The fused backward: dQ as well, so S and dP are computed once (five matrix products).
     @gluon.jit
     def _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                       KV_RS: gl.constexpr, DK_RS: gl.constexpr, PIPELINE: gl.constexpr,
-                       WG: gl.constexpr):  # fmt: skip
+                       KV_RS: gl.constexpr, DK_RS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the fused kernel: as :func:`_consume` (serial), and each
         step's dS^T goes to shared memory, where the dQ warpgroup reads it. ``KV_RS``: this
         warpgroup's K and V tiles are held in registers as the A operands of S^T and dP^T (else
         read from shared memory by every product); ``DK_RS``: dS^T is the dK product's A
-        operand from registers (else from its shared-memory copy); ``PIPELINE``: the next
-        step's S^T and dP^T are issued before this step's dV/dK products are waited for (as in
-        the dK/dV kernel; not with ``KV_RS``)."""
-        gl.static_assert(not (PIPELINE and KV_RS), "PIPELINE reads K and V from shared memory")
+        operand from registers (else from its shared-memory copy)."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
@@ -319,13 +315,6 @@ if AVAILABLE:
             ka = k.load(kv_layout)
             va = v.load(kv_layout)
         n_steps = group * (n_m - m_lo)
-        if PIPELINE:  # step 0's S^T and dP^T before the loop (see _consume)
-            if n_steps > 0:
-                mbarrier.wait(ready.index(0), 0)
-            q = q_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
-            do = do_smem.index(0).reshape([BLOCK_M, HEAD_DIM])
-            s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         for step in range(n_steps):
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
@@ -335,19 +324,16 @@ if AVAILABLE:
             st = step % STAGES
             q = q_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
-            if not PIPELINE:
-                mbarrier.wait(ready.index(st), (step // STAGES) & 1)
+            mbarrier.wait(ready.index(st), (step // STAGES) & 1)
             if KV_RS:
                 s_t = warpgroup_mma(ka, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 dp_t = warpgroup_mma(va, do.permute((1, 0)), zero_s, use_acc=False,
                                      is_async=True)  # fmt: skip
                 s_w = warpgroup_mma_wait(1, deps=(s_t, ka, q))[0]
             else:
-                if not PIPELINE:
-                    s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False,
-                                        is_async=True)  # fmt: skip
-                    dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False,
-                                         is_async=True)  # fmt: skip
+                s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False,
+                                     is_async=True)  # fmt: skip
                 s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
             p_t = _probs(s_w, lse2, n0w, m0, qk_scale, CAUSAL)
             if n0w + BLOCK_N > seq_k:  # keys past the end (zeros): P = 0, so that dS is 0 there
@@ -372,38 +358,22 @@ if AVAILABLE:
             if DK_RS:
                 dsa = gl.convert_layout(ds_t, a_layout)
                 dk = warpgroup_mma(dsa, q, dk, is_async=True)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, dsa, q, do))[:2]
             else:
                 dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
-            if PIPELINE:  # the next step's pair (the last step re-issues its own, as _consume)
-                more = step + 1 < n_steps
-                nt = gl.where(more, (step + 1) % STAGES, st)
-                if more:
-                    mbarrier.wait(ready.index(nt), ((step + 1) // STAGES) & 1)
-                q_next = q_smem.index(nt).reshape([BLOCK_M, HEAD_DIM])
-                do_next = do_smem.index(nt).reshape([BLOCK_M, HEAD_DIM])
-                s_t = warpgroup_mma(k, q_next.permute((1, 0)), zero_s, use_acc=False,
-                                    is_async=True)  # fmt: skip
-                dp_t = warpgroup_mma(v, do_next.permute((1, 0)), zero_s, use_acc=False,
-                                     is_async=True)  # fmt: skip
-            PENDING: gl.constexpr = 2 if PIPELINE else 0  # the next pair stays in flight
-            if DK_RS:
-                dv, dk = warpgroup_mma_wait(PENDING, deps=(dv, dk, pa, dsa, q, do))[:2]
-            else:
-                dv, dk = warpgroup_mma_wait(PENDING, deps=(dv, dk, pa, ds_buf, q, do))[:2]
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, ds_buf, q, do))[:2]
             mbarrier.arrive(empty.index(st), count=1)  # both warpgroups release a stage
-        if PIPELINE:
-            warpgroup_mma_wait(0, deps=(s_t, dp_t))
         _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
 
     @gluon.jit
     def _fused_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                         KV_RS: gl.constexpr, DK_RS: gl.constexpr, PIPELINE: gl.constexpr):  # fmt: skip
-        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PIPELINE, 0)
+                         KV_RS: gl.constexpr, DK_RS: gl.constexpr):  # fmt: skip
+        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, 0)
 
     @gluon.jit
     def _fused_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                         KV_RS: gl.constexpr, DK_RS: gl.constexpr, PIPELINE: gl.constexpr):  # fmt: skip
-        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PIPELINE, 1)
+                         KV_RS: gl.constexpr, DK_RS: gl.constexpr):  # fmt: skip
+        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, 1)
 
     @gluon.jit
     def _fused_load(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
@@ -468,7 +438,7 @@ if AVAILABLE:
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         DQ_REGS: gl.constexpr, NBUF: gl.constexpr = 2, KV_RS: gl.constexpr = False,
-        DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0, PIPELINE: gl.constexpr = False,
+        DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -503,14 +473,8 @@ if AVAILABLE:
         dqs = (ds_smem, ds_ready, ds_empty, DQ)
         gl.warp_specialize(
             [
-                (
-                    _fused_consumer0,
-                    (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PIPELINE),
-                ),
-                (
-                    _fused_consumer1,
-                    (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PIPELINE),
-                ),
+                (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS)),
+                (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS)),
                 (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE)),
                 (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
             ],
