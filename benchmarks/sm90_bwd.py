@@ -129,6 +129,9 @@ FUSED_VARIANTS = {
     "rs dK": {"DK_RS": True},
     "rs dK, 4 dS buffers": {"DK_RS": True, "NBUF": 4},
     "rs dK, rs K/V": {"DK_RS": True, "KV_RS": True},
+    "ss dK, TMA dQ": {"DQ_TMA": True},
+    "ss dK, TMA dQ, 192/104 regs": {"DQ_TMA": True, "CONSUMER_REGS": 192, "DQ_REGS": 104},
+    "ss dK, TMA dQ, 4 dS buffers": {"DQ_TMA": True, "NBUF": 4},
     "rs dK, no atomics (probe)": {"DK_RS": True, "PROBE": 1},
     "rs dK, no dQ (probe)": {"DK_RS": True, "PROBE": 2},
 }

@@ -78,6 +78,7 @@ FUSED_ALL = _BWD_MODE == "fused"
 FUSED_SEQ_Q = (2048, 8192)  # query lengths where the fused kernel runs by default
 FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
+FUSED_DQ_TMA = False  # dQ summed by TMA bulk reductions from shared memory (else atomics)
 FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
 BWD_STAGES = {64: 4, 128: 3}  # Q/dO ring depth per head dim (shared memory: 96 / 160 KB)
@@ -313,7 +314,21 @@ def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
     """The fused kernel's runtime arguments: the dK/dV kernel's, with the dQ buffer (contiguous
     float32 (B, H, L, d)) inserted."""
     args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
-    return (*args[:16], dq_acc, *args[16:])
+    return (*args[:16], dq_acc, _f32_descriptor(dq_acc, BWD_BLOCK), *args[16:])
+
+
+@functools.cache
+def _f32_layout(rows: int, d: int):
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.float32)
+
+
+def _f32_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """:func:`_descriptor` of a float32 (B, H, L, d) tensor (the fused kernel's dQ sums)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()),
+                         block_shape=[1, 1, rows, t.shape[-1]],
+                         layout=_f32_layout(rows, t.shape[-1]), padding="zero")  # fmt: skip
+    return desc
 
 
 def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
@@ -323,7 +338,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": 2, "KV_RS": False,
-            "DK_RS": False, "PROBE": 0, "num_warps": NUM_WARPS,
+            "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 

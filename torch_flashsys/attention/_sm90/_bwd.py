@@ -31,7 +31,9 @@ from torch_flashsys.attention._sm90._gluon import (
     gluon,
     mbarrier,
     thread_barrier,
+    tma,
     tma_load,
+    tma_reduce_add,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -285,7 +287,7 @@ if AVAILABLE:
         kv_ready, ready, empty = bars
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
         LSE, Delta, stride_lb, stride_lh, DK, sdk_b, sdk_h, sdk_n, DV, sdv_b, sdv_h, sdv_n = outs
-        ds_smem, ds_ready, ds_empty, DQ = dqs
+        ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem = dqs
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -381,15 +383,17 @@ if AVAILABLE:
 
     @gluon.jit
     def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                  PROBE: gl.constexpr):  # fmt: skip
+                  PROBE: gl.constexpr, DQ_TMA: gl.constexpr):  # fmt: skip
         """The dQ warpgroup: per step, dQ_i += scale * dS_i K over the program's 2 x BLOCK_N keys
         (both consumers' dS^T tiles from shared memory, K as loaded), added into the float32
-        dQ buffer with atomics, so the consumers never wait on the reduction."""
+        dQ buffer, so the consumers never wait on the reduction: with atomics from registers,
+        or (``DQ_TMA``) stored to one of two shared-memory tiles and added by a TMA bulk
+        reduction, which runs while the next step's product is computed."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
-        ds_smem, ds_ready, ds_empty, DQ = dqs
+        ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem = dqs
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -421,24 +425,37 @@ if AVAILABLE:
                 dq = warpgroup_mma(ds1, k1, dq, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ds0, ds1, k0, k1))[0]
                 mbarrier.arrive(ds_empty.index(buf), count=1)
-                # Rows of HEAD_DIM floats from a multiple of HEAD_DIM: vectorized atomics.
-                row0 = ((b * n_kv_heads + hk) * group + g).to(gl.int64) * seq_q + m0
-                base = DQ + row0 * HEAD_DIM
-                ok = (m0 + rows < seq_q)[:, None]
-                if PROBE == 1:  # measurement only: the product, no sums
-                    ok = ok & (dq == 12345.0)
-                gl.atomic_add(base + offs, dq * sm_scale, mask=ok, sem="relaxed")
+                if DQ_TMA:
+                    # Tile step % 2 is free once the reduction issued two steps ago read it.
+                    tile = dq_smem.index(step % 2)
+                    tma.store_wait(1)
+                    thread_barrier()
+                    tile.reshape([BLOCK_M, HEAD_DIM]).store(dq * sm_scale)
+                    fence_async_shared()
+                    thread_barrier()
+                    tma_reduce_add(dq_desc, [b, hk * group + g, m0, 0], tile)  # rows past seq_q
+                    # fall outside the descriptor and are dropped
+                else:
+                    # Rows of HEAD_DIM floats from a multiple of HEAD_DIM: vectorized atomics.
+                    row0 = ((b * n_kv_heads + hk) * group + g).to(gl.int64) * seq_q + m0
+                    base = DQ + row0 * HEAD_DIM
+                    ok = (m0 + rows < seq_q)[:, None]
+                    if PROBE == 1:  # measurement only: the product, no sums
+                        ok = ok & (dq == 12345.0)
+                    gl.atomic_add(base + offs, dq * sm_scale, mask=ok, sem="relaxed")
+        if DQ_TMA:
+            tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
 
     # dQ = scale * sum_j dS_ij K_j; dK, dV as the dK/dV kernel. dQ is summed with float32 atomics
     # (not reproducible bit for bit: the order of the additions varies).
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
     def attn_bwd_sm90(
         q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,
-        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ,
+        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc,
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         DQ_REGS: gl.constexpr, NBUF: gl.constexpr = 2, KV_RS: gl.constexpr = False,
-        DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0,
+        DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0, DQ_TMA: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -470,12 +487,17 @@ if AVAILABLE:
         sched = (n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale)
         outs = (LSE, Delta, stride_lb, stride_lh, DK, stride_kb, stride_kh, stride_kn, DV,
                 stride_vb, stride_vh, stride_vn)  # fmt: skip
-        dqs = (ds_smem, ds_ready, ds_empty, DQ)
+        if DQ_TMA:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape,
+                                                dq_desc.layout)  # fmt: skip
+        else:
+            dq_smem = ds_smem  # (unused)
+        dqs = (ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem)
         gl.warp_specialize(
             [
                 (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS)),
                 (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS)),
-                (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE)),
+                (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA)),
                 (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
             ],
             [4, 4, 1],

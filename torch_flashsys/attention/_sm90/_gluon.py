@@ -3,8 +3,9 @@
 Gluon's API moves between Triton releases; the Hopper kernels are written against Triton 3.6 and
 also compile with 3.9, whose TMA copies are named ``async_load`` / ``async_store`` (3.6:
 ``async_copy_global_to_shared`` / ``async_copy_shared_to_global``): :data:`tma_load` and
-:data:`tma_store` are whichever this Triton has, as is :data:`thread_barrier` (3.9:
-``gl.barrier``). ``AVAILABLE`` is False where the import fails
+:data:`tma_store` are whichever this Triton has, as are :data:`thread_barrier` (3.9:
+``gl.barrier``) and :data:`tma_reduce_add` (3.9: ``tma.async_atomic_add``; 3.6 has the IR
+operation but no Python name, so it is defined here). ``AVAILABLE`` is False where the import fails
 (no Gluon, another API): the kernels are then not defined and the portable Triton kernels serve
 every call. ``VERIFIED`` says whether this Triton is one the kernels were run and checked on.
 """
@@ -26,10 +27,24 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # 3.9: ``barrier``
+    tma_reduce_add = getattr(tma, "async_atomic_add", None)  # 3.9; 3.6 has only the IR op
+    if tma_reduce_add is None:
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        _ADD = _ir.DESCRIPTOR_REDUCE_KIND.ADD
+
+        @_builtin
+        def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            """TMA bulk reduction: add ``src`` (shared memory) into the global tile at ``coord``
+            (what 3.9 names ``tma.async_atomic_add``); completes as a TMA store group."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ADD, tensor_desc.handle, coord, src.handle)
+
     AVAILABLE = hasattr(gl, "warp_specialize") and hasattr(gl, "NVMMADistributedLayout")
 except Exception:  # ImportError, or an API whose import itself fails
     gluon = gl = fence_async_shared = mbarrier = tma = tma_load = tma_store = None
-    thread_barrier = None
+    thread_barrier = tma_reduce_add = None
     warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     AVAILABLE = False
 
@@ -53,6 +68,7 @@ __all__ = [
     "thread_barrier",
     "tma",
     "tma_load",
+    "tma_reduce_add",
     "tma_store",
     "warpgroup_mma",
     "warpgroup_mma_wait",
