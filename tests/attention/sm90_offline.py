@@ -158,7 +158,7 @@ if __name__ == "__main__":
               f"{kernel.metadata.shared} bytes")  # fmt: skip
     for causal, dtype in [(True, torch.bfloat16), (False, torch.float16)]:
         kernel = _warmup_fused(64, causal, dtype, 256)
-        assert "add.v2.f32" in kernel.asm["ptx"], "no vectorized atomic dQ sums"
+        assert "cp.reduce.async.bulk.tensor" in kernel.asm["ptx"], "dQ not summed by TMA"
         print(f"fused d=64 causal={causal} {dtype}: shared memory {kernel.metadata.shared} bytes")
     print(
         f"{kernels_for_lengths(64, True, torch.float16, LENGTHS)} kernel(s) for lengths {LENGTHS}"

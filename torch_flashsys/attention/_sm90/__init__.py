@@ -14,10 +14,11 @@ Triton kernel:
 - a positive scale, and every stride but the last a multiple of 16 bytes, 16-byte aligned data
   (what TMA descriptors need).
 
-The backward of a causal head-dim-64 GQA problem of 2048-8192 query rows that the forward rule
-admits (and whose dO a TMA descriptor can read) runs the fused Gluon kernel (``_bwd.attn_bwd_sm90``, after the
-preprocessing kernel ``_prep``), unless ``torch.are_deterministic_algorithms_enabled()``: its dQ
-is summed with float32 atomics, so it is not bitwise reproducible. Every other backward is the
+The backward of a causal head-dim-64 GQA problem of 1024-16384 query rows that the forward rule
+admits (and whose dO a TMA descriptor can read) runs the fused Gluon kernel
+(``_bwd.attn_bwd_sm90``, after the preprocessing kernel ``_prep``), unless
+``torch.are_deterministic_algorithms_enabled()``: its dQ is summed in float32 by TMA bulk
+reductions in no fixed order, so it is not bitwise reproducible. Every other backward is the
 portable one (deterministic; it reads the same ``out`` and ``lse``). The switches are below.
 """
 
@@ -75,10 +76,11 @@ FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
                                                       and VERIFIED))  # fmt: skip
 FUSED_ALL = _BWD_MODE == "fused"
-FUSED_SEQ_Q = (2048, 8192)  # query lengths where the fused kernel runs by default
+FUSED_SEQ_Q = (1024, 16384)  # query lengths where the fused kernel runs by default
 FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
-FUSED_DQ_TMA = False  # dQ summed by TMA bulk reductions from shared memory (else atomics)
+FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
+FUSED_NBUF = 4  # dS^T buffers between the consumers and the dQ warpgroup (shared memory 197 KB)
 FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
 BWD_STAGES = {64: 4, 128: 3}  # Q/dO ring depth per head dim (shared memory: 96 / 160 KB)
@@ -275,8 +277,10 @@ def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
 def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     """Where the fused backward measured faster than the portable one (H100, causal head dim
     64, ``benchmarks/sm90_bwd.py --rule`` and the training step): causal with GQA (many query
-    tiles per key tile), query lengths in FUSED_SEQ_Q. Without GQA it was slower at every
-    length; with GQA at 1024 and 16384 its forward+backward was slower."""
+    tiles per key tile), query lengths in FUSED_SEQ_Q (the lengths measured: 1024-16384; with
+    its dQ summed by TMA its backward was 1.17-1.23x faster there, its forward+backward
+    1.14-1.18x at 1024-8192 and even at 16384). Without GQA it was slower up to 4096 and
+    within 2% at 8192-16384, so those stay on the portable backward."""
     lo, hi = FUSED_SEQ_Q
     return ex is CAUSAL and q.shape[1] > k.shape[1] and lo <= q.shape[2] <= hi
 
@@ -337,7 +341,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
-            "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": 2, "KV_RS": False,
+            "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF, "KV_RS": False,
             "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
