@@ -231,6 +231,73 @@ def breakdown_rows(shape, iters: int = 10) -> list[dict]:
     return rows
 
 
+METHOD_SHAPES = [(1, 16, 16, 16384, 64, True), (1, 16, 4, 16384, 64, True),
+                 (2, 16, 16, 8192, 64, True)]  # fmt: skip
+
+
+def method_rows(shape, iters: int = 30) -> list[dict]:
+    """The same forward+backward and backward timed three ways, portable and fused backward:
+    ``do_bench`` (L2 flushed before each call), ``iters`` calls back to back between two events
+    (as a training loop runs them), and each call alone after an L2 flush and a synchronize
+    (median). Where the fused kernel's forward+backward differs from its backward plus the
+    forward, this says whether the timing method is the cause. Phases are stamped with
+    ``time.time()`` for matching against a clock/power log."""
+    import statistics
+    import time
+
+    b, h, hk, n, d, causal = shape
+    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    dout = torch.randn_like(q)
+    label = f"{b}x{h}/{hk}x{n}x{d}{' causal' if causal else ''}"
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+
+    def ours(q, k, v):
+        return flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
+
+    def timed(fn) -> tuple[float, float, float]:
+        do_bench_ms = bench(fn, "cuda")["median_ms"]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        loop_ms = start.elapsed_time(end) / iters
+        alone = []
+        for _ in range(iters):
+            flush.zero_()
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            alone.append(start.elapsed_time(end))
+        return do_bench_ms, loop_ms, statistics.median(alone)
+
+    rows = []
+    saved = _sm90.FUSED_ENABLED, _sm90.FUSED_ALL
+    try:
+        for name, fused in (("portable", False), ("hopper fused", True)):
+            _sm90.FUSED_ENABLED = _sm90.FUSED_ALL = fused
+            out = ours(q, k, v)
+            loops = {"fwd": lambda: ours(q, k, v),
+                     "bwd": lambda o=out: torch.autograd.grad(o, (q, k, v), dout,
+                                                               retain_graph=True),
+                     "fwd+bwd": lambda: _grads(ours, q, k, v, dout)}  # fmt: skip
+            for mode, fn in loops.items():
+                t0 = time.time()
+                a, loop, alone = timed(fn)
+                rows.append({"shape": label, "impl": name, "mode": mode, "do_bench_ms": a,
+                             "loop_ms": loop, "alone_ms": alone, "t_start": round(t0, 2),
+                             "t_end": round(time.time(), 2)})  # fmt: skip
+    finally:
+        _sm90.FUSED_ENABLED, _sm90.FUSED_ALL = saved
+    return rows
+
+
 def main() -> None:
     p = parser(__doc__, smoke="one tiny shape, portable backward only (CPU without a GPU)")
     p.add_argument("--variants", action="store_true",
@@ -239,7 +306,15 @@ def main() -> None:
                    help="portable against fused backward, causal head dim 64, 1k-16k, GQA or not")  # fmt: skip
     p.add_argument("--breakdown", action="store_true",
                    help="kernel times in fwd+bwd and bwd-only loops, portable and fused (GPU)")  # fmt: skip
+    p.add_argument("--methods", action="store_true",
+                   help="fwd, bwd, fwd+bwd timed three ways (do_bench, back to back, alone; GPU)")  # fmt: skip
     args = p.parse_args()
+    if args.methods:
+        rows = [r for shape in METHOD_SHAPES for r in method_rows(shape)]
+        report("Timing methods: do_bench, back-to-back loop, single call after a flush",
+               rows, ("shape", "impl", "mode", "do_bench_ms", "loop_ms", "alone_ms", "t_start",
+                      "t_end"), args.out)  # fmt: skip
+        return
     if args.breakdown:
         rows = [r for shape in BREAKDOWN_SHAPES for r in breakdown_rows(shape)]
         report("Kernel times per call: fwd+bwd against backward only (causal GQA 4:1, d 64)",
