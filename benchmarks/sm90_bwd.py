@@ -71,7 +71,9 @@ def _timings(fn, q, k, v, dout, device) -> dict:
     return {"bwd_ms": bwd["median_ms"], "fwd_bwd_ms": both["median_ms"]}
 
 
-def rows_for(shape, device: str, variants=None) -> list[dict]:
+def _problem(shape, device: str = "cuda"):
+    """``(q, k, v, dout, label, ours)`` for a ``(batch, heads, kv heads, length, head dim,
+    causal)`` shape: fresh random bf16 tensors (float32 off the GPU) and flash_attention on them."""
     b, h, hk, n, d, causal = shape
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q = torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
@@ -83,6 +85,12 @@ def rows_for(shape, device: str, variants=None) -> list[dict]:
     def ours(q, k, v):
         return flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
 
+    return q, k, v, dout, label, ours
+
+
+def rows_for(shape, device: str, variants=None) -> list[dict]:
+    b, h, hk, n, d, causal = shape
+    q, k, v, dout, label, ours = _problem(shape, device)
     flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)  # the backward's five matmuls
     ex = CAUSAL if causal else PLAIN
     hopper = device == "cuda" and _sm90.forward_takes(q, k, v, d**-0.5, ex)
@@ -147,11 +155,8 @@ def variant_rows(shape) -> list[dict]:
     from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
 
     b, h, hk, n, d, causal = shape
-    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    dout = torch.randn_like(q)
-    out = flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
+    q, k, v, dout, label, ours = _problem(shape)
+    out = ours(q, k, v)
     saved = _sm90.FUSED_ENABLED
     _sm90.FUSED_ENABLED = False
     try:
@@ -159,7 +164,6 @@ def variant_rows(shape) -> list[dict]:
     finally:
         _sm90.FUSED_ENABLED = saved
     o2, lse = _forward(q, k, v, d**-0.5, CAUSAL if causal else PLAIN)  # flash_attention's own
-    label = f"{b}x{h}/{hk}x{n}x{d}{' causal' if causal else ''}"
     flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)
     rows = []
     for name, extra in FUSED_VARIANTS.items():
@@ -183,51 +187,48 @@ BREAKDOWN_SHAPES = [(16, 16, 4, 1024, 64, True), (8, 16, 4, 2048, 64, True),
                     (1, 16, 4, 16384, 64, True)]  # fmt: skip
 
 
-def breakdown_rows(shape, iters: int = 10) -> list[dict]:
-    """CUDA time per call of every kernel (torch.profiler) in a loop of fwd+bwd and in a loop of
-    backward only, portable and fused backward: which kernel a fresh forward slows down."""
-    b, h, hk, n, d, causal = shape
-    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    dout = torch.randn_like(q)
-    label = f"{b}x{h}/{hk}x{n}x{d}{' causal' if causal else ''}"
-
-    def ours(q, k, v):
-        return flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
-
-    rows = []
+def _each_backward(shape, modes):
+    """For the portable and then the fused backward (the latter switched on for every problem
+    it can run; the switches restored after), yield ``(label, backward name, mode, fn)`` for each
+    of ``modes``: "fwd", "bwd" (of one kept forward), "fwd+bwd" (a fresh forward each call)."""
+    q, k, v, dout, label, ours = _problem(shape)
     saved = _sm90.FUSED_ENABLED, _sm90.FUSED_ALL
     try:
         for name, fused in (("portable", False), ("hopper fused", True)):
             _sm90.FUSED_ENABLED = _sm90.FUSED_ALL = fused
             out = ours(q, k, v)
-            loops = {"fwd+bwd": lambda: _grads(ours, q, k, v, dout),
+            loops = {"fwd": lambda: ours(q, k, v),
                      "bwd": lambda o=out: torch.autograd.grad(o, (q, k, v), dout,
-                                                               retain_graph=True)}  # fmt: skip
-            for mode, fn in loops.items():
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                with torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CUDA]
-                ) as prof:
-                    start.record()
-                    for _ in range(iters):
-                        fn()
-                    end.record()
-                    torch.cuda.synchronize()
-                rows.append({"shape": label, "impl": name, "mode": mode, "kernel": "(wall)",
-                             "ms": start.elapsed_time(end) / iters})  # fmt: skip
-                for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
-                    if e.device_time_total > 0:
-                        rows.append({"shape": label, "impl": name, "mode": mode,
-                                     "kernel": e.key[:60],
-                                     "ms": e.device_time_total / iters / 1000})  # fmt: skip
+                                                               retain_graph=True),
+                     "fwd+bwd": lambda: _grads(ours, q, k, v, dout)}  # fmt: skip
+            for mode in modes:
+                yield label, name, mode, loops[mode]
     finally:
         _sm90.FUSED_ENABLED, _sm90.FUSED_ALL = saved
+
+
+def breakdown_rows(shape, iters: int = 10) -> list[dict]:
+    """CUDA time per call of every kernel (torch.profiler) in a loop of fwd+bwd and in a loop of
+    backward only, portable and fused backward: which kernel a fresh forward slows down."""
+    rows = []
+    for label, name, mode, fn in _each_backward(shape, ("fwd+bwd", "bwd")):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+        rows.append({"shape": label, "impl": name, "mode": mode, "kernel": "(wall)",
+                     "ms": start.elapsed_time(end) / iters})  # fmt: skip
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+            if e.device_time_total > 0:
+                rows.append({"shape": label, "impl": name, "mode": mode, "kernel": e.key[:60],
+                             "ms": e.device_time_total / iters / 1000})  # fmt: skip
     return rows
 
 
@@ -245,16 +246,7 @@ def method_rows(shape, iters: int = 30) -> list[dict]:
     import statistics
     import time
 
-    b, h, hk, n, d, causal = shape
-    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    dout = torch.randn_like(q)
-    label = f"{b}x{h}/{hk}x{n}x{d}{' causal' if causal else ''}"
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-
-    def ours(q, k, v):
-        return flash_attention(q, k, v, is_causal=causal, enable_gqa=h != hk)
 
     def timed(fn) -> tuple[float, float, float]:
         do_bench_ms = bench(fn, "cuda")["median_ms"]
@@ -278,23 +270,12 @@ def method_rows(shape, iters: int = 30) -> list[dict]:
         return do_bench_ms, loop_ms, statistics.median(alone)
 
     rows = []
-    saved = _sm90.FUSED_ENABLED, _sm90.FUSED_ALL
-    try:
-        for name, fused in (("portable", False), ("hopper fused", True)):
-            _sm90.FUSED_ENABLED = _sm90.FUSED_ALL = fused
-            out = ours(q, k, v)
-            loops = {"fwd": lambda: ours(q, k, v),
-                     "bwd": lambda o=out: torch.autograd.grad(o, (q, k, v), dout,
-                                                               retain_graph=True),
-                     "fwd+bwd": lambda: _grads(ours, q, k, v, dout)}  # fmt: skip
-            for mode, fn in loops.items():
-                t0 = time.time()
-                a, loop, alone = timed(fn)
-                rows.append({"shape": label, "impl": name, "mode": mode, "do_bench_ms": a,
-                             "loop_ms": loop, "alone_ms": alone, "t_start": round(t0, 2),
-                             "t_end": round(time.time(), 2)})  # fmt: skip
-    finally:
-        _sm90.FUSED_ENABLED, _sm90.FUSED_ALL = saved
+    for label, name, mode, fn in _each_backward(shape, ("fwd", "bwd", "fwd+bwd")):
+        t0 = time.time()
+        a, loop, alone = timed(fn)
+        rows.append({"shape": label, "impl": name, "mode": mode, "do_bench_ms": a,
+                     "loop_ms": loop, "alone_ms": alone, "t_start": round(t0, 2),
+                     "t_end": round(time.time(), 2)})  # fmt: skip
     return rows
 
 
