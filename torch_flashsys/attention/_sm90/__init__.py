@@ -279,8 +279,9 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     64, ``benchmarks/sm90_bwd.py --rule`` and the training step): causal with GQA (many query
     tiles per key tile), query lengths in FUSED_SEQ_Q (the lengths measured: 1024-16384; with
     its dQ summed by TMA its backward was 1.17-1.23x faster there, its forward+backward
-    1.14-1.18x at 2048-8192, host-bound at 1024, 0.93-1.00x at 16384). Without GQA it was slower up to 4096; at
-    8192-16384 it measured 0.93-1.06x in forward+backward (four runs), not yet switched."""
+    1.14-1.18x faster at 2048-8192, host-bound at 1024, 0.93-1.00x the time at 16384). Without
+    GQA it was slower up to 4096; at 8192-16384 it measured 0.93-1.06x in forward+backward (four
+    runs), not yet switched."""
     lo, hi = FUSED_SEQ_Q
     return ex is CAUSAL and q.shape[1] > k.shape[1] and lo <= q.shape[2] <= hi
 
