@@ -63,13 +63,13 @@ _MODE = os.environ.get("TORCH_FLASHSYS_SM90", "")
 ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFIED))
 
 
-# The Gluon backward kernels (``_bwd``), read once at import. Unset: the fused five-product
-# kernel (dQ by float32 atomics, so not bitwise reproducible) runs, on a verified Triton
-# (FUSED_DEFAULT), the problems where it measured faster than the portable backward on an H100
-# (causal with GQA, query lengths in FUSED_SEQ_Q; docs/benchmarks.md), the portable
-# backward the rest. ``TORCH_FLASHSYS_SM90_BWD=fused``: the fused kernel for every problem it
-# can run (FUSED_ALL); ``=1``: the deterministic dK/dV kernel after the portable dQ kernel;
-# ``=0``: neither. Under torch.use_deterministic_algorithms(True) the fused kernel never runs.
+# The Gluon backward kernels (``_bwd``), read once at import. Unset: the fused five-product kernel
+# (dQ summed by TMA bulk reductions in no fixed order, so not bitwise reproducible) runs, on a
+# verified Triton (FUSED_DEFAULT), the problems where it measured faster than the portable backward
+# on an H100 (causal with GQA, query lengths in FUSED_SEQ_Q; docs/benchmarks.md), the portable
+# backward the rest. ``TORCH_FLASHSYS_SM90_BWD=fused``: the fused kernel for every problem it can
+# run (FUSED_ALL); ``=1``: the deterministic dK/dV kernel after the portable dQ kernel; ``=0``:
+# neither. Under torch.use_deterministic_algorithms(True) the fused kernel never runs.
 _BWD_MODE = os.environ.get("TORCH_FLASHSYS_SM90_BWD", "")
 BWD_ENABLED = ENABLED and _BWD_MODE == "1"
 FUSED_DEFAULT = True
@@ -129,7 +129,8 @@ def forward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 @functools.cache
 def _layout(rows: int, d: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], getattr(gl, _GL_DTYPES[dtype]))
+    name = "float32" if dtype == torch.float32 else _GL_DTYPES[dtype]  # float32: the dQ sums
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], getattr(gl, name))
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -267,7 +268,7 @@ def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     """Whether the backward of this 4-D problem runs on the fused Hopper kernel: the forward's
     rule, the switch, a head dim it has a configuration for, a problem where it is the faster
     backward (or FUSED_ALL), dO a TMA operand of q's shape, and deterministic algorithms not
-    requested (its dQ sums are atomic)."""
+    requested (its dQ sums are added in no fixed order)."""
     return (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES and (FUSED_ALL or _fused_wins(q, k, ex))
             and dout.shape == q.shape
             and dout.dtype == q.dtype and forward_takes(q, k, v, scale, ex) and _tma_ok(dout)
@@ -319,21 +320,7 @@ def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
     """The fused kernel's runtime arguments: the dK/dV kernel's, with the dQ buffer (contiguous
     float32 (B, H, L, d)) inserted."""
     args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
-    return (*args[:16], dq_acc, _f32_descriptor(dq_acc, BWD_BLOCK), *args[16:])
-
-
-@functools.cache
-def _f32_layout(rows: int, d: int):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.float32)
-
-
-def _f32_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """:func:`_descriptor` of a float32 (B, H, L, d) tensor (the fused kernel's dQ sums)."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()),
-                         block_shape=[1, 1, rows, t.shape[-1]],
-                         layout=_f32_layout(rows, t.shape[-1]), padding="zero")  # fmt: skip
-    return desc
+    return (*args[:16], dq_acc, _descriptor(dq_acc, BWD_BLOCK), *args[16:])
 
 
 def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
@@ -342,9 +329,9 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
-            "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF, "KV_RS": False,
-            "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA, "num_warps": NUM_WARPS,
-            "maxnreg": FUSED_MAX_REGS}  # fmt: skip
+            "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
+            "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA,
+            "num_warps": NUM_WARPS, "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
