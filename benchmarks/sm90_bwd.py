@@ -171,7 +171,7 @@ def variant_rows(shape) -> list[dict]:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
         meta = {**_sm90.fused_constexprs(d, causal, q.dtype), **extra}
-        grid = (-(-n // (2 * _sm90.BWD_BLOCK)) * b * hk, 1, 1)
+        grid = (_sm90.triton_cdiv(n, 2 * _sm90.BWD_BLOCK) * b * hk, 1, 1)
         attn_bwd_sm90[grid](*args, **meta)
         got = (dq_acc.to(q.dtype), dk, dv)
         diff = max(

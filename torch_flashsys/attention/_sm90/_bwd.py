@@ -446,8 +446,9 @@ if AVAILABLE:
         if DQ_TMA:
             tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
 
-    # dQ = scale * sum_j dS_ij K_j; dK, dV as the dK/dV kernel. dQ is summed with float32 atomics
-    # (not reproducible bit for bit: the order of the additions varies).
+    # dQ = scale * sum_j dS_ij K_j; dK, dV as the dK/dV kernel. dQ is summed in float32 by TMA
+    # bulk reductions (DQ_TMA) or atomics (not reproducible bit for bit: the order of the
+    # additions varies).
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
     def attn_bwd_sm90(
         q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,

@@ -1,6 +1,6 @@
 """The fused Hopper backward's preprocessing, a plain Triton kernel (it runs anywhere, the
 interpreter included): ``D = rowsum(dO * O) - dLSE`` for every query row, and the float32 dQ
-buffer zeroed for the backward's atomic sums."""
+buffer zeroed for the backward's sums (TMA reductions or atomics, added in no fixed order)."""
 
 from __future__ import annotations
 
