@@ -36,8 +36,8 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
 SMOKE_SHAPES = [(1, 4, 2, 96, 64, True)]
 # --rule: where the fused kernel runs by default (causal, head dim 64): 16384 tokens a step at
 # 1k-16k, without and with GQA (4 query heads per key/value head).
-RULE_SHAPES = [(16384 // n, 16, kv, n, 64, True) for kv in (16, 4)
-               for n in (1024, 2048, 4096, 8192, 16384)]  # fmt: skip
+RULE_SHAPES = [(16384 // n, 16, kv, n, 64, causal) for causal in (True, False) for kv in (16, 4)
+               for n in (1024, 2048, 4096, 8192, 16384) if causal or n <= 8192]  # fmt: skip
 VARIANTS = {  # name: (the dK/dV kernel on, the fused kernel on)
     "portable": (False, False),
     "hopper dK/dV": (True, False),
@@ -128,20 +128,16 @@ def rows_for(shape, device: str, variants=None) -> list[dict]:
     return rows
 
 
-# Compile-time variants of the fused kernel (--variants): consumer/dQ-warpgroup registers, dS
-# buffers, K/V and dS^T as register operands, and two measurement-only cuts (PROBE 1: the dQ
-# product without its atomic sums; 2: no dQ work at all; both give wrong dQ).
+# Compile-time variants of the fused kernel (--variants): the program order, atomics for the dQ
+# sums, dS^T as the dK product's register operand, and a measurement-only cut (PROBE 2: no dQ
+# work at all; wrong dQ).
 FUSED_VARIANTS = {
-    "ss dK, 192/104 regs": {"CONSUMER_REGS": 192, "DQ_REGS": 104},
-    "ss dK": {},
+    "default": {},
+    "keys fastest": {"KEYS_FASTEST": True},
+    "heads fastest": {"KEYS_FASTEST": False},
+    "atomic dQ": {"DQ_TMA": False},
     "rs dK": {"DK_RS": True},
-    "rs dK, 4 dS buffers": {"DK_RS": True, "NBUF": 4},
-    "rs dK, rs K/V": {"DK_RS": True, "KV_RS": True},
-    "ss dK, TMA dQ": {"DQ_TMA": True},
-    "ss dK, TMA dQ, 192/104 regs": {"DQ_TMA": True, "CONSUMER_REGS": 192, "DQ_REGS": 104},
-    "ss dK, TMA dQ, 4 dS buffers": {"DQ_TMA": True, "NBUF": 4},
-    "rs dK, no atomics (probe)": {"DK_RS": True, "PROBE": 1},
-    "rs dK, no dQ (probe)": {"DK_RS": True, "PROBE": 2},
+    "no dQ (probe)": {"PROBE": 2},
 }
 VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
                   (4, 32, 8, 2048, 64, True)]  # fmt: skip
@@ -279,17 +275,70 @@ def method_rows(shape, iters: int = 30) -> list[dict]:
     return rows
 
 
+TIMELINE_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 32, 8, 2048, 64, True)]
+CONSUMER_PHASES = ("wait Q/dO", "S^T+dP^T issue, wait S^T", "P^T (exp), to A layout",
+                   "wait dP^T, dV issue, dS^T", "wait dS buffer free", "dS^T store+fence+bar+arrive",
+                   "dK issue, wait dV/dK, release")  # fmt: skip
+DQ_PHASES = ("wait dS^T", "dQ product, wait, release", "wait tile free (TMA)",
+             "store tile, fence, bar, reduce")  # fmt: skip
+
+
+def timeline_rows(shape) -> list[dict]:
+    """%clock64 cycles per step and phase of each partition of the fused kernel (PROBE == 3;
+    summed over programs, divided by their steps), and the kernel time with and without the
+    probes (they write into Delta: wrong gradients)."""
+    from triton.testing import do_bench
+
+    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
+
+    b, _, hk, n, d, causal = shape
+    q, k, v, dout, label, _ = _problem(shape)
+    o2, lse = _forward(q, k, v, d**-0.5, CAUSAL if causal else PLAIN)
+    rows = []
+    for probe in (0, 3):
+        delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
+        meta = {**_sm90.fused_constexprs(d, causal, q.dtype), "PROBE": probe}
+        grid = (_sm90.triton_cdiv(n, 2 * _sm90.BWD_BLOCK) * b * hk, 1, 1)
+        assert delta.numel() >= 48 * grid[0], "Delta too small for the probes' 48 floats each"
+        ms = do_bench(lambda g=grid, a=args, m=meta: attn_bwd_sm90[g](*a, **m), warmup=25, rep=200)
+        rows.append({"shape": label, "partition": f"kernel (PROBE={probe})", "phase": "ms",
+                     "value": ms})  # fmt: skip
+        if probe == 3:
+            attn_bwd_sm90[grid](*args, **meta)
+            torch.cuda.synchronize()
+            t = delta.reshape(-1)[: grid[0] * 48].reshape(grid[0], 3, 16).double()
+            for part, phases in (("consumer 0", CONSUMER_PHASES), ("consumer 1", CONSUMER_PHASES),
+                                 ("dQ", DQ_PHASES)):  # fmt: skip
+                i = ("consumer 0", "consumer 1", "dQ").index(part)
+                steps = t[:, i, 7].sum().item()
+                for j, phase in enumerate(phases):
+                    rows.append({"shape": label, "partition": part, "phase": phase,
+                                 "value": t[:, i, j].sum().item() / steps})  # fmt: skip
+                rows.append({"shape": label, "partition": part, "phase": "sum (cycles/step)",
+                             "value": t[:, i, : len(phases)].sum().item() / steps})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     p = parser(__doc__, smoke="one tiny shape, portable backward only (CPU without a GPU)")
     p.add_argument("--variants", action="store_true",
                    help="time compile-time variants of the fused kernel (kernel only; GPU)")  # fmt: skip
     p.add_argument("--rule", action="store_true",
-                   help="portable against fused backward, causal head dim 64, 1k-16k, GQA or not")  # fmt: skip
+                   help="portable against fused backward, d 64, 1k-16k, GQA or not, causal or not")  # fmt: skip
     p.add_argument("--breakdown", action="store_true",
                    help="kernel times in fwd+bwd and bwd-only loops, portable and fused (GPU)")  # fmt: skip
     p.add_argument("--methods", action="store_true",
                    help="fwd, bwd, fwd+bwd timed three ways (do_bench, back to back, alone; GPU)")  # fmt: skip
+    p.add_argument("--timeline", action="store_true",
+                   help="cycles per step and phase of each partition of the fused kernel (GPU)")  # fmt: skip
     args = p.parse_args()
+    if args.timeline:
+        rows = [r for shape in TIMELINE_SHAPES for r in timeline_rows(shape)]
+        report("Fused kernel: %clock64 cycles per step and phase", rows,
+               ("shape", "partition", "phase", "value"), args.out)  # fmt: skip
+        return
     if args.methods:
         rows = [r for shape in METHOD_SHAPES for r in method_rows(shape)]
         report("Timing methods: do_bench, back-to-back loop, single call after a flush",
@@ -304,7 +353,7 @@ def main() -> None:
     if args.rule:
         pick = {name: VARIANTS[name] for name in ("portable", "hopper fused")}
         rows = [r for shape in RULE_SHAPES for r in rows_for(shape, "cuda", pick)]
-        report("Fused Hopper backward against the portable one (causal, d 64)", rows, COLUMNS,
+        report("Fused Hopper backward against the portable one (d 64)", rows, COLUMNS,
                args.out)  # fmt: skip
         return
     if args.variants:

@@ -116,17 +116,23 @@ def test_the_backward_switch_is_read_at_import():
         assert out == expected
 
 
+def _every_kind(lengths: tuple[int, int]) -> dict:
+    """A FUSED_SEQ_Q table with the same query lengths for every (causal, GQA) kind."""
+    return {(causal, gqa): lengths for causal in (True, False) for gqa in (True, False)}
+
+
 def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
     """The fused backward's rule: the forward's, its switch, head dim 64, where it measured
-    faster (causal, GQA, query lengths in FUSED_SEQ_Q; every problem with FUSED_ALL), dO a
-    TMA operand of q's shape and dtype, and not under ``torch.use_deterministic_algorithms(True)``
-    (its dQ sums are atomic: that mode gets the portable, reproducible backward)."""
+    faster (query lengths in FUSED_SEQ_Q per kind, causal or not, GQA or not; every problem
+    with FUSED_ALL), dO a TMA operand of q's shape and dtype, and not under
+    ``torch.use_deterministic_algorithms(True)`` (its dQ sums are added in no fixed order: that
+    mode gets the portable, reproducible backward)."""
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
     kv = q[:, :1]  # GQA 4:1
     wide = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
     strided = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16)[..., ::2]
     with (
-        mock.patch.object(_sm90, "FUSED_SEQ_Q", (8, 8)),  # these 8 query rows in the range
+        mock.patch.object(_sm90, "FUSED_SEQ_Q", _every_kind((8, 8))),  # 8 query rows in range
         mock.patch.object(_sm90, "ENABLED", True),
         mock.patch.object(_sm90, "_is_sm90", return_value=True),
         mock.patch.object(torch.Tensor, "is_cuda", new=True),
@@ -136,12 +142,13 @@ def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
         with mock.patch.object(_sm90, "FUSED_ENABLED", True):
             assert _sm90.fused_takes(q, kv, kv, q.clone(), 0.1, CAUSAL)
             with mock.patch.object(_sm90, "FUSED_ALL", False):  # the default rule
-                assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)  # no GQA
-                assert not _sm90.fused_takes(q, kv, kv, q, 0.1, PLAIN)  # full attention
-                with mock.patch.object(_sm90, "FUSED_SEQ_Q", (1, 7)):
-                    assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)  # 8 query rows
-                with mock.patch.object(_sm90, "FUSED_SEQ_Q", (9, 100)):
-                    assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)
+                for k, ex in ((q, CAUSAL), (kv, CAUSAL), (q, PLAIN), (kv, PLAIN)):
+                    assert _sm90.fused_takes(q, k, k, q, 0.1, ex)
+                    gqa = k.shape[1] < q.shape[1]
+                    for lengths in ((1, 7), (9, 100)):  # this kind's range without 8 rows
+                        table = {**_every_kind((8, 8)), (ex is CAUSAL, gqa): lengths}
+                        with mock.patch.object(_sm90, "FUSED_SEQ_Q", table):
+                            assert not _sm90.fused_takes(q, k, k, q, 0.1, ex)
             with mock.patch.object(_sm90, "FUSED_ALL", True):
                 assert _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
                 assert _sm90.fused_takes(q, q, q, q, 0.1, PLAIN)
@@ -158,6 +165,30 @@ def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
                 assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)
             finally:
                 torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq", "causal", "fused"),
+    [(16, 4, 1024, True, True), (16, 4, 16384, True, True), (16, 4, 32768, True, False),
+     (16, 16, 2048, True, False), (16, 16, 4096, True, True), (16, 16, 16384, True, True),
+     (16, 16, 1024, False, False), (16, 16, 2048, False, True), (16, 4, 8192, False, True),
+     (16, 4, 16384, False, False)],
+)  # fmt: skip
+def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_heads, seq,
+                                                                     causal, fused):  # fmt: skip
+    """The committed rule (H100, ``benchmarks/sm90_bwd.py --rule``, docs/benchmarks.md): causal
+    with GQA at 1024-16384 query rows, causal without GQA at 4096-16384, and without a causal
+    mask at 2048-8192; the portable backward elsewhere."""
+    q = torch.empty(1, heads, seq, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, kv_heads, seq, 64, dtype=torch.bfloat16, device="meta")
+    with (
+        mock.patch.object(_sm90, "ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_ALL", False),
+        mock.patch.object(_sm90, "_is_sm90", return_value=True),
+        mock.patch.object(torch.Tensor, "is_cuda", new=True),
+    ):
+        assert _sm90.fused_takes(q, k, k, q, 0.125, CAUSAL if causal else PLAIN) is fused
 
 
 def test_the_fused_backward_switch_is_read_at_import():

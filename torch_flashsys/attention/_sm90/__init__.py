@@ -66,7 +66,7 @@ ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFI
 # The Gluon backward kernels (``_bwd``), read once at import. Unset: the fused five-product kernel
 # (dQ summed by TMA bulk reductions in no fixed order, so not bitwise reproducible) runs, on a
 # verified Triton (FUSED_DEFAULT), the problems where it measured faster than the portable backward
-# on an H100 (causal with GQA, query lengths in FUSED_SEQ_Q; docs/benchmarks.md), the portable
+# on an H100 (query lengths in FUSED_SEQ_Q per kind of problem; docs/benchmarks.md), the portable
 # backward the rest. ``TORCH_FLASHSYS_SM90_BWD=fused``: the fused kernel for every problem it can
 # run (FUSED_ALL); ``=1``: the deterministic dK/dV kernel after the portable dQ kernel; ``=0``:
 # neither. Under torch.use_deterministic_algorithms(True) the fused kernel never runs.
@@ -76,7 +76,12 @@ FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
                                                       and VERIFIED))  # fmt: skip
 FUSED_ALL = _BWD_MODE == "fused"
-FUSED_SEQ_Q = (1024, 16384)  # query lengths where the fused kernel runs by default
+FUSED_SEQ_Q = {  # (causal, GQA) -> the query lengths where the fused kernel runs by default
+    (True, True): (1024, 16384),
+    (True, False): (4096, 16384),
+    (False, True): (2048, 8192),
+    (False, False): (2048, 8192),
+}
 FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
@@ -276,15 +281,17 @@ def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
 
 
 def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
-    """Where the fused backward measured faster than the portable one (H100, causal head dim
-    64, ``benchmarks/sm90_bwd.py --rule`` and the training step): causal with GQA (many query
-    tiles per key tile), query lengths in FUSED_SEQ_Q (the lengths measured: 1024-16384; with
-    its dQ summed by TMA its backward was 1.17-1.23x faster there, its forward+backward
-    1.14-1.18x faster at 2048-8192, host-bound at 1024, 0.93-1.00x the time at 16384). Without
-    GQA it was slower up to 4096; at 8192-16384 it measured 0.93-1.06x in forward+backward (four
-    runs), not yet switched."""
-    lo, hi = FUSED_SEQ_Q
-    return ex is CAUSAL and q.shape[1] > k.shape[1] and lo <= q.shape[2] <= hi
+    """Where the fused backward measured faster than the portable one (H100, head dim 64,
+    ``benchmarks/sm90_bwd.py --rule``, 1024-16384 query rows, 16384 tokens a problem; the
+    training step): the query lengths in FUSED_SEQ_Q for the problem's kind. Its backward took
+    0.72-0.78x the portable one's time with causal GQA 4:1 at 2048-16384 (1024: host-bound,
+    1.17x faster in earlier runs), 0.83-0.94x causal without GQA at 4096-16384 (1.3x slower at
+    1024-2048, where a key tile has few query tiles), 0.77-0.88x without a causal mask at
+    2048-8192 (16384 not measured)."""
+    if not (ex is CAUSAL or ex is PLAIN):
+        return False
+    lo, hi = FUSED_SEQ_Q[(ex is CAUSAL, q.shape[1] > k.shape[1])]
+    return lo <= q.shape[2] <= hi
 
 
 _launch_prep = LaunchCache(attn_bwd_prep, n_tensors=5)
@@ -331,7 +338,8 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA,
-            "num_warps": NUM_WARPS, "maxnreg": FUSED_MAX_REGS}  # fmt: skip
+            "KEYS_FASTEST": not causal, "num_warps": NUM_WARPS,
+            "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

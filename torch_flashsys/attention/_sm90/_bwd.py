@@ -59,12 +59,21 @@ if AVAILABLE:
 
     @gluon.jit
     def _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M: gl.constexpr, BLOCK_N2: gl.constexpr,
-                      CAUSAL: gl.constexpr):  # fmt: skip
+                      CAUSAL: gl.constexpr, KEYS_FASTEST: gl.constexpr = False):  # fmt: skip
         """This program's (b, hk, n0, first query tile, query tiles): key tiles in order (causal:
-        tile 0 is the heaviest), heads varying fastest."""
+        tile 0 is the heaviest), heads varying fastest, so that the heaviest causal tiles of
+        every head start first. ``KEYS_FASTEST``: one head's key tiles after another instead,
+        so that its Q, dO and dQ sums stay in L2 (the fused kernel without a causal mask, where
+        every tile is equally heavy: 8% faster at 4 x 16 x 4096, d 64; causal, it lost the
+        longest-first order: 19% slower at GQA 4 x 32/8 x 2048)."""
         pid = gl.program_id(0)
-        bhk = pid % n_bhk
-        n0 = (pid // n_bhk) * BLOCK_N2
+        if KEYS_FASTEST:  # a head's key tiles one after another (its Q, dO, dQ stay in L2)
+            n_kb = gl.num_programs(0) // n_bhk
+            bhk = pid // n_kb
+            n0 = (pid % n_kb) * BLOCK_N2
+        else:
+            bhk = pid % n_bhk
+            n0 = (pid // n_bhk) * BLOCK_N2
         n_m = gl.cdiv(seq_q, BLOCK_M)
         m_lo = 0
         if CAUSAL:  # top-left aligned: query row i sees keys j <= i
@@ -87,6 +96,16 @@ if AVAILABLE:
         return p_t
 
     @gluon.jit
+    def _stats_raw(LSE, Delta, l_off, m0, limit, layout: gl.constexpr, BLOCK_M: gl.constexpr):
+        """LSE (natural log; +inf at rows from ``limit`` on) and D of query rows m0.., as loaded:
+        the fused consumers issue them a step ahead, and a load's first use waits for it."""
+        rows = m0 + gl.arange(0, BLOCK_M, layout=layout)
+        ok = rows < limit
+        lse = gl.load(LSE + l_off + rows, mask=ok, other=float("inf"))
+        delta = gl.load(Delta + l_off + rows, mask=ok, other=0.0)
+        return lse, delta
+
+    @gluon.jit
     def _row_stats(LSE, Delta, l_off, m0, seq_q, layout: gl.constexpr, BLOCK_M: gl.constexpr):
         """LSE (base 2) and D of query rows m0.. as row vectors of the (keys x queries) tile;
         rows past seq_q get LSE +inf (P = 0)."""
@@ -95,6 +114,13 @@ if AVAILABLE:
         lse2 = gl.load(LSE + l_off + rows, mask=ok, other=float("inf")) * LOG2E
         delta = gl.load(Delta + l_off + rows, mask=ok, other=0.0)
         return lse2, delta
+
+    @gluon.jit
+    def _clock(x):
+        """%clock64, for the ``PROBE == 3`` timeline; ``x`` any scalar (a dependence that keeps
+        the read in place)."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=gl.int64,
+                                         is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
     def _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs):
@@ -205,7 +231,8 @@ if AVAILABLE:
         _consume(descs, bufs, bars, sched, outs, CAUSAL, PIPELINE, 1)
 
     @gluon.jit
-    def _load(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+    def _load(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr,
+              KEYS_FASTEST: gl.constexpr = False):  # fmt: skip
         """Load warp: K and V (two halves each) once, then Q and dO per step into the ring."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
@@ -215,7 +242,7 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = q_smem.type.shape[0]
         b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
-                                             CAUSAL)  # fmt: skip
+                                             CAUSAL, KEYS_FASTEST)  # fmt: skip
         mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for i in gl.static_range(2):
             tma_load(k_desc, [b, hk, n0 + i * BLOCK_N, 0], kv_ready, k_smem.index(i))
@@ -276,12 +303,18 @@ if AVAILABLE:
     # The fused backward: dQ as well, so S and dP are computed once (five matrix products).
     @gluon.jit
     def _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                       KV_RS: gl.constexpr, DK_RS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                       KV_RS: gl.constexpr, DK_RS: gl.constexpr, PROBE: gl.constexpr,
+                       KEYS_FASTEST: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the fused kernel: as :func:`_consume` (serial), and each
-        step's dS^T goes to shared memory, where the dQ warpgroup reads it. ``KV_RS``: this
+        step's dS^T goes to shared memory, where the dQ warpgroup reads it. Each step's LSE and
+        D rows are loaded a step ahead (loaded in their own step, each step waited on them), and
+        P is masked by one unconditional compare per element (the compiler had turned runtime
+        ``if``s around the causal and past-the-end masks into selects that every step paid
+        twice); together 13% off the kernel at 16384 causal (docs/benchmarks.md). ``KV_RS``: this
         warpgroup's K and V tiles are held in registers as the A operands of S^T and dP^T (else
         read from shared memory by every product); ``DK_RS``: dS^T is the dK product's A
-        operand from registers (else from its shared-memory copy)."""
+        operand from registers (else from its shared-memory copy). ``PROBE == 3``: cycles per
+        phase of a step, summed, into Delta (measurement only, ``sm90_bwd.py --timeline``)."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
@@ -303,7 +336,7 @@ if AVAILABLE:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
-                                             CAUSAL)  # fmt: skip
+                                             CAUSAL, KEYS_FASTEST)  # fmt: skip
         n0w = n0 + WG * BLOCK_N
         k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
         v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
@@ -317,16 +350,38 @@ if AVAILABLE:
             ka = k.load(kv_layout)
             va = v.load(kv_layout)
         n_steps = group * (n_m - m_lo)
+        if PROBE == 3:  # cycles per phase, summed over the steps
+            c0 = n_steps.to(gl.int64) * 0
+            c1 = c0
+            c2 = c0
+            c3 = c0
+            c4 = c0
+            c5 = c0
+            c6 = c0
+            t = _clock(n_steps)
+        span = n_m - m_lo
+        l_b = b.to(gl.int64) * stride_lb
+        lse_n, delta_n = _stats_raw(LSE, Delta, l_b + (hk * group).to(gl.int64) * stride_lh,
+                                    m_lo * BLOCK_M, seq_q, col_layout, BLOCK_M)  # fmt: skip
         for step in range(n_steps):
-            g = step // (n_m - m_lo)
-            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
-            h = hk * group + g
-            l_off = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-            lse2, delta = _row_stats(LSE, Delta, l_off, m0, seq_q, col_layout, BLOCK_M)
+            m0 = (m_lo + step % span) * BLOCK_M
+            # This step's LSE and D rows were loaded a step ago; the next step's load now.
+            lse = lse_n
+            delta = delta_n
+            nxt = step + 1
+            h_n = hk * group + nxt // span
+            rows_n = gl.where(nxt < n_steps, seq_q, 0)  # none past the last step
+            lse_n, delta_n = _stats_raw(LSE, Delta, l_b + h_n.to(gl.int64) * stride_lh,
+                                        (m_lo + nxt % span) * BLOCK_M, rows_n, col_layout,
+                                        BLOCK_M)  # fmt: skip
             st = step % STAGES
             q = q_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             mbarrier.wait(ready.index(st), (step // STAGES) & 1)
+            if PROBE == 3:
+                t1 = _clock(step)
+                c0 += t1 - t
+                t = t1
             if KV_RS:
                 s_t = warpgroup_mma(ka, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 dp_t = warpgroup_mma(va, do.permute((1, 0)), zero_s, use_acc=False,
@@ -337,26 +392,51 @@ if AVAILABLE:
                 dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False,
                                      is_async=True)  # fmt: skip
                 s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
-            p_t = _probs(s_w, lse2, n0w, m0, qk_scale, CAUSAL)
-            if n0w + BLOCK_N > seq_k:  # keys past the end (zeros): P = 0, so that dS is 0 there
-                # (exp(0 - LSE) can overflow 16 bits, and dQ's inf * 0 would be NaN)
-                keys = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-                p_t = gl.where(keys[:, None] < seq_k, p_t, 0.0)
+            if PROBE == 3:
+                t1 = _clock(step)
+                c1 += t1 - t
+                t = t1
+            lse2 = lse * LOG2E  # (the first use of the loads, after the S^T product)
+            # P = 0 where key > min(row, seq_k - 1): after the causal diagonal, and keys past the
+            # end (zeros there: exp(0 - LSE) can overflow 16 bits, and dQ's inf * 0 is NaN).
+            keys = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+            if CAUSAL:
+                last = gl.minimum(m0 + gl.arange(0, BLOCK_M, layout=col_layout), seq_k - 1)
+            else:
+                last = gl.full([BLOCK_M], seq_k - 1, gl.int32, col_layout)
+            p_t = gl.where(keys[:, None] <= last[None, :],
+                           gl.exp2(s_w * qk_scale - lse2[None, :]), 0.0)  # fmt: skip
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
+            if PROBE == 3:
+                t1 = _clock(step)
+                c2 += t1 - t
+                t = t1
             if KV_RS:
                 dp_w = warpgroup_mma_wait(0, deps=(dp_t, va, do))[0]
             else:
                 dp_w = warpgroup_mma_wait(0, deps=(dp_t, v, do))[0]
             dv = warpgroup_mma(pa, do, dv, is_async=True)
             ds_t = (p_t * (dp_w - delta[None, :])).to(dtype)
+            if PROBE == 3:
+                t1 = _clock(step)
+                c3 += t1 - t
+                t = t1
             # Hand dS^T over: the buffer is free once the dQ warpgroup's product read it.
             buf = step % NBUF
             ds_buf = ds_smem.index(2 * buf + WG)
             mbarrier.wait(ds_empty.index(buf), ((step // NBUF) & 1) ^ 1)  # fresh: parity 1 passes
+            if PROBE == 3:
+                t1 = _clock(step)
+                c4 += t1 - t
+                t = t1
             ds_buf.store(ds_t)
             fence_async_shared()  # every thread's stores, before the async proxy reads them
             thread_barrier()  # ... all of this warpgroup's, before one thread arrives
             mbarrier.arrive(ds_ready.index(buf), count=1)
+            if PROBE == 3:
+                t1 = _clock(step)
+                c5 += t1 - t
+                t = t1
             if DK_RS:
                 dsa = gl.convert_layout(ds_t, a_layout)
                 dk = warpgroup_mma(dsa, q, dk, is_async=True)
@@ -365,25 +445,47 @@ if AVAILABLE:
                 dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, ds_buf, q, do))[:2]
             mbarrier.arrive(empty.index(st), count=1)  # both warpgroups release a stage
+            if PROBE == 3:
+                t1 = _clock(step)
+                c6 += t1 - t
+                t = t1
         _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
+        if PROBE == 3:  # cycles per phase, summed over steps, into Delta (wrong gradients)
+            base = Delta + gl.program_id(0).to(gl.int64) * 48 + WG * 16
+            gl.store(base + 0, c0.to(gl.float32))
+            gl.store(base + 1, c1.to(gl.float32))
+            gl.store(base + 2, c2.to(gl.float32))
+            gl.store(base + 3, c3.to(gl.float32))
+            gl.store(base + 4, c4.to(gl.float32))
+            gl.store(base + 5, c5.to(gl.float32))
+            gl.store(base + 6, c6.to(gl.float32))
+            gl.store(base + 7, n_steps.to(gl.float32))
 
     @gluon.jit
     def _fused_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                         KV_RS: gl.constexpr, DK_RS: gl.constexpr):  # fmt: skip
-        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, 0)
+                         KV_RS: gl.constexpr, DK_RS: gl.constexpr, PROBE: gl.constexpr,
+                         KEYS_FASTEST: gl.constexpr):  # fmt: skip
+        _fused_consume(
+            descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, KEYS_FASTEST, 0
+        )
 
     @gluon.jit
     def _fused_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                         KV_RS: gl.constexpr, DK_RS: gl.constexpr):  # fmt: skip
-        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, 1)
+                         KV_RS: gl.constexpr, DK_RS: gl.constexpr, PROBE: gl.constexpr,
+                         KEYS_FASTEST: gl.constexpr):  # fmt: skip
+        _fused_consume(
+            descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, KEYS_FASTEST, 1
+        )
 
     @gluon.jit
-    def _fused_load(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr):
-        _load(descs, bufs, bars, sched, outs, CAUSAL, False)
+    def _fused_load(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                    KEYS_FASTEST: gl.constexpr):  # fmt: skip
+        _load(descs, bufs, bars, sched, outs, CAUSAL, False, KEYS_FASTEST)
 
     @gluon.jit
     def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                  PROBE: gl.constexpr, DQ_TMA: gl.constexpr):  # fmt: skip
+                  PROBE: gl.constexpr, DQ_TMA: gl.constexpr,
+                  KEYS_FASTEST: gl.constexpr):  # fmt: skip
         """The dQ warpgroup: per step, dQ_i += scale * dS_i K over the program's 2 x BLOCK_N keys
         (both consumers' dS^T tiles from shared memory, K as loaded), added into the float32
         dQ buffer, so the consumers never wait on the reduction: with atomics from registers,
@@ -402,7 +504,7 @@ if AVAILABLE:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
         )
         b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
-                                             CAUSAL)  # fmt: skip
+                                             CAUSAL, KEYS_FASTEST)  # fmt: skip
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         offs = rows[:, None] * HEAD_DIM + cols[None, :]  # the buffer is (B, H, seq_q, HEAD_DIM)
@@ -411,6 +513,12 @@ if AVAILABLE:
         k1 = k_smem.index(1).reshape([BLOCK_N, HEAD_DIM])
         mbarrier.wait(kv_ready, 0)
         n_steps = group * (n_m - m_lo)
+        if PROBE == 3:
+            c0 = n_steps.to(gl.int64) * 0
+            c1 = c0
+            c2 = c0
+            c3 = c0
+            t = _clock(n_steps)
         for step in range(n_steps):
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
@@ -418,6 +526,10 @@ if AVAILABLE:
             ds0 = ds_smem.index(2 * buf).permute((1, 0))
             ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
             mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
+            if PROBE == 3:
+                t1 = _clock(step)
+                c0 += t1 - t
+                t = t1
             if PROBE == 2:  # measurement only: no dQ work at all
                 mbarrier.arrive(ds_empty.index(buf), count=1)
             else:
@@ -425,16 +537,28 @@ if AVAILABLE:
                 dq = warpgroup_mma(ds1, k1, dq, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ds0, ds1, k0, k1))[0]
                 mbarrier.arrive(ds_empty.index(buf), count=1)
+                if PROBE == 3:
+                    t1 = _clock(step)
+                    c1 += t1 - t
+                    t = t1
                 if DQ_TMA:
                     # Tile step % 2 is free once the reduction issued two steps ago read it.
                     tile = dq_smem.index(step % 2)
                     tma.store_wait(1)
                     thread_barrier()
+                    if PROBE == 3:
+                        t1 = _clock(step)
+                        c2 += t1 - t
+                        t = t1
                     tile.reshape([BLOCK_M, HEAD_DIM]).store(dq * sm_scale)
                     fence_async_shared()
                     thread_barrier()
                     tma_reduce_add(dq_desc, [b, hk * group + g, m0, 0], tile)  # rows past seq_q
                     # fall outside the descriptor and are dropped
+                    if PROBE == 3:
+                        t1 = _clock(step)
+                        c3 += t1 - t
+                        t = t1
                 else:
                     # Rows of HEAD_DIM floats from a multiple of HEAD_DIM: vectorized atomics.
                     row0 = ((b * n_kv_heads + hk) * group + g).to(gl.int64) * seq_q + m0
@@ -445,6 +569,14 @@ if AVAILABLE:
                     gl.atomic_add(base + offs, dq * sm_scale, mask=ok, sem="relaxed")
         if DQ_TMA:
             tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
+        if PROBE == 3:
+            Delta = outs[1]
+            base = Delta + gl.program_id(0).to(gl.int64) * 48 + 32
+            gl.store(base + 0, c0.to(gl.float32))
+            gl.store(base + 1, c1.to(gl.float32))
+            gl.store(base + 2, c2.to(gl.float32))
+            gl.store(base + 3, c3.to(gl.float32))
+            gl.store(base + 7, n_steps.to(gl.float32))
 
     # dQ = scale * sum_j dS_ij K_j; dK, dV as the dK/dV kernel. dQ is summed in float32 by TMA
     # bulk reductions (DQ_TMA) or atomics (not reproducible bit for bit: the order of the
@@ -457,6 +589,7 @@ if AVAILABLE:
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         DQ_REGS: gl.constexpr, NBUF: gl.constexpr = 2, KV_RS: gl.constexpr = False,
         DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0, DQ_TMA: gl.constexpr = False,
+        KEYS_FASTEST: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -496,10 +629,43 @@ if AVAILABLE:
         dqs = (ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem)
         gl.warp_specialize(
             [
-                (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS)),
-                (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS)),
-                (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA)),
-                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL)),
+                (
+                    _fused_consumer0,
+                    (
+                        descs,
+                        bufs,
+                        bars,
+                        sched,
+                        outs,
+                        dqs,
+                        CAUSAL,
+                        KV_RS,
+                        DK_RS,
+                        PROBE,
+                        KEYS_FASTEST,
+                    ),
+                ),
+                (
+                    _fused_consumer1,
+                    (
+                        descs,
+                        bufs,
+                        bars,
+                        sched,
+                        outs,
+                        dqs,
+                        CAUSAL,
+                        KV_RS,
+                        DK_RS,
+                        PROBE,
+                        KEYS_FASTEST,
+                    ),
+                ),
+                (
+                    _fused_dq,
+                    (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA, KEYS_FASTEST),
+                ),
+                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, DQ_REGS, 24],
