@@ -76,7 +76,7 @@ FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
                                                       and VERIFIED))  # fmt: skip
 FUSED_ALL = _BWD_MODE == "fused"
-FUSED_SEQ_Q = {  # (causal, GQA) -> the query lengths where the fused kernel runs by default
+FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fused kernel runs
     (True, True): (1024, 16384),
     (True, False): (4096, 16384),
     (False, True): (2048, 8192),
@@ -287,11 +287,13 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     0.72-0.78x the portable one's time with causal GQA 4:1 at 2048-16384 (1024: host-bound,
     1.17x faster in earlier runs), 0.83-0.94x causal without GQA at 4096-16384 (1.3x slower at
     1024-2048, where a key tile has few query tiles), 0.77-0.88x without a causal mask at
-    2048-8192 (16384 not measured)."""
+    2048-8192 (16384 not measured). Only self-attention was measured (as many keys as query
+    rows), so the keys must be in the range too: with few keys (cross-attention) the kernel has
+    few programs, each looping over every query tile."""
     if not (ex is CAUSAL or ex is PLAIN):
         return False
     lo, hi = FUSED_SEQ_Q[(ex is CAUSAL, q.shape[1] > k.shape[1])]
-    return lo <= q.shape[2] <= hi
+    return lo <= q.shape[2] <= hi and lo <= k.shape[2] <= hi
 
 
 _launch_prep = LaunchCache(attn_bwd_prep, n_tensors=5)
