@@ -109,11 +109,8 @@ if AVAILABLE:
     def _row_stats(LSE, Delta, l_off, m0, seq_q, layout: gl.constexpr, BLOCK_M: gl.constexpr):
         """LSE (base 2) and D of query rows m0.. as row vectors of the (keys x queries) tile;
         rows past seq_q get LSE +inf (P = 0)."""
-        rows = m0 + gl.arange(0, BLOCK_M, layout=layout)
-        ok = rows < seq_q
-        lse2 = gl.load(LSE + l_off + rows, mask=ok, other=float("inf")) * LOG2E
-        delta = gl.load(Delta + l_off + rows, mask=ok, other=0.0)
-        return lse2, delta
+        lse, delta = _stats_raw(LSE, Delta, l_off, m0, seq_q, layout, BLOCK_M)
+        return lse * LOG2E, delta
 
     @gluon.jit
     def _clock(x):
