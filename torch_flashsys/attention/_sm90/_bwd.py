@@ -624,46 +624,20 @@ if AVAILABLE:
         else:
             dq_smem = ds_smem  # (unused)
         dqs = (ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem)
+        # fmt: off
+        # (The two consumers' argument tuples are written out: a tuple held in a variable loses
+        # its constexpr members.)
         gl.warp_specialize(
             [
-                (
-                    _fused_consumer0,
-                    (
-                        descs,
-                        bufs,
-                        bars,
-                        sched,
-                        outs,
-                        dqs,
-                        CAUSAL,
-                        KV_RS,
-                        DK_RS,
-                        PROBE,
-                        KEYS_FASTEST,
-                    ),
-                ),
-                (
-                    _fused_consumer1,
-                    (
-                        descs,
-                        bufs,
-                        bars,
-                        sched,
-                        outs,
-                        dqs,
-                        CAUSAL,
-                        KV_RS,
-                        DK_RS,
-                        PROBE,
-                        KEYS_FASTEST,
-                    ),
-                ),
-                (
-                    _fused_dq,
-                    (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA, KEYS_FASTEST),
-                ),
+                (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS,
+                                    PROBE, KEYS_FASTEST)),
+                (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS,
+                                    PROBE, KEYS_FASTEST)),
+                (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
+                             KEYS_FASTEST)),
                 (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, DQ_REGS, 24],
         )
+        # fmt: on
