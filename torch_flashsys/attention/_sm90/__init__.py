@@ -14,8 +14,9 @@ Triton kernel:
 - a positive scale, and every stride but the last a multiple of 16 bytes, 16-byte aligned data
   (what TMA descriptors need).
 
-The backward of a causal head-dim-64 GQA problem of 1024-16384 query rows that the forward rule
-admits (and whose dO a TMA descriptor can read) runs the fused Gluon kernel
+The backward of a head-dim-64 problem of the lengths in ``FUSED_SEQ_Q`` (causal with GQA
+1024-16384, causal without GQA 4096-16384, without a causal mask 2048-8192; queries and keys
+alike) that the forward rule admits (and whose dO a TMA descriptor can read) runs the fused Gluon kernel
 (``_bwd.attn_bwd_sm90``, after the preprocessing kernel ``_prep``), unless
 ``torch.are_deterministic_algorithms_enabled()``: its dQ is summed in float32 by TMA bulk
 reductions in no fixed order, so it is not bitwise reproducible. Every other backward is the
@@ -283,13 +284,13 @@ def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
 def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     """Where the fused backward measured faster than the portable one (H100, head dim 64,
     ``benchmarks/sm90_bwd.py --rule``, 1024-16384 query rows, 16384 tokens a problem; the
-    training step): the query lengths in FUSED_SEQ_Q for the problem's kind. Its backward took
-    0.72-0.78x the portable one's time with causal GQA 4:1 at 2048-16384 (1024: host-bound,
-    1.17x faster in earlier runs), 0.83-0.94x causal without GQA at 4096-16384 (1.3x slower at
-    1024-2048, where a key tile has few query tiles), 0.77-0.88x without a causal mask at
-    2048-8192 (16384 not measured). Only self-attention was measured (as many keys as query
-    rows), so the keys must be in the range too: with few keys (cross-attention) the kernel has
-    few programs, each looping over every query tile."""
+    training step): the query lengths in FUSED_SEQ_Q for the problem's kind. In two runs its
+    backward took 0.72-0.80x the portable one's time with causal GQA 4:1 at 2048-16384 (1024:
+    host-bound, 0.73x and 1.32x here, 0.81-0.83x in earlier runs), 0.82-0.94x causal without GQA
+    at 4096-16384 (1.29-1.34x slower at 1024-2048, where a key tile has few query tiles),
+    0.75-0.88x without a causal mask at 2048-8192 (16384 not measured). Only self-attention was
+    measured (as many keys as query rows), so the keys must be in the range too: with few keys
+    (cross-attention) the kernel has few programs, each looping over every query tile."""
     if not (ex is CAUSAL or ex is PLAIN):
         return False
     lo, hi = FUSED_SEQ_Q[(ex is CAUSAL, q.shape[1] > k.shape[1])]
