@@ -146,14 +146,27 @@ VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
                   (4, 32, 8, 2048, 64, True)]  # fmt: skip
 
 
+def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
+    """The fused kernel alone, as `_sm90.backward` launches it (fresh D and zeroed dQ buffer;
+    constexprs ``extra`` over the defaults): ``(launch, delta, dq_acc, dk, dv, grid)``, where
+    ``launch()`` runs it once on those buffers."""
+    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
+
+    b, hk, n, d = k.shape
+    delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
+    meta = {**_sm90.fused_constexprs(d, causal, q.dtype), **extra}
+    grid = (_sm90.triton_cdiv(n, 2 * _sm90.BWD_BLOCK) * b * hk, 1, 1)
+    return (lambda: attn_bwd_sm90[grid](*args, **meta)), delta, dq_acc, dk, dv, grid
+
+
 def variant_rows(shape) -> list[dict]:
     """Kernel-only ``do_bench`` medians of each fused variant (the preprocessing and the dQ
     conversion excluded), with its largest gradient difference from the portable backward."""
     from triton.testing import do_bench
 
-    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
-
-    b, h, hk, n, d, causal = shape
+    b, h, _, n, d, causal = shape
     q, k, v, dout, label, ours = _problem(shape)
     out = ours(q, k, v)
     saved = _sm90.FUSED_ENABLED
@@ -166,17 +179,13 @@ def variant_rows(shape) -> list[dict]:
     flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)
     rows = []
     for name, extra in FUSED_VARIANTS.items():
-        delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
-        meta = {**_sm90.fused_constexprs(d, causal, q.dtype), **extra}
-        grid = (_sm90.triton_cdiv(n, 2 * _sm90.BWD_BLOCK) * b * hk, 1, 1)
-        attn_bwd_sm90[grid](*args, **meta)
+        launch, _, dq_acc, dk, dv, _ = _fused_kernel(q, k, v, dout, o2, lse, causal, extra)
+        launch()
         got = (dq_acc.to(q.dtype), dk, dv)
         diff = max(
             (a.float() - r.float()).abs().max().item() for a, r in zip(got, ref, strict=True)
         )
-        ms = do_bench(lambda g=grid, a=args, m=meta: attn_bwd_sm90[g](*a, **m), warmup=25, rep=200)
+        ms = do_bench(launch, warmup=25, rep=200)
         rows.append({"shape": label, "variant": name, "kernel_ms": ms,
                      "tflops": flops / ms / 1e9, "max_grad_diff_vs_portable": diff})  # fmt: skip
     return rows
@@ -292,29 +301,24 @@ def timeline_rows(shape) -> list[dict]:
     probes (they write into Delta: wrong gradients)."""
     from triton.testing import do_bench
 
-    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
-
-    b, _, hk, n, d, causal = shape
+    _, _, _, _, d, causal = shape
     q, k, v, dout, label, _ = _problem(shape)
     o2, lse = _forward(q, k, v, d**-0.5, CAUSAL if causal else PLAIN)
     rows = []
     for probe in (0, 3):
-        delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
-        meta = {**_sm90.fused_constexprs(d, causal, q.dtype), "PROBE": probe}
-        grid = (_sm90.triton_cdiv(n, 2 * _sm90.BWD_BLOCK) * b * hk, 1, 1)
+        launch, delta, _, _, _, grid = _fused_kernel(q, k, v, dout, o2, lse, causal,
+                                                     {"PROBE": probe})  # fmt: skip
         assert delta.numel() >= 48 * grid[0], "Delta too small for the probes' 48 floats each"
-        ms = do_bench(lambda g=grid, a=args, m=meta: attn_bwd_sm90[g](*a, **m), warmup=25, rep=200)
+        ms = do_bench(launch, warmup=25, rep=200)
         rows.append({"shape": label, "partition": f"kernel (PROBE={probe})", "phase": "ms",
                      "value": ms})  # fmt: skip
         if probe == 3:
-            attn_bwd_sm90[grid](*args, **meta)
+            launch()
             torch.cuda.synchronize()
             t = delta.reshape(-1)[: grid[0] * 48].reshape(grid[0], 3, 16).double()
-            for part, phases in (("consumer 0", CONSUMER_PHASES), ("consumer 1", CONSUMER_PHASES),
-                                 ("dQ", DQ_PHASES)):  # fmt: skip
-                i = ("consumer 0", "consumer 1", "dQ").index(part)
+            for i, (part, phases) in enumerate((("consumer 0", CONSUMER_PHASES),
+                                                ("consumer 1", CONSUMER_PHASES),
+                                                ("dQ", DQ_PHASES))):  # fmt: skip
                 steps = t[:, i, 7].sum().item()
                 for j, phase in enumerate(phases):
                     rows.append({"shape": label, "partition": part, "phase": phase,
