@@ -96,20 +96,13 @@ if AVAILABLE:
         return p_t
 
     @gluon.jit
-    def _stats_raw(LSE, Delta, l_off, m0, limit, layout: gl.constexpr, BLOCK_M: gl.constexpr):
-        """LSE (natural log; +inf at rows from ``limit`` on) and D of query rows m0.., as loaded:
-        the fused consumers issue them a step ahead, and a load's first use waits for it."""
+    def _row_stats(LSE, Delta, l_off, m0, seq_q, layout: gl.constexpr, BLOCK_M: gl.constexpr):
+        """LSE (base 2) and D of query rows m0.. in ``layout``; rows past seq_q get LSE +inf
+        (P = 0)."""
         rows = m0 + gl.arange(0, BLOCK_M, layout=layout)
-        ok = rows < limit
+        ok = rows < seq_q
         lse = gl.load(LSE + l_off + rows, mask=ok, other=float("inf"))
         delta = gl.load(Delta + l_off + rows, mask=ok, other=0.0)
-        return lse, delta
-
-    @gluon.jit
-    def _row_stats(LSE, Delta, l_off, m0, seq_q, layout: gl.constexpr, BLOCK_M: gl.constexpr):
-        """LSE (base 2) and D of query rows m0.. as row vectors of the (keys x queries) tile;
-        rows past seq_q get LSE +inf (P = 0)."""
-        lse, delta = _stats_raw(LSE, Delta, l_off, m0, seq_q, layout, BLOCK_M)
         return lse * LOG2E, delta
 
     @gluon.jit
@@ -229,15 +222,23 @@ if AVAILABLE:
 
     @gluon.jit
     def _load(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr,
-              KEYS_FASTEST: gl.constexpr = False):  # fmt: skip
-        """Load warp: K and V (two halves each) once, then Q and dO per step into the ring."""
+              KEYS_FASTEST: gl.constexpr = False, STATS: gl.constexpr = False,
+              stats=None):  # fmt: skip
+        """Load warp: K and V (two halves each) once, then Q and dO per step into the ring.
+        ``STATS`` (the fused kernel): each step's LSE (times log2 e; +inf past seq_q) and D rows
+        too, into ``stats`` beside Q and dO: loaded before the stage is free, stored after, the
+        warp's second arrival on ``ready``. (The consumers had loaded them themselves, 32
+        masked scalar loads a thread a step with their 64-bit address arithmetic: 8-10% of the
+        kernel's time, docs/benchmarks.md.)"""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
+        LSE, Delta, stride_lb, stride_lh = outs[0], outs[1], outs[2], outs[3]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = q_smem.type.shape[0]
+        row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
                                              CAUSAL, KEYS_FASTEST)  # fmt: skip
         mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
@@ -245,14 +246,23 @@ if AVAILABLE:
             tma_load(k_desc, [b, hk, n0 + i * BLOCK_N, 0], kv_ready, k_smem.index(i))
             tma_load(v_desc, [b, hk, n0 + i * BLOCK_N, 0], kv_ready, v_smem.index(i))
         n_steps = group * (n_m - m_lo)
+        l_b = b.to(gl.int64) * stride_lb
         for step in range(n_steps):
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
             st = step % STAGES
+            if STATS:
+                l_off = l_b + (hk * group + g).to(gl.int64) * stride_lh
+                lse2, delta = _row_stats(LSE, Delta, l_off, m0, seq_q, row_layout, BLOCK_M)
             mbarrier.wait(empty.index(st), ((step // STAGES) & 1) ^ 1)  # fresh: parity 1 passes
             mbarrier.expect(ready.index(st), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
             tma_load(q_desc, [b, hk * group + g, m0, 0], ready.index(st), q_smem.index(st))
             tma_load(do_desc, [b, hk * group + g, m0, 0], ready.index(st), do_smem.index(st))
+            if STATS:
+                stats.index(2 * st).store(lse2)
+                stats.index(2 * st + 1).store(delta)
+                thread_barrier()  # every lane's stores before one lane arrives
+                mbarrier.arrive(ready.index(st), count=1)
 
     # dV_j = sum_i P_ij^T dO_i;  dK_j = scale * sum_i dS_ij^T Q_i  (over every query head of the
     # GQA group), P = exp(S - LSE), dS = P (dP - D), dP = dO V^T.
@@ -304,8 +314,7 @@ if AVAILABLE:
                        KEYS_FASTEST: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the fused kernel: as :func:`_consume` (serial), and each
         step's dS^T goes to shared memory, where the dQ warpgroup reads it. Each step's LSE and
-        D rows are loaded a step ahead (loaded in their own step, each step waited on them), and
-        P is masked by one unconditional compare per element (the compiler had turned runtime
+        D rows come from shared memory, put there by the load warp with Q and dO, and P is masked by one unconditional compare per element (the compiler had turned runtime
         ``if``s around the causal and past-the-end masks into selects that every step paid
         twice); together 13% off the kernel at 16384 causal (docs/benchmarks.md). ``KV_RS``: this
         warpgroup's K and V tiles are held in registers as the A operands of S^T and dP^T (else
@@ -317,7 +326,7 @@ if AVAILABLE:
         kv_ready, ready, empty = bars
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
         LSE, Delta, stride_lb, stride_lh, DK, sdk_b, sdk_h, sdk_n, DV, sdv_b, sdv_h, sdv_n = outs
-        ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem = dqs
+        ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem, stats = dqs
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -356,25 +365,14 @@ if AVAILABLE:
             c5 = c0
             c6 = c0
             t = _clock(n_steps)
-        span = n_m - m_lo
-        l_b = b.to(gl.int64) * stride_lb
-        lse_n, delta_n = _stats_raw(LSE, Delta, l_b + (hk * group).to(gl.int64) * stride_lh,
-                                    m_lo * BLOCK_M, seq_q, col_layout, BLOCK_M)  # fmt: skip
         for step in range(n_steps):
-            m0 = (m_lo + step % span) * BLOCK_M
-            # This step's LSE and D rows were loaded a step ago; the next step's load now.
-            lse = lse_n
-            delta = delta_n
-            nxt = step + 1
-            h_n = hk * group + nxt // span
-            rows_n = gl.where(nxt < n_steps, seq_q, 0)  # none past the last step
-            lse_n, delta_n = _stats_raw(LSE, Delta, l_b + h_n.to(gl.int64) * stride_lh,
-                                        (m_lo + nxt % span) * BLOCK_M, rows_n, col_layout,
-                                        BLOCK_M)  # fmt: skip
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
             st = step % STAGES
             q = q_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             mbarrier.wait(ready.index(st), (step // STAGES) & 1)
+            lse2 = stats.index(2 * st).load(col_layout)  # (LSE * log2 e)
+            delta = stats.index(2 * st + 1).load(col_layout)
             if PROBE == 3:
                 t1 = _clock(step)
                 c0 += t1 - t
@@ -393,7 +391,6 @@ if AVAILABLE:
                 t1 = _clock(step)
                 c1 += t1 - t
                 t = t1
-            lse2 = lse * LOG2E  # (the first use of the loads, after the S^T product)
             # P = 0 where key > min(row, seq_k - 1): after the causal diagonal, and keys past the
             # end (zeros there: exp(0 - LSE) can overflow 16 bits, and dQ's inf * 0 is NaN).
             keys = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -477,7 +474,7 @@ if AVAILABLE:
     @gluon.jit
     def _fused_load(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                     KEYS_FASTEST: gl.constexpr):  # fmt: skip
-        _load(descs, bufs, bars, sched, outs, CAUSAL, False, KEYS_FASTEST)
+        _load(descs, bufs, bars, sched, outs, CAUSAL, False, KEYS_FASTEST, True, dqs[6])
 
     @gluon.jit
     def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
@@ -492,7 +489,7 @@ if AVAILABLE:
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
-        ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem = dqs
+        ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem, stats = dqs
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -607,7 +604,7 @@ if AVAILABLE:
         ds_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=2)  # the TMA loads' bytes and the stats' stores
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(NBUF):
             mbarrier.init(ds_ready.index(i), count=2)  # both consumers' halves stored
@@ -623,7 +620,10 @@ if AVAILABLE:
                                                 dq_desc.layout)  # fmt: skip
         else:
             dq_smem = ds_smem  # (unused)
-        dqs = (ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem)
+        stats = gl.allocate_shared_memory(  # each stage's LSE * log2 e and D rows
+            gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
+        dqs = (ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem, stats)
         # fmt: off
         # (The two consumers' argument tuples are written out: a tuple held in a variable loses
         # its constexpr members.)
@@ -638,6 +638,6 @@ if AVAILABLE:
                 (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
             ],
             [4, 4, 1],
-            [CONSUMER_REGS, DQ_REGS, 24],
+            [CONSUMER_REGS, DQ_REGS, 40],  # (the load warp: 24 without the stats)
         )
         # fmt: on
