@@ -173,7 +173,8 @@ def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
      (16, 4, 32768, 32768, True, False), (16, 16, 2048, 2048, True, False),
      (16, 16, 4096, 4096, True, True), (16, 16, 16384, 16384, True, True),
      (16, 16, 1024, 1024, False, False), (16, 16, 2048, 2048, False, True),
-     (16, 4, 8192, 8192, False, True), (16, 4, 16384, 16384, False, False),
+     (16, 4, 8192, 8192, False, True), (16, 4, 16384, 16384, False, True),
+     (16, 16, 16384, 16384, False, True), (16, 4, 32768, 32768, False, False),
      (16, 16, 4096, 77, False, False), (16, 4, 4096, 512, True, False),
      (16, 16, 8192, 4096, True, True)],
 )  # fmt: skip
@@ -181,7 +182,7 @@ def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_h
                                                                      causal, fused):  # fmt: skip
     """The committed rule (H100, ``benchmarks/sm90_bwd.py --rule``, docs/benchmarks.md): causal
     with GQA at 1024-16384 rows, causal without GQA at 4096-16384, and without a causal mask at
-    2048-8192; the portable backward elsewhere. Only self-attention lengths were measured, so
+    2048-16384; the portable backward elsewhere. Only self-attention lengths were measured, so
     the keys must be in the range too: 77 keys against 4096 queries (cross-attention) would be
     one program per head looping over every query tile."""
     q = torch.empty(1, heads, seq, 64, dtype=torch.bfloat16, device="meta")

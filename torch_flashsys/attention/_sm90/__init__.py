@@ -15,7 +15,7 @@ Triton kernel:
   (what TMA descriptors need).
 
 The backward of a head-dim-64 problem of the lengths in ``FUSED_SEQ_Q`` (causal with GQA
-1024-16384, causal without GQA 4096-16384, without a causal mask 2048-8192; queries and keys
+1024-16384, causal without GQA 4096-16384, without a causal mask 2048-16384; queries and keys
 alike) that the forward rule admits (and whose dO a TMA descriptor can read) runs the fused Gluon kernel
 (``_bwd.attn_bwd_sm90``, after the preprocessing kernel ``_prep``), unless
 ``torch.are_deterministic_algorithms_enabled()``: its dQ is summed in float32 by TMA bulk
@@ -80,8 +80,8 @@ FUSED_ALL = _BWD_MODE == "fused"
 FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fused kernel runs
     (True, True): (1024, 16384),
     (True, False): (4096, 16384),
-    (False, True): (2048, 8192),
-    (False, False): (2048, 8192),
+    (False, True): (2048, 16384),
+    (False, False): (2048, 16384),
 }
 FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
@@ -288,7 +288,8 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     backward took 0.72-0.80x the portable one's time with causal GQA 4:1 at 2048-16384 (1024:
     host-bound, 0.73x and 1.32x here, 0.81-0.83x in earlier runs), 0.82-0.94x causal without GQA
     at 4096-16384 (1.29-1.34x slower at 1024-2048, where a key tile has few query tiles),
-    0.75-0.88x without a causal mask at 2048-8192 (16384 not measured). Only self-attention was
+    0.75-0.88x without a causal mask at 2048-8192, and (one run, with the load warp's LSE/D rows)
+    0.78-0.81x at 16384 (1024: host-bound, no clear winner). Only self-attention was
     measured (as many keys as query rows), so the keys must be in the range too: with few keys
     (cross-attention) the kernel has few programs, each looping over every query tile."""
     if not (ex is CAUSAL or ex is PLAIN):
