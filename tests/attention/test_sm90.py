@@ -432,3 +432,30 @@ def test_fused_backward_steps_aside_for_deterministic_algorithms():
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     for a, b in zip(fused, grads[0], strict=True):  # the same gradients up to summation order
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_calls_take_the_hopper_kernels(causal):
+    """Under torch.compile (inductor) the calls go through the custom ops; they must reach the
+    Hopper forward and the fused backward as eager calls do (they took the portable kernels when
+    the ops rebuilt an equal copy of CAUSAL) and match the eager gradients."""
+    q = torch.randn(2, 8, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    dout = torch.randn_like(q)
+    expected = torch.autograd.grad(f(q, k, v), (q, k, v), dout)
+    torch.compiler.reset()
+    with (
+        mock.patch.object(_sm90, "forward", wraps=_sm90.forward) as fwd,
+        mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as bwd,
+    ):
+        got = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, v), (q, k, v), dout)
+    assert fwd.call_count == 1 and bwd.call_count == 1
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

@@ -62,6 +62,15 @@ class Extras:
 
 PLAIN = Extras()
 CAUSAL = Extras(right=0)
+_TENSOR_FIELDS = ("mask", "alibi", "seed", "cu_q", "cu_k", "seqused_k")
+
+
+def canonical(ex: Extras) -> Extras:
+    """``PLAIN`` or ``CAUSAL`` itself where ``ex`` is an equal copy (the custom ops rebuild
+    ``Extras`` from their arguments, and the kernels' rules test identity), else ``ex``."""
+    if any(getattr(ex, name) is not None for name in _TENSOR_FIELDS):
+        return ex  # (and dataclass equality would compare tensors)
+    return next((c for c in (PLAIN, CAUSAL) if ex == c), ex)
 
 
 def make_extras(

@@ -20,7 +20,7 @@ import torch
 
 import torch_flashsys.attention._sm90 as _sm90
 from torch_flashsys.attention._autograd import Kernels, apply
-from torch_flashsys.attention._extras import CAUSAL, Extras
+from torch_flashsys.attention._extras import CAUSAL, Extras, canonical
 from torch_flashsys.attention._functorch import unwrap_dead
 from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._torch_impl import differentiable_backward
@@ -98,7 +98,7 @@ def _op_args(scale: float, ex: Extras) -> tuple:
 
 def _from_op_args(args) -> tuple[float, Extras]:
     fields = dict(zip(_NAMES, args, strict=True))
-    return fields.pop("scale"), Extras(**fields)
+    return fields.pop("scale"), canonical(Extras(**fields))  # PLAIN/CAUSAL: the same objects
 
 
 def _schema(tensors: str, returns: str) -> str:
