@@ -314,9 +314,10 @@ if AVAILABLE:
                        KEYS_FASTEST: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the fused kernel: as :func:`_consume` (serial), and each
         step's dS^T goes to shared memory, where the dQ warpgroup reads it. Each step's LSE and
-        D rows come from shared memory, put there by the load warp with Q and dO, and P is masked by one unconditional compare per element (the compiler had turned runtime
-        ``if``s around the causal and past-the-end masks into selects that every step paid
-        twice); together 13% off the kernel at 16384 causal (docs/benchmarks.md). ``KV_RS``: this
+        D rows come from shared memory, put there by the load warp with Q and dO (8-10% off the
+        kernel against loading them here), and P is masked by one unconditional compare per
+        element (the compiler had turned runtime ``if``s around the causal and past-the-end
+        masks into selects that every step paid twice; docs/benchmarks.md). ``KV_RS``: this
         warpgroup's K and V tiles are held in registers as the A operands of S^T and dP^T (else
         read from shared memory by every product); ``DK_RS``: dS^T is the dK product's A
         operand from registers (else from its shared-memory copy). ``PROBE == 3``: cycles per
