@@ -85,8 +85,8 @@ def test_opcheck_custom_ops(causal):
     case = Case(1, 1, 2, 17, 9, 16, causal, None, False, True, seed=11)
     q, k, v = case.make(torch.float32, DEVICE, requires_grad=True)
     right = 0 if causal else -1
-    # mask, alibi, seed, scale, window left/right, softcap, dropout_p, packed-batch lengths
-    extras = (None, None, None, 0.25, -1, right, 0.0, 0.0, None, None, 0, 0)
+    # mask, alibi, seed, scale, window left/right, softcap, dropout_p, packed-batch lengths, cache lengths
+    extras = (None, None, None, 0.25, -1, right, 0.0, 0.0, None, None, 0, 0, None)
     torch.library.opcheck(attn_fwd, (q, k, v, *extras))
     out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), *extras)
     dout = torch.randn_like(out)
@@ -105,7 +105,7 @@ def test_opcheck_custom_ops_with_score_modifications():
     mask = (torch.rand(2, 1, 1, 23, device=DEVICE) > 0.3).expand(2, 2, 19, 23)
     slopes = torch.rand(2, device=DEVICE).expand(2, 2)
     seed = torch.tensor([1234], device=DEVICE)
-    extras = (mask, slopes, seed, 0.3, 5, 2, 4.0, 0.2, None, None, 0, 0)
+    extras = (mask, slopes, seed, 0.3, 5, 2, 4.0, 0.2, None, None, 0, 0, None)
     torch.library.opcheck(attn_fwd, (q, k, v, *extras))
     out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), *extras)
     qkv = (q.detach(), k.detach(), v.detach())

@@ -105,7 +105,7 @@ def test_gradient_penalty_through_the_custom_ops(causal):
 
     case = Case(1, 2, 2, 17, 9, 16, causal, 0.3, False, True, seed=7)
     q, k, v = case.make(torch.float32)
-    extras = (None, None, None, 0.3, -1, 0 if causal else -1, 0.0, 0.0, None, None, 0, 0)
+    extras = (None, None, None, 0.3, -1, 0 if causal else -1, 0.0, 0.0, None, None, 0, 0, None)
     out, lse = attn_fwd(q, k, v, *extras)
 
     def ref(q, k, v):  # plain attention in the inputs' dtype (float64: the reference)

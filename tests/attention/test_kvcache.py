@@ -205,3 +205,27 @@ def test_strided_cache_seqlens_give_the_contiguous_result(backend, masked):
     with torch.no_grad():
         outs = [flash_attention(q, k, v, cache_seqlens=t, **kw) for t in (lens, strided)]
     torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_compiled_cached_call_off_the_split_kernel_reads_the_cache_lengths(backend, masked):
+    """Under torch.compile a cached call the split-KV kernel does not take (a mask, or more than
+    128 rows per key/value head) reaches the kernels through the custom ops, which must carry
+    ``cache_seqlens``: they dropped it, and every key up to the capacity was attended (silently
+    wrong, 2.25 off here)."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 70, 16, generator=g)
+    k, v = torch.randn(1, 1, 90, 16, generator=g), torch.randn(1, 1, 90, 16, generator=g)
+    lens = torch.tensor([75], dtype=torch.int32)
+    mask = torch.rand(1, 1, 70, 90, generator=g) > 0.2 if masked else None
+
+    def f(q, k, v, lens):
+        return flash_attention(q, k, v, attn_mask=mask, cache_seqlens=lens, is_causal=True,
+                               enable_gqa=True, backend=backend)  # fmt: skip
+
+    torch.compiler.reset()
+    with torch.no_grad():
+        out = torch.compile(f, backend="aot_eager")(q, k, v, lens)
+    ref, _ = decode_reference(q.double(), k.double(), v.double(), lens, causal=True, mask=mask)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 import torch_flashsys.attention._sm90 as _sm90
-from torch_flashsys.attention._autograd import Kernels, apply
+from torch_flashsys.attention._autograd import NO_CACHE_BACKWARD, Kernels, apply
 from torch_flashsys.attention._extras import CAUSAL, Extras, canonical
 from torch_flashsys.attention._functorch import unwrap_dead
 from torch_flashsys.attention._tensors import empty_like_layout
@@ -87,6 +87,7 @@ OP_EXTRAS = (
     ("mask", "Tensor?"), ("alibi", "Tensor?"), ("seed", "Tensor?"), ("scale", "float"),
     ("left", "SymInt"), ("right", "SymInt"), ("softcap", "float"), ("dropout_p", "float"),
     ("cu_q", "Tensor?"), ("cu_k", "Tensor?"), ("max_q", "SymInt"), ("max_k", "SymInt"),
+    ("seqused_k", "Tensor?"),
 )  # fmt: skip
 _NAMES = tuple(name for name, _ in OP_EXTRAS)
 _NO_GRADS = (None,) * len(OP_EXTRAS)
@@ -144,6 +145,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _op_backward(ctx, dout, dlse):
+    if ctx.extras[_NAMES.index("seqused_k")] is not None:  # as the eager Function does
+        raise NotImplementedError(NO_CACHE_BACKWARD)
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
