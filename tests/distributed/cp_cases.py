@@ -287,16 +287,13 @@ def dtensor_heads(rank: int, world: int) -> dict[str, Any]:
         for d, r in zip(dts, ref, strict=True):
             torch.testing.assert_close(d.grad.full_tensor(), r.grad, **tol)
         if backend == "triton":  # the custom op on DTensors: the registered sharding rule
-            from torch_flashsys.attention._extras import CAUSAL as C
+            from torch_flashsys.attention._extras import CAUSAL
+            from torch_flashsys.attention._ops import _op_args
 
-            o, o_lse = torch.ops.torch_flashsys.attn_fwd(
-                *(t.detach() for t in dts), None, None, None, 0.25, C.left, C.right, 0.0, 0.0,
-                None, None, 0, 0,
-            )  # fmt: skip
+            extras = _op_args(0.25, CAUSAL)  # (the ops' trailing arguments, in their order)
+            o, o_lse = torch.ops.torch_flashsys.attn_fwd(*(t.detach() for t in dts), *extras)
             assert o.placements == (Shard(1),), o.placements
-            plain = torch.ops.torch_flashsys.attn_fwd(
-                q, k, v, None, None, None, 0.25, C.left, C.right, 0.0, 0.0, None, None, 0, 0
-            )
+            plain = torch.ops.torch_flashsys.attn_fwd(q, k, v, *extras)
             torch.testing.assert_close(o.full_tensor(), plain[0], **tol)
             torch.testing.assert_close(o_lse.full_tensor(), plain[1], **tol)
     q = torch.randn(1, 3, 8, 8, dtype=F64)
