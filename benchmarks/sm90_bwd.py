@@ -152,12 +152,12 @@ def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
     ``launch()`` runs it once on those buffers."""
     from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
 
-    b, hk, n, d = k.shape
+    d = k.shape[-1]
     delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
     meta = {**_sm90.fused_constexprs(d, causal, q.dtype), **extra}
-    grid = (_sm90.triton_cdiv(n, 2 * _sm90.BWD_BLOCK) * b * hk, 1, 1)
+    grid = _sm90.backward_grid(k)
     return (lambda: attn_bwd_sm90[grid](*args, **meta)), delta, dq_acc, dk, dv, grid
 
 

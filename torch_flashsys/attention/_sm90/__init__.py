@@ -224,6 +224,13 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def backward_grid(k: torch.Tensor) -> tuple[int, int, int]:
+    """The backward kernels' grid (dK/dV and fused): one program per 2 x BWD_BLOCK keys of one
+    (batch, key/value head)."""
+    batch, n_kv, seq_k, _ = k.shape
+    return (triton_cdiv(seq_k, 2 * BWD_BLOCK) * batch * n_kv, 1, 1)
+
+
 def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                    scale: float, ex: Extras) -> bool:  # fmt: skip
     """Whether the dK/dV of this 4-D problem run on the Hopper kernel: the forward's rule, the
@@ -254,7 +261,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
     """dK and dV of a problem :func:`backward_takes` accepted into ``dk``/``dv`` (k's and v's
     shapes, any strides with a unit last one), from ``lse`` and ``delta`` (float32 (B, H, L),
     one layout; delta as the portable dQ kernel stores it)."""
-    batch, n_kv, seq_k, d = k.shape
+    d = k.shape[-1]
     pipeline = BWD_PIPELINE if pipeline is None else pipeline
     args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
     index = q.get_device()
@@ -262,9 +269,9 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
            dv.stride(), q.dtype, causal, index, pipeline)  # fmt: skip
 
     def plan() -> tuple[tuple, dict]:
-        grid = (triton_cdiv(seq_k, 2 * BWD_BLOCK) * batch * n_kv, 1, 1)
-        return grid, {"CAUSAL": causal, "STAGES": BWD_STAGES[d], "PIPELINE": pipeline,
-                      "num_warps": NUM_WARPS, "maxnreg": MAX_REGS}  # fmt: skip
+        return backward_grid(k), {"CAUSAL": causal, "STAGES": BWD_STAGES[d],
+                                  "PIPELINE": pipeline, "num_warps": NUM_WARPS,
+                                  "maxnreg": MAX_REGS}  # fmt: skip
 
     _launch_planned(attn_bwd_dkdv_sm90, _BWD_PLANS, key, index, args, plan)
 
@@ -359,9 +366,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
            dv.stride(), q.dtype, causal, index)  # fmt: skip
 
     def plan() -> tuple[tuple, dict]:
-        batch, n_kv, seq_k, d = k.shape
-        grid = (triton_cdiv(seq_k, 2 * BWD_BLOCK) * batch * n_kv, 1, 1)
-        return grid, fused_constexprs(d, causal, q.dtype)
+        return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype)
 
     _launch_planned(attn_bwd_sm90, _FUSED_PLANS, key, index, args, plan)
     return torch.empty_like(q).copy_(dq_acc), dk, dv
