@@ -16,11 +16,10 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._harness import bench, parser, report
+from benchmarks._peers import sdpa_call
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 from torch_flashsys.attention._extras import CAUSAL, PLAIN
@@ -119,12 +118,7 @@ def rows_for(shape, device: str, variants=None) -> list[dict]:
     finally:
         _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_ALL = saved
     if device == "cuda":
-
-        def cudnn(q, k, v):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                      enable_gqa=h != hk)  # fmt: skip
-
+        cudnn = sdpa_call("CUDNN_ATTENTION", is_causal=causal, enable_gqa=h != hk)
         rows.append(
             {"shape": label, "impl": "sdpa cudnn", **_timings(cudnn, q, k, v, dout, device)}
         )

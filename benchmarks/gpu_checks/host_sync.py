@@ -11,16 +11,11 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks._peers import sdpa_call
 from torch_flashsys import flash_attention
 
-
-def cudnn(q, k, v, is_causal):
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-
+cudnn = sdpa_call("CUDNN_ATTENTION")
 
 for shape in [(1, 16, 16384, 64), (4, 16, 4096, 64)]:
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
