@@ -80,13 +80,12 @@ def test_self_attention_on_one_tensor_compiles_fullgraph(causal, attn_backend):
 @needs_kernels
 @pytest.mark.parametrize("causal", [False, True])
 def test_opcheck_custom_ops(causal):
-    from torch_flashsys.attention._ops import attn_bwd, attn_fwd
+    from torch_flashsys.attention._extras import CAUSAL, PLAIN
+    from torch_flashsys.attention._ops import _op_args, attn_bwd, attn_fwd
 
     case = Case(1, 1, 2, 17, 9, 16, causal, None, False, True, seed=11)
     q, k, v = case.make(torch.float32, DEVICE, requires_grad=True)
-    right = 0 if causal else -1
-    # mask, alibi, seed, scale, window left/right, softcap, dropout_p, packed-batch lengths, cache lengths
-    extras = (None, None, None, 0.25, -1, right, 0.0, 0.0, None, None, 0, 0, None)
+    extras = _op_args(0.25, CAUSAL if causal else PLAIN)  # the ops' trailing arguments
     torch.library.opcheck(attn_fwd, (q, k, v, *extras))
     out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), *extras)
     dout = torch.randn_like(out)
@@ -98,14 +97,16 @@ def test_opcheck_custom_ops(causal):
 @needs_kernels
 def test_opcheck_custom_ops_with_score_modifications():
     """The ops' schema carries the mask, ALiBi slopes, dropout seed, window and softcap."""
-    from torch_flashsys.attention._ops import attn_bwd, attn_fwd
+    from torch_flashsys.attention._extras import Extras
+    from torch_flashsys.attention._ops import _op_args, attn_bwd, attn_fwd
 
     case = Case(2, 1, 2, 19, 23, 16, False, None, False, False, seed=12)
     q, k, v = case.make(torch.float32, DEVICE, requires_grad=True)
     mask = (torch.rand(2, 1, 1, 23, device=DEVICE) > 0.3).expand(2, 2, 19, 23)
     slopes = torch.rand(2, device=DEVICE).expand(2, 2)
     seed = torch.tensor([1234], device=DEVICE)
-    extras = (mask, slopes, seed, 0.3, 5, 2, 4.0, 0.2, None, None, 0, 0, None)
+    ex = Extras(mask=mask, left=5, right=2, softcap=4.0, alibi=slopes, dropout_p=0.2, seed=seed)
+    extras = _op_args(0.3, ex)
     torch.library.opcheck(attn_fwd, (q, k, v, *extras))
     out, lse = attn_fwd(q.detach(), k.detach(), v.detach(), *extras)
     qkv = (q.detach(), k.detach(), v.detach())

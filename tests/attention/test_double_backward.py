@@ -101,11 +101,12 @@ def test_gradient_penalty_of_a_packed_batch(backend):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradient_penalty_through_the_custom_ops(causal):
     """The ``register_autograd`` path (what torch.compile traces) called eagerly."""
-    from torch_flashsys.attention._ops import attn_fwd
+    from torch_flashsys.attention._extras import CAUSAL, PLAIN
+    from torch_flashsys.attention._ops import _op_args, attn_fwd
 
     case = Case(1, 2, 2, 17, 9, 16, causal, 0.3, False, True, seed=7)
     q, k, v = case.make(torch.float32)
-    extras = (None, None, None, 0.3, -1, 0 if causal else -1, 0.0, 0.0, None, None, 0, 0, None)
+    extras = _op_args(0.3, CAUSAL if causal else PLAIN)  # the ops' trailing arguments
     out, lse = attn_fwd(q, k, v, *extras)
 
     def ref(q, k, v):  # plain attention in the inputs' dtype (float64: the reference)
