@@ -138,21 +138,24 @@ FUSED_VARIANTS = {
 }
 VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
                   (4, 32, 8, 2048, 64, True)]  # fmt: skip
+SPLIT_VARIANTS = {"default": {}, "keys fastest": {"KEYS_FASTEST": True},
+                  "heads fastest": {"KEYS_FASTEST": False}}  # fmt: skip
 
 
 def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
     """The fused kernel alone, as `_sm90.backward` launches it (fresh D and zeroed dQ buffer;
     constexprs ``extra`` over the defaults): ``(launch, delta, dq_acc, dk, dv, grid)``, where
     ``launch()`` runs it once on those buffers."""
-    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
+    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90, attn_bwd_split_sm90
 
     d = k.shape[-1]
+    kernel = attn_bwd_sm90 if d == 64 else attn_bwd_split_sm90
     delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
     meta = {**_sm90.fused_constexprs(d, causal, q.dtype), **extra}
     grid = _sm90.backward_grid(k)
-    return (lambda: attn_bwd_sm90[grid](*args, **meta)), delta, dq_acc, dk, dv, grid
+    return (lambda: kernel[grid](*args, **meta)), delta, dq_acc, dk, dv, grid
 
 
 def variant_rows(shape) -> list[dict]:
@@ -172,7 +175,7 @@ def variant_rows(shape) -> list[dict]:
     o2, lse = _forward(q, k, v, d**-0.5, CAUSAL if causal else PLAIN)  # flash_attention's own
     flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)
     rows = []
-    for name, extra in FUSED_VARIANTS.items():
+    for name, extra in (FUSED_VARIANTS if d == 64 else SPLIT_VARIANTS).items():
         launch, _, dq_acc, dk, dv, _ = _fused_kernel(q, k, v, dout, o2, lse, causal, extra)
         launch()
         got = (dq_acc.to(q.dtype), dk, dv)
@@ -327,7 +330,9 @@ def main() -> None:
     p.add_argument("--variants", action="store_true",
                    help="time compile-time variants of the fused kernel (kernel only; GPU)")  # fmt: skip
     p.add_argument("--rule", action="store_true",
-                   help="portable against fused backward, d 64, 1k-16k, GQA or not, causal or not")  # fmt: skip
+                   help="portable against fused backward, 1k-16k, GQA or not, causal or not")  # fmt: skip
+    p.add_argument("--head-dim", type=int, default=64, choices=(64, 128),
+                   help="--rule, --variants: the head dim (128: the split kernel)")  # fmt: skip
     p.add_argument("--breakdown", action="store_true",
                    help="kernel times in fwd+bwd and bwd-only loops, portable and fused (GPU)")  # fmt: skip
     p.add_argument("--methods", action="store_true",
@@ -353,12 +358,15 @@ def main() -> None:
         return
     if args.rule:
         pick = {name: VARIANTS[name] for name in ("portable", "hopper fused")}
-        rows = [r for shape in RULE_SHAPES for r in rows_for(shape, "cuda", pick)]
-        report("Fused Hopper backward against the portable one (d 64)", rows, COLUMNS,
-               args.out)  # fmt: skip
+        shapes = [(*shape[:4], args.head_dim, shape[5]) for shape in RULE_SHAPES]
+        rows = [r for shape in shapes for r in rows_for(shape, "cuda", pick)]
+        report(f"Fused Hopper backward against the portable one (d {args.head_dim})", rows,
+               COLUMNS, args.out)  # fmt: skip
         return
     if args.variants:
-        rows = [r for shape in VARIANT_SHAPES for r in variant_rows(shape)]
+        shapes = VARIANT_SHAPES if args.head_dim == 64 else [
+            (*shape[:4], 128, shape[5]) for shape in VARIANT_SHAPES]  # fmt: skip
+        rows = [r for shape in shapes for r in variant_rows(shape)]
         columns = ("shape", "variant", "kernel_ms", "tflops", "max_grad_diff_vs_portable")
         report("Fused Hopper backward: compile-time variants", rows, columns, args.out)
         return

@@ -83,16 +83,17 @@ def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bo
 def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8):
     """Compile the fused Hopper backward for a ``(1, heads, seq, d)`` problem, GQA 2:1."""
     from torch_flashsys.attention import _sm90
-    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90
+    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90, attn_bwd_split_sm90
 
+    kernel = attn_bwd_sm90 if d == 64 else attn_bwd_split_sm90
     q, k, lse = _problem(d, dtype, seq, heads)
     dq_acc = torch.zeros(1, heads, seq, d)
     args = _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, dq_acc, 0.125)
     meta = _sm90.fused_constexprs(d, causal, dtype)
     # The direct launch passes every parameter after the runtime arguments from ``meta``.
-    missing = set(attn_bwd_sm90.arg_names[len(args) :]) - set(meta)
+    missing = set(kernel.arg_names[len(args) :]) - set(meta)
     assert not missing, f"fused_constexprs lacks {sorted(missing)}"
-    return attn_bwd_sm90.warmup(*args, **meta, grid=(1,))
+    return kernel.warmup(*args, **meta, grid=(1,))
 
 
 def compile_variants(variants) -> list[str]:
@@ -156,10 +157,11 @@ if __name__ == "__main__":
         assert "wgmma.mma_async" in kernel.asm["ptx"], "not the wgmma kernel"
         print(f"dK/dV d={d} causal={causal} {dtype} pipeline={pipeline}: shared memory "
               f"{kernel.metadata.shared} bytes")  # fmt: skip
-    for causal, dtype in [(True, torch.bfloat16), (False, torch.float16)]:
-        kernel = _warmup_fused(64, causal, dtype, 256)
+    for d, causal, dtype in [(64, True, torch.bfloat16), (64, False, torch.float16),
+                             (128, True, torch.float16), (128, False, torch.bfloat16)]:  # fmt: skip
+        kernel = _warmup_fused(d, causal, dtype, 256)
         assert "cp.reduce.async.bulk.tensor" in kernel.asm["ptx"], "dQ not summed by TMA"
-        print(f"fused d=64 causal={causal} {dtype}: shared memory {kernel.metadata.shared} bytes")
+        print(f"fused d={d} causal={causal} {dtype}: shared memory {kernel.metadata.shared} bytes")
     print(
         f"{kernels_for_lengths(64, True, torch.float16, LENGTHS)} kernel(s) for lengths {LENGTHS}"
     )

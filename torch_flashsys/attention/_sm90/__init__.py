@@ -42,7 +42,11 @@ from torch_flashsys.attention._sm90._prep import attn_bwd_prep
 from torch_flashsys.attention._tensors import empty_like_layout
 
 if AVAILABLE:
-    from torch_flashsys.attention._sm90._bwd import attn_bwd_dkdv_sm90, attn_bwd_sm90
+    from torch_flashsys.attention._sm90._bwd import (
+        attn_bwd_dkdv_sm90,
+        attn_bwd_sm90,
+        attn_bwd_split_sm90,
+    )
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax is base 2
@@ -83,7 +87,13 @@ FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fus
     (False, True): (2048, 16384),
     (False, False): (2048, 16384),
 }
-FUSED_STAGES = {64: 4}  # head dims the fused kernel serves -> Q/dO ring depth (128 KB in all)
+FUSED_STAGES = {64: 4, 128: 2}  # head dims the fused kernels serve -> Q/dO ring depth (64 KB)
+# Head dim 128: lengths (queries and keys) per (causal, GQA) where the split kernel runs by default.
+SPLIT_SEQ_Q: dict[tuple[bool, bool], tuple[int, int]] = {}
+SPLIT_MAX_REGS = 168  # 168 x 384 threads (two consumer warpgroups and the load warp's group)
+SPLIT_REGS = (240, 24)  # per thread: each consumer warpgroup, the load warp (4 bytes spill)
+SPLIT_NBUF = 2  # dS^T buffer pairs
+SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reductions
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
 FUSED_NBUF = 4  # dS^T buffers between the consumers and the dQ warpgroup (shared memory 199 KB)
@@ -139,10 +149,11 @@ def _layout(rows: int, d: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], getattr(gl, name))
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A host TMA descriptor of ``t`` (4-D) with ``(1, 1, rows, head_dim)`` blocks. Built without
-    the dataclass's checks (a few microseconds each): :func:`_tma_ok` made them once per call."""
-    d = t.shape[-1]
+def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
+    """A host TMA descriptor of ``t`` (4-D) with ``(1, 1, rows, cols)`` blocks (``cols``: the head
+    dim unless given). Built without the dataclass's checks (a few microseconds each):
+    :func:`_tma_ok` made them once per call."""
+    d = t.shape[-1] if cols is None else cols
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()),
                          block_shape=[1, 1, rows, d], layout=_layout(rows, d, t.dtype),
@@ -301,7 +312,8 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     (cross-attention) the kernel has few programs, each looping over every query tile."""
     if not (ex is CAUSAL or ex is PLAIN):
         return False
-    lo, hi = FUSED_SEQ_Q[(ex is CAUSAL, q.shape[1] > k.shape[1])]
+    rule = FUSED_SEQ_Q if q.shape[-1] == 64 else SPLIT_SEQ_Q
+    lo, hi = rule.get((ex is CAUSAL, q.shape[1] > k.shape[1]), (1, 0))
     return lo <= q.shape[2] <= hi and lo <= k.shape[2] <= hi
 
 
@@ -338,7 +350,9 @@ def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
     """The fused kernel's runtime arguments: the dK/dV kernel's, with the dQ buffer (contiguous
     float32 (B, H, L, d)) inserted."""
     args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
-    return (*args[:16], dq_acc, _descriptor(dq_acc, BWD_BLOCK), *args[16:])
+    d = q.shape[-1]  # head dim 128: each consumer adds half of a dQ row
+    dq_desc = _descriptor(dq_acc, BWD_BLOCK, d if d == 64 else d // 2)
+    return (*args[:16], dq_acc, dq_desc, *args[16:])
 
 
 def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
@@ -346,6 +360,11 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
     and launch options. The variants beside the defaults: ``benchmarks/sm90_bwd.py --variants``."""
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
+    if d != 64:  # the split kernel (head dim 128)
+        return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
+                "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
+                "DQ_BUFS": SPLIT_DQ_BUFS, "KEYS_FASTEST": not causal, "num_warps": NUM_WARPS,
+                "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA,
@@ -368,5 +387,6 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     def plan() -> tuple[tuple, dict]:
         return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype)
 
-    _launch_planned(attn_bwd_sm90, _FUSED_PLANS, key, index, args, plan)
+    kernel = attn_bwd_sm90 if k.shape[-1] == 64 else attn_bwd_split_sm90
+    _launch_planned(kernel, _FUSED_PLANS, key, index, args, plan)
     return torch.empty_like(q).copy_(dq_acc), dk, dv

@@ -642,3 +642,174 @@ if AVAILABLE:
             [CONSUMER_REGS, DQ_REGS, 40],  # (the load warp: 24 without the stats)
         )
         # fmt: on
+
+    # The head-dim-128 fused backward. The consumers' dK and dV (64 keys x 128 floats each) leave
+    # no registers for a dQ warpgroup, so the consumers compute dQ themselves (FA3's layout):
+    # each step both store their dS^T tile to shared memory, wait for the other's, and
+    # consumer WG computes dQ's columns [WG * 64, + 64) over the program's 128 keys, which it
+    # stores to shared memory and adds into the float32 dQ buffer by a TMA bulk reduction.
+    @gluon.jit
+    def _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                       KEYS_FASTEST: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        """Consumer warpgroup WG of the head-dim-128 fused kernel: keys [n0 + WG * BLOCK_N,
+        + BLOCK_N) for dK and dV (as :func:`_fused_consume`), dQ columns [WG * HALF, + HALF)."""
+        q_desc, k_desc, v_desc, do_desc = descs
+        q_smem, k_smem, v_smem, do_smem = bufs
+        kv_ready, ready, empty = bars
+        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
+        ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem, stats = dqs
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        HALF: gl.constexpr = dq_desc.block_type.shape[3]
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        NBUF: gl.constexpr = ds_ready.type.shape[0]
+        DQ_BUFS: gl.constexpr = dq_smem.type.shape[0] // 2
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
+                                             CAUSAL, KEYS_FASTEST)  # fmt: skip
+        n0w = n0 + WG * BLOCK_N
+        k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
+        k0 = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=1)
+        k1 = k_smem.index(1).reshape([BLOCK_N, HEAD_DIM]).slice(WG * HALF, HALF, dim=1)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+        mbarrier.wait(kv_ready, 0)
+        n_steps = group * (n_m - m_lo)
+        for step in range(n_steps):
+            g = step // (n_m - m_lo)
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
+            st = step % STAGES
+            q = q_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
+            do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
+            mbarrier.wait(ready.index(st), (step // STAGES) & 1)
+            s_t = warpgroup_mma(k, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_t = warpgroup_mma(v, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
+            # (the rows' LSE and D read where they are used: registers are short)
+            lse2 = stats.index(2 * st).load(col_layout)  # (LSE * log2 e)
+            keys = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+            if CAUSAL:
+                last = gl.minimum(m0 + gl.arange(0, BLOCK_M, layout=col_layout), seq_k - 1)
+            else:
+                last = gl.full([BLOCK_M], seq_k - 1, gl.int32, col_layout)
+            p_t = gl.where(keys[:, None] <= last[None, :],
+                           gl.exp2(s_w * qk_scale - lse2[None, :]), 0.0)  # fmt: skip
+            pa = gl.convert_layout(p_t.to(dtype), a_layout)
+            dp_w = warpgroup_mma_wait(0, deps=(dp_t, v, do))[0]
+            dv = warpgroup_mma(pa, do, dv, is_async=True)
+            delta = stats.index(2 * st + 1).load(col_layout)
+            ds_t = (p_t * (dp_w - delta[None, :])).to(dtype)
+            buf = step % NBUF
+            ds_buf = ds_smem.index(2 * buf + WG)
+            mbarrier.wait(ds_empty.index(buf), ((step // NBUF) & 1) ^ 1)  # fresh: parity 1 passes
+            ds_buf.store(ds_t)
+            fence_async_shared()  # every thread's stores, before the async proxy reads them
+            thread_barrier()  # ... all of this warpgroup's, before one thread arrives
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
+            # dQ[:, WG * HALF:][rows of this step] = dS K over both consumers' keys.
+            mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
+            ds0 = ds_smem.index(2 * buf).permute((1, 0))
+            ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
+            dq = warpgroup_mma(ds0, k0, gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout),
+                               use_acc=False, is_async=True)  # fmt: skip
+            dq = warpgroup_mma(ds1, k1, dq, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(
+                0, deps=(dv, dk, dq, pa, ds_buf, q, do, ds0, ds1, k0, k1)
+            )[:3]  # fmt: skip
+            mbarrier.arrive(ds_empty.index(buf), count=1)  # this consumer read both halves
+            mbarrier.arrive(empty.index(st), count=1)  # both consumers release a stage
+            tile = dq_smem.index(WG * DQ_BUFS + step % DQ_BUFS)
+            tma.store_wait(DQ_BUFS - 1)  # the reduction that last read this tile is done
+            thread_barrier()
+            tile.reshape([BLOCK_M, HALF]).store(dq * sm_scale)
+            fence_async_shared()
+            thread_barrier()
+            tma_reduce_add(dq_desc, [b, hk * group + g, m0, WG * HALF], tile)  # rows past
+            # seq_q fall outside the descriptor and are dropped
+        tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
+        _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
+
+    @gluon.jit
+    def _split_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                         KEYS_FASTEST: gl.constexpr):  # fmt: skip
+        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST, 0)
+
+    @gluon.jit
+    def _split_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                         KEYS_FASTEST: gl.constexpr):  # fmt: skip
+        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST, 1)
+
+    # The same sums as attn_bwd_sm90 for head dim 128 (dq_desc's blocks are half a row wide).
+    @gluon.jit(do_not_specialize=_INTEGER_ARGS)
+    def attn_bwd_split_sm90(
+        q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,
+        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc,
+        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+        STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        LOAD_REGS: gl.constexpr, NBUF: gl.constexpr = 2, DQ_BUFS: gl.constexpr = 1,
+        KEYS_FASTEST: gl.constexpr = False,
+    ):  # fmt: skip
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        gl.static_assert(BLOCK_N == 64, "one warpgroup of 64 keys per consumer")
+        gl.static_assert(BLOCK_M == BLOCK_N, "one descriptor block for queries and keys")
+        gl.static_assert(2 * dq_desc.block_type.shape[3] == q_desc.block_type.shape[3],
+                         "dQ in two column halves, one per consumer")  # fmt: skip
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(
+            dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout
+        )
+        k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * NBUF, BLOCK_N, BLOCK_M], DS_LAYOUT)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS] + dq_desc.block_type.shape,
+                                            dq_desc.layout)  # fmt: skip
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        ds_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=2)  # the TMA loads' bytes and the stats' stores
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        for i in gl.static_range(NBUF):
+            mbarrier.init(ds_ready.index(i), count=2)  # both consumers' dS^T stored
+            mbarrier.init(ds_empty.index(i), count=2)  # both consumers' dQ products read them
+        stats = gl.allocate_shared_memory(  # each stage's LSE * log2 e and D rows
+            gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
+        descs = (q_desc, k_desc, v_desc, do_desc)
+        bufs = (q_smem, k_smem, v_smem, do_smem)
+        bars = (kv_ready, ready, empty)
+        sched = (n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale)
+        outs = (LSE, Delta, stride_lb, stride_lh, DK, stride_kb, stride_kh, stride_kn, DV,
+                stride_vb, stride_vh, stride_vn)  # fmt: skip
+        dqs = (ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem, stats)
+        # fmt: off
+        gl.warp_specialize(
+            [
+                (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
+                (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
+                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOAD_REGS],
+        )
+        # fmt: on
