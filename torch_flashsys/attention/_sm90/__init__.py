@@ -94,6 +94,7 @@ SPLIT_MAX_REGS = 168  # 168 x 384 threads (two consumer warpgroups and the load 
 SPLIT_REGS = (240, 24)  # per thread: each consumer warpgroup, the load warp (4 bytes spill)
 SPLIT_NBUF = 2  # dS^T buffer pairs
 SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reductions
+SPLIT_KEYS_FASTEST = True  # one head's key tiles after another, causal too (H100: 1-13% faster)
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
 FUSED_NBUF = 4  # dS^T buffers between the consumers and the dQ warpgroup (shared memory 199 KB)
@@ -363,7 +364,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
     if d != 64:  # the split kernel (head dim 128)
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
-                "DQ_BUFS": SPLIT_DQ_BUFS, "KEYS_FASTEST": not causal, "num_warps": NUM_WARPS,
+                "DQ_BUFS": SPLIT_DQ_BUFS, "KEYS_FASTEST": SPLIT_KEYS_FASTEST, "num_warps": NUM_WARPS,
                 "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
