@@ -121,8 +121,8 @@ def _every_kind(lengths: tuple[int, int]) -> dict:
     return {(causal, gqa): lengths for causal in (True, False) for gqa in (True, False)}
 
 
-def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
-    """The fused backward's rule: the forward's, its switch, head dim 64, where it measured
+def test_the_fused_backward_takes_head_dims_64_and_128_unless_determinism_is_asked_for():
+    """The fused backward's rule: the forward's, its switch, head dim 64 or 128, where it measured
     faster (query lengths in FUSED_SEQ_Q per kind, causal or not, GQA or not; every problem
     with FUSED_ALL), dO a TMA operand of q's shape and dtype, and not under
     ``torch.use_deterministic_algorithms(True)`` (its dQ sums are added in no fixed order: that
@@ -152,8 +152,8 @@ def test_the_fused_backward_takes_head_dim_64_unless_determinism_is_asked_for():
             with mock.patch.object(_sm90, "FUSED_ALL", True):
                 assert _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
                 assert _sm90.fused_takes(q, q, q, q, 0.1, PLAIN)
+                assert _sm90.fused_takes(wide, wide[:, :1], wide[:, :1], wide, 0.1, CAUSAL)
             for args in (
-                (wide, wide[:, :1], wide[:, :1], wide, 0.1, CAUSAL),  # no head dim 128 config
                 (q, kv, kv, q.half(), 0.1, CAUSAL),  # dO of another dtype
                 (q, kv, kv, strided, 0.1, CAUSAL),  # dO's last dimension strided
                 (q, kv, kv, q, 0.1, Extras(softcap=5.0)),  # not a plain or causal problem
@@ -187,6 +187,31 @@ def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_h
     one program per head looping over every query tile."""
     q = torch.empty(1, heads, seq, 64, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, kv_heads, seq_k, 64, dtype=torch.bfloat16, device="meta")
+    with (
+        mock.patch.object(_sm90, "ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_ALL", False),
+        mock.patch.object(_sm90, "_is_sm90", return_value=True),
+        mock.patch.object(torch.Tensor, "is_cuda", new=True),
+    ):
+        assert _sm90.fused_takes(q, k, k, q, 0.125, CAUSAL if causal else PLAIN) is fused
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq", "seq_k", "causal", "fused"),
+    [(16, 16, 1024, 1024, True, False), (16, 16, 2048, 2048, True, True),
+     (16, 16, 16384, 16384, True, True), (16, 4, 1024, 1024, True, True),
+     (16, 16, 1024, 1024, False, True), (16, 4, 16384, 16384, False, True),
+     (16, 16, 32768, 32768, True, False), (16, 4, 512, 512, False, False),
+     (16, 16, 4096, 77, False, False)],
+)  # fmt: skip
+def test_the_split_backward_runs_by_default_where_it_measured_faster(heads, kv_heads, seq, seq_k,
+                                                                     causal, fused):  # fmt: skip
+    """Head dim 128 (the split kernel; H100, ``benchmarks/sm90_bwd.py --rule --head-dim 128``,
+    docs/benchmarks.md): 1024-16384 rows, but causal without GQA from 2048 (at 1024 its
+    backward measured no faster than the portable one's); keys in the range too."""
+    q = torch.empty(1, heads, seq, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, kv_heads, seq_k, 128, dtype=torch.bfloat16, device="meta")
     with (
         mock.patch.object(_sm90, "ENABLED", True),
         mock.patch.object(_sm90, "FUSED_ENABLED", True),

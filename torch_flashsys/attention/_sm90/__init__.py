@@ -14,13 +14,15 @@ Triton kernel:
 - a positive scale, and every stride but the last a multiple of 16 bytes, 16-byte aligned data
   (what TMA descriptors need).
 
-The backward of a head-dim-64 problem of the lengths in ``FUSED_SEQ_Q`` (causal with GQA
-1024-16384, causal without GQA 4096-16384, without a causal mask 2048-16384; queries and keys
-alike) that the forward rule admits (and whose dO a TMA descriptor can read) runs the fused Gluon kernel
-(``_bwd.attn_bwd_sm90``, after the preprocessing kernel ``_prep``), unless
-``torch.are_deterministic_algorithms_enabled()``: its dQ is summed in float32 by TMA bulk
-reductions in no fixed order, so it is not bitwise reproducible. Every other backward is the
-portable one (deterministic; it reads the same ``out`` and ``lse``). The switches are below.
+The backward of a problem that the forward rule admits (and whose dO a TMA descriptor can read)
+runs a fused Gluon kernel (after the preprocessing kernel ``_prep``) at the lengths where it
+measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at the lengths in
+``FUSED_SEQ_Q`` (causal with GQA 1024-16384, causal without GQA 4096-16384, without a causal mask
+2048-16384); head dim 128, ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (1024-16384,
+causal without GQA from 2048). Not when ``torch.are_deterministic_algorithms_enabled()``: their dQ
+is summed in float32 by TMA bulk reductions in no fixed order, so it is not bitwise reproducible.
+Every other backward is the portable one (deterministic; it reads the same ``out`` and ``lse``).
+The switches are below.
 """
 
 from __future__ import annotations
@@ -88,8 +90,15 @@ FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fus
     (False, False): (2048, 16384),
 }
 FUSED_STAGES = {64: 4, 128: 2}  # head dims the fused kernels serve -> Q/dO ring depth (64 KB)
-# Head dim 128: lengths (queries and keys) per (causal, GQA) where the split kernel runs by default.
-SPLIT_SEQ_Q: dict[tuple[bool, bool], tuple[int, int]] = {}
+# Head dim 128: the lengths (queries and keys) per (causal, GQA) where the split kernel runs by
+# default (H100, ``benchmarks/sm90_bwd.py --rule --head-dim 128``: its backward took 0.60-0.97x the
+# portable one's time at 1024-16384, but 1.08x causal without GQA at 1024, the same kernel time).
+SPLIT_SEQ_Q = {
+    (True, True): (1024, 16384),
+    (True, False): (2048, 16384),
+    (False, True): (1024, 16384),
+    (False, False): (1024, 16384),
+}
 SPLIT_MAX_REGS = 168  # 168 x 384 threads (two consumer warpgroups and the load warp's group)
 SPLIT_REGS = (240, 24)  # per thread: each consumer warpgroup, the load warp (4 bytes spill)
 SPLIT_NBUF = 2  # dS^T buffer pairs
@@ -310,7 +319,9 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     0.75-0.88x without a causal mask at 2048-8192, and (one run, with the load warp's LSE/D rows)
     0.78-0.81x at 16384 (1024: host-bound, no clear winner). Only self-attention was
     measured (as many keys as query rows), so the keys must be in the range too: with few keys
-    (cross-attention) the kernel has few programs, each looping over every query tile."""
+    (cross-attention) the kernel has few programs, each looping over every query tile. Head
+    dim 128 (the split kernel): the lengths in SPLIT_SEQ_Q, from one ``--rule --head-dim 128``
+    run (docs/benchmarks.md)."""
     if not (ex is CAUSAL or ex is PLAIN):
         return False
     rule = FUSED_SEQ_Q if q.shape[-1] == 64 else SPLIT_SEQ_Q

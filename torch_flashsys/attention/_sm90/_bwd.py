@@ -15,7 +15,13 @@ partitions:
   dS^T from registers). With ``PIPELINE`` the dV/dK products of one query tile stay in flight while
   the next tile's ``S^T``/``dP^T`` are issued (FA3's intra-warpgroup overlap).
 
-Deterministic: every dK/dV row is summed by one program in a fixed order, no atomics. Query rows
+The fused kernels add dQ (five products, S and dP computed once): ``attn_bwd_sm90`` (head dim 64)
+with a third warpgroup that computes dQ from the consumers' dS^T tiles, ``attn_bwd_split_sm90``
+(head dim 128, whose dK and dV fill the consumers' registers) with the consumers computing half of
+dQ's columns each; both add their float32 dQ tiles by TMA bulk reductions (in no fixed order).
+
+The dK/dV kernel is deterministic: every dK/dV row is summed by one program in a fixed order, no
+atomics. Query rows
 past ``seq_q`` read as zeros (TMA bounds) and their LSE as +inf, so their P is 0; keys past
 ``seq_k`` only touch dK/dV rows that are never stored.
 
