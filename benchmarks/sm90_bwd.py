@@ -153,7 +153,7 @@ def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
     delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
-    meta = {**_sm90.fused_constexprs(d, causal, q.dtype), **extra}
+    meta = {**_sm90.fused_constexprs(d, causal, q.dtype, q.shape[1] // k.shape[1]), **extra}
     grid = _sm90.backward_grid(k)
     return (lambda: kernel[grid](*args, **meta)), delta, dq_acc, dk, dv, grid
 

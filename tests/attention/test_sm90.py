@@ -170,7 +170,8 @@ def test_the_fused_backward_takes_head_dims_64_and_128_unless_determinism_is_ask
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "seq", "seq_k", "causal", "fused"),
     [(16, 4, 1024, 1024, True, True), (16, 4, 16384, 16384, True, True),
-     (16, 4, 32768, 32768, True, False), (16, 16, 2048, 2048, True, False),
+     (16, 4, 32768, 32768, True, False), (16, 16, 1024, 1024, True, True),
+     (16, 16, 2048, 2048, True, True), (16, 16, 512, 512, True, False),
      (16, 16, 4096, 4096, True, True), (16, 16, 16384, 16384, True, True),
      (16, 16, 1024, 1024, False, False), (16, 16, 2048, 2048, False, True),
      (16, 4, 8192, 8192, False, True), (16, 4, 16384, 16384, False, True),
@@ -181,8 +182,9 @@ def test_the_fused_backward_takes_head_dims_64_and_128_unless_determinism_is_ask
 def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_heads, seq, seq_k,
                                                                      causal, fused):  # fmt: skip
     """The committed rule (H100, ``benchmarks/sm90_bwd.py --rule``, docs/benchmarks.md): causal
-    with GQA at 1024-16384 rows, causal without GQA at 4096-16384, and without a causal mask at
-    2048-16384; the portable backward elsewhere. Only self-attention lengths were measured, so
+    at 1024-16384 rows (without GQA since its programs take one head's key tiles in turn,
+    ``benchmarks/gpu_checks/order_ab.py``), and without a causal mask at 2048-16384; the
+    portable backward elsewhere. Only self-attention lengths were measured, so
     the keys must be in the range too: 77 keys against 4096 queries (cross-attention) would be
     one program per head looping over every query tile."""
     q = torch.empty(1, heads, seq, 64, dtype=torch.bfloat16, device="meta")
@@ -195,6 +197,21 @@ def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_h
         mock.patch.object(torch.Tensor, "is_cuda", new=True),
     ):
         assert _sm90.fused_takes(q, k, k, q, 0.125, CAUSAL if causal else PLAIN) is fused
+
+
+@pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize(("causal", "group", "keys_fastest"),
+                         [(False, 1, True), (False, 4, True), (True, 1, True), (True, 2, False),
+                          (True, 4, False)])  # fmt: skip
+def test_the_fused_backward_orders_its_programs_as_measured_fastest(causal, group, keys_fastest):
+    """Head dim 64: one head's key tiles after another (KEYS_FASTEST) without a causal mask, and
+    causal without GQA (``benchmarks/gpu_checks/order_ab.py``: 0.69-0.98x the heads-fastest
+    kernel's time at 1024-16384); causal with GQA 4:1, the heaviest key tiles of every head
+    first (keys fastest took up to 1.15x longer there). Head dim 128 (the split kernel): keys
+    fastest always (``sm90_bwd.py --variants --head-dim 128``)."""
+    meta = _sm90.fused_constexprs(64, causal, torch.bfloat16, group)
+    assert meta["KEYS_FASTEST"] is keys_fastest
+    assert _sm90.fused_constexprs(128, causal, torch.bfloat16, group)["KEYS_FASTEST"] is True
 
 
 @pytest.mark.parametrize(

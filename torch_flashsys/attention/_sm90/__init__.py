@@ -17,8 +17,7 @@ Triton kernel:
 The backward of a problem that the forward rule admits (and whose dO a TMA descriptor can read)
 runs a fused Gluon kernel (after the preprocessing kernel ``_prep``) at the lengths where it
 measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at the lengths in
-``FUSED_SEQ_Q`` (causal with GQA 1024-16384, causal without GQA 4096-16384, without a causal mask
-2048-16384); head dim 128, ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (1024-16384,
+``FUSED_SEQ_Q`` (causal 1024-16384, without a causal mask 2048-16384); head dim 128, ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (1024-16384,
 causal without GQA from 2048). Not when ``torch.are_deterministic_algorithms_enabled()``: their dQ
 is summed in float32 by TMA bulk reductions in no fixed order, so it is not bitwise reproducible.
 Every other backward is the portable one (deterministic; it reads the same ``out`` and ``lse``).
@@ -85,7 +84,7 @@ FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_
 FUSED_ALL = _BWD_MODE == "fused"
 FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fused kernel runs
     (True, True): (1024, 16384),
-    (True, False): (4096, 16384),
+    (True, False): (1024, 16384),
     (False, True): (2048, 16384),
     (False, False): (2048, 16384),
 }
@@ -315,7 +314,9 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     training step): the query lengths in FUSED_SEQ_Q for the problem's kind. In two runs its
     backward took 0.72-0.80x the portable one's time with causal GQA 4:1 at 2048-16384 (1024:
     host-bound, 0.73x and 1.32x here, 0.81-0.83x in earlier runs), 0.82-0.94x causal without GQA
-    at 4096-16384 (1.29-1.34x slower at 1024-2048, where a key tile has few query tiles),
+    at 4096-16384 (1.29-1.34x slower at 1024-2048, where a key tile has few query tiles; with
+    one head's key tiles in turn, KEYS_FASTEST, its kernel took 0.77-0.82x the portable kernels'
+    time there, ``gpu_checks/order_ab.py``),
     0.75-0.88x without a causal mask at 2048-8192, and (one run, with the load warp's LSE/D rows)
     0.78-0.81x at 16384 (1024: host-bound, no clear winner). Only self-attention was
     measured (as many keys as query rows), so the keys must be in the range too: with few keys
@@ -367,9 +368,12 @@ def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
     return (*args[:16], dq_acc, dq_desc, *args[16:])
 
 
-def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
+def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1) -> dict:
     """The fused kernel's compile-time arguments, every one (the direct launch passes them all),
-    and launch options. The variants beside the defaults: ``benchmarks/sm90_bwd.py --variants``."""
+    and launch options, for head dim ``d`` and ``group`` query heads per key/value head. The
+    variants beside the defaults: ``benchmarks/sm90_bwd.py --variants``. Program order (head
+    dim 64): one head's key tiles after another without a causal mask or GQA, else the heaviest
+    key tiles of every head first (``benchmarks/gpu_checks/order_ab.py``, docs/benchmarks.md)."""
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
     if d != 64:  # the split kernel (head dim 128)
@@ -380,7 +384,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype) -> dict:
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA,
-            "KEYS_FASTEST": not causal, "num_warps": NUM_WARPS,
+            "KEYS_FASTEST": not causal or group == 1, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 
@@ -397,7 +401,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
            dv.stride(), q.dtype, causal, index)  # fmt: skip
 
     def plan() -> tuple[tuple, dict]:
-        return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype)
+        return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype,
+                                                  q.shape[1] // k.shape[1])  # fmt: skip
 
     kernel = attn_bwd_sm90 if k.shape[-1] == 64 else attn_bwd_split_sm90
     _launch_planned(kernel, _FUSED_PLANS, key, index, args, plan)
