@@ -17,8 +17,9 @@ Triton kernel:
 The backward of a problem that the forward rule admits (and whose dO a TMA descriptor can read)
 runs a fused Gluon kernel (after the preprocessing kernel ``_prep``) at the lengths where it
 measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at the lengths in
-``FUSED_SEQ_Q`` (causal 1024-16384, without a causal mask 2048-16384); head dim 128, ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (1024-16384,
-causal without GQA from 2048). Not when ``torch.are_deterministic_algorithms_enabled()``: their dQ
+``FUSED_SEQ_Q`` (causal 1024-16384, without a causal mask 2048-16384); head dim 128,
+``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (1024-16384, causal without GQA from
+2048). Not when ``torch.are_deterministic_algorithms_enabled()``: their dQ
 is summed in float32 by TMA bulk reductions in no fixed order, so it is not bitwise reproducible.
 Every other backward is the portable one (deterministic; it reads the same ``out`` and ``lse``).
 The switches are below.
