@@ -167,6 +167,22 @@ def test_the_fused_backward_takes_head_dims_64_and_128_unless_determinism_is_ask
                 torch.use_deterministic_algorithms(deterministic)
 
 
+def _fused_by_default(heads: int, kv_heads: int, seq: int, seq_k: int, d: int,
+                      causal: bool) -> bool:  # fmt: skip
+    """Whether the default rule (no FUSED_ALL) sends this problem's backward to a fused kernel,
+    on a stand-in sm90 GPU."""
+    q = torch.empty(1, heads, seq, d, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, kv_heads, seq_k, d, dtype=torch.bfloat16, device="meta")
+    with (
+        mock.patch.object(_sm90, "ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_ALL", False),
+        mock.patch.object(_sm90, "_is_sm90", return_value=True),
+        mock.patch.object(torch.Tensor, "is_cuda", new=True),
+    ):
+        return _sm90.fused_takes(q, k, k, q, 0.125, CAUSAL if causal else PLAIN)
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "seq", "seq_k", "causal", "fused"),
     [(16, 4, 1024, 1024, True, True), (16, 4, 16384, 16384, True, True),
@@ -187,16 +203,7 @@ def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_h
     portable backward elsewhere. Only self-attention lengths were measured, so
     the keys must be in the range too: 77 keys against 4096 queries (cross-attention) would be
     one program per head looping over every query tile."""
-    q = torch.empty(1, heads, seq, 64, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(1, kv_heads, seq_k, 64, dtype=torch.bfloat16, device="meta")
-    with (
-        mock.patch.object(_sm90, "ENABLED", True),
-        mock.patch.object(_sm90, "FUSED_ENABLED", True),
-        mock.patch.object(_sm90, "FUSED_ALL", False),
-        mock.patch.object(_sm90, "_is_sm90", return_value=True),
-        mock.patch.object(torch.Tensor, "is_cuda", new=True),
-    ):
-        assert _sm90.fused_takes(q, k, k, q, 0.125, CAUSAL if causal else PLAIN) is fused
+    assert _fused_by_default(heads, kv_heads, seq, seq_k, 64, causal) is fused
 
 
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
@@ -227,16 +234,7 @@ def test_the_split_backward_runs_by_default_where_it_measured_faster(heads, kv_h
     """Head dim 128 (the split kernel; H100, ``benchmarks/sm90_bwd.py --rule --head-dim 128``,
     docs/benchmarks.md): 1024-16384 rows, but causal without GQA from 2048 (at 1024 its
     backward measured no faster than the portable one's); keys in the range too."""
-    q = torch.empty(1, heads, seq, 128, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(1, kv_heads, seq_k, 128, dtype=torch.bfloat16, device="meta")
-    with (
-        mock.patch.object(_sm90, "ENABLED", True),
-        mock.patch.object(_sm90, "FUSED_ENABLED", True),
-        mock.patch.object(_sm90, "FUSED_ALL", False),
-        mock.patch.object(_sm90, "_is_sm90", return_value=True),
-        mock.patch.object(torch.Tensor, "is_cuda", new=True),
-    ):
-        assert _sm90.fused_takes(q, k, k, q, 0.125, CAUSAL if causal else PLAIN) is fused
+    assert _fused_by_default(heads, kv_heads, seq, seq_k, 128, causal) is fused
 
 
 def test_the_fused_backward_switch_is_read_at_import():

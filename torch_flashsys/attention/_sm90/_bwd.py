@@ -112,6 +112,34 @@ if AVAILABLE:
         return lse * LOG2E, delta
 
     @gluon.jit
+    def _masked_probs(s_t, lse2, n0w, m0, seq_k, qk_scale, CAUSAL: gl.constexpr):
+        """``P^T`` of the fused kernels' (keys n0w.. x queries m0..) tile: 0 where key >
+        min(row, seq_k - 1), i.e. after the causal diagonal and for keys past the end (zeros
+        there: exp(0 - LSE) can overflow 16 bits, and dQ's inf * 0 is NaN). One compare per
+        element on every step: behind a runtime ``if`` the compiler turned the masks into selects
+        that every step paid anyway."""
+        BLOCK_N: gl.constexpr = s_t.type.shape[0]
+        BLOCK_M: gl.constexpr = s_t.type.shape[1]
+        s_layout: gl.constexpr = s_t.type.layout
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        keys = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        if CAUSAL:
+            last = gl.minimum(m0 + gl.arange(0, BLOCK_M, layout=col_layout), seq_k - 1)
+        else:
+            last = gl.full([BLOCK_M], seq_k - 1, gl.int32, col_layout)
+        return gl.where(keys[:, None] <= last[None, :], gl.exp2(s_t * qk_scale - lse2[None, :]),
+                        0.0)  # fmt: skip
+
+    @gluon.jit
+    def _publish(buf, value, ready):
+        """Store a warpgroup's ``value`` into shared memory ``buf`` for the async proxy (wgmma,
+        TMA) and another partition, then one arrival on ``ready``."""
+        buf.store(value)
+        fence_async_shared()  # every thread's stores, before the async proxy reads them
+        thread_barrier()  # ... all of this warpgroup's, before one thread arrives
+        mbarrier.arrive(ready, count=1)
+
+    @gluon.jit
     def _clock(x):
         """%clock64, for the ``PROBE == 3`` timeline; ``x`` any scalar (a dependence that keeps
         the read in place)."""
@@ -398,15 +426,7 @@ if AVAILABLE:
                 t1 = _clock(step)
                 c1 += t1 - t
                 t = t1
-            # P = 0 where key > min(row, seq_k - 1): after the causal diagonal, and keys past the
-            # end (zeros there: exp(0 - LSE) can overflow 16 bits, and dQ's inf * 0 is NaN).
-            keys = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-            if CAUSAL:
-                last = gl.minimum(m0 + gl.arange(0, BLOCK_M, layout=col_layout), seq_k - 1)
-            else:
-                last = gl.full([BLOCK_M], seq_k - 1, gl.int32, col_layout)
-            p_t = gl.where(keys[:, None] <= last[None, :],
-                           gl.exp2(s_w * qk_scale - lse2[None, :]), 0.0)  # fmt: skip
+            p_t = _masked_probs(s_w, lse2, n0w, m0, seq_k, qk_scale, CAUSAL)
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
             if PROBE == 3:
                 t1 = _clock(step)
@@ -430,10 +450,7 @@ if AVAILABLE:
                 t1 = _clock(step)
                 c4 += t1 - t
                 t = t1
-            ds_buf.store(ds_t)
-            fence_async_shared()  # every thread's stores, before the async proxy reads them
-            thread_barrier()  # ... all of this warpgroup's, before one thread arrives
-            mbarrier.arrive(ds_ready.index(buf), count=1)
+            _publish(ds_buf, ds_t, ds_ready.index(buf))
             if PROBE == 3:
                 t1 = _clock(step)
                 c5 += t1 - t
@@ -707,13 +724,7 @@ if AVAILABLE:
             s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
             # (the rows' LSE and D read where they are used: registers are short)
             lse2 = stats.index(2 * st).load(col_layout)  # (LSE * log2 e)
-            keys = n0w + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-            if CAUSAL:
-                last = gl.minimum(m0 + gl.arange(0, BLOCK_M, layout=col_layout), seq_k - 1)
-            else:
-                last = gl.full([BLOCK_M], seq_k - 1, gl.int32, col_layout)
-            p_t = gl.where(keys[:, None] <= last[None, :],
-                           gl.exp2(s_w * qk_scale - lse2[None, :]), 0.0)  # fmt: skip
+            p_t = _masked_probs(s_w, lse2, n0w, m0, seq_k, qk_scale, CAUSAL)
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
             dp_w = warpgroup_mma_wait(0, deps=(dp_t, v, do))[0]
             dv = warpgroup_mma(pa, do, dv, is_async=True)
@@ -722,10 +733,7 @@ if AVAILABLE:
             buf = step % NBUF
             ds_buf = ds_smem.index(2 * buf + WG)
             mbarrier.wait(ds_empty.index(buf), ((step // NBUF) & 1) ^ 1)  # fresh: parity 1 passes
-            ds_buf.store(ds_t)
-            fence_async_shared()  # every thread's stores, before the async proxy reads them
-            thread_barrier()  # ... all of this warpgroup's, before one thread arrives
-            mbarrier.arrive(ds_ready.index(buf), count=1)
+            _publish(ds_buf, ds_t, ds_ready.index(buf))
             dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
             # dQ[:, WG * HALF:][rows of this step] = dS K over both consumers' keys.
             mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
