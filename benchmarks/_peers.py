@@ -3,8 +3,12 @@ grid (``--preset peers``), the feature table (``--preset features``) and packed 
 KV-cache decoding beside their peers (``--preset varlen``; cases: docs/benchmarks.md).
 
 The grid puts flash_attention beside SDPA's flash, cuDNN and efficient backends and compiled
-FlexAttention, bf16, same inputs. FlexAttention compiles in parallel worker processes that take
-turns on the GPU (a lock around every timing). One row per (impl, case, mode).
+FlexAttention, bf16, same inputs. The cases are dealt to parallel worker processes; each first
+runs every impl of its cases once (FlexAttention's and our kernels' compiles), then waits until
+every worker has done so, then times its cases taking turns on the GPU (a lock around every
+timing): no timed call shares the CPU with other processes' compiles, which had slowed the rows
+bound by host time per call (the 1024-token ones) by up to 1.7x from one run to the next. One row
+per (impl, case, mode).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import multiprocessing as mp
 import os
 import random
 import statistics
+import threading
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -33,6 +38,8 @@ FEATURES = ["key padding", "float mask", "dropout 0.1", "window (256, 0)"]
 FLOPS_PER_FWD = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 _LOCK = contextlib.nullcontext()  # the GPU lock in a worker process of the grid
+_BARRIER = None  # the grid's workers meet there between compiling and timing
+BARRIER_TIMEOUT_S = 300  # a worker that never arrives (it died) holds the others no longer
 
 
 def sdpa_call(backend: str, **kwargs):
@@ -129,20 +136,38 @@ def _impl(name: str, seq: int, causal: bool, device: str):
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
-def run_case(case, dtype=torch.bfloat16, device="cuda") -> list[dict]:
-    """Every impl and mode on one case; compiles outside the GPU lock, times inside it."""
+def prepare_case(case, dtype=torch.bfloat16, device="cuda") -> tuple:
+    """``(case, inputs, [(impl name, fn or the exception it raised)])``: every impl built and run
+    once in each mode (compiled: FlexAttention's graphs, our and SDPA's kernels), untimed."""
     batch, heads, seq, dim, causal = case
     q, k, v, dout = inputs((batch, heads, seq, dim), dtype, device, seed=seq + dim + causal)
-    rows = []
+    impls = []
     for name in IMPLS:
+        try:
+            fn = _impl(name, seq, causal, device)
+            with torch.no_grad():
+                fn(q, k, v)
+            fwd_bwd(fn, (q, k, v), dout)()
+            impls.append((name, fn))
+        except Exception as exc:  # this impl cannot run this case: reported as such
+            impls.append((name, exc))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for t in (q, k, v):
+        t.grad = None
+    return case, (q, k, v, dout), impls
+
+
+def time_case(prepared, device="cuda") -> list[dict]:
+    """The rows of a :func:`prepare_case` result: each impl's modes timed under the GPU lock."""
+    (batch, heads, seq, dim, causal), (q, k, v, dout), impls = prepared
+    rows = []
+    for name, fn in impls:
         base = {"impl": name, "batch": batch, "heads": heads, "seq": seq, "head_dim": dim,
                 "causal": causal}  # fmt: skip
         try:
-            fn = _impl(name, seq, causal, device)
-            if name.startswith("flex"):  # compile both graphs before queueing for the GPU
-                with torch.no_grad():
-                    fn(q, k, v)
-                fn(q, k, v).backward(dout)
+            if isinstance(fn, Exception):
+                raise fn
             with _LOCK:
                 timings = time_modes(fn, q, k, v, dout, device, MODES)
             for mode in MODES:
@@ -156,11 +181,32 @@ def run_case(case, dtype=torch.bfloat16, device="cuda") -> list[dict]:
     return rows
 
 
-def _init_worker(lock) -> None:
-    global _LOCK
-    _LOCK = lock
+def run_case(case, dtype=torch.bfloat16, device="cuda") -> list[dict]:
+    """Every impl and mode on one case: compiled first, then timed."""
+    return time_case(prepare_case(case, dtype, device), device)
+
+
+def run_share(cases, dtype=torch.bfloat16, device="cuda") -> list[list[dict]]:
+    """A grid worker's share: compile every case, wait for the other workers to have compiled
+    theirs (the barrier), then time the cases; their rows, case by case."""
+    prepared = [prepare_case(case, dtype, device) for case in cases]
+    if _BARRIER is not None:
+        with contextlib.suppress(threading.BrokenBarrierError):
+            _BARRIER.wait(timeout=BARRIER_TIMEOUT_S)
+    return [time_case(p, device) for p in prepared]
+
+
+def _init_worker(lock, barrier=None) -> None:
+    global _LOCK, _BARRIER
+    _LOCK, _BARRIER = lock, barrier
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     torch._dynamo.config.cache_size_limit = 256
+
+
+def shares(cases, workers: int) -> list[list]:
+    """``cases`` dealt to ``workers`` shares, most expensive first round-robin (even work)."""
+    order = sorted(cases, key=lambda c: -c[0] * c[2] * c[2] * c[3])
+    return [share for share in (order[i::workers] for i in range(workers)) if share]
 
 
 def run_grid(smoke: bool = False, workers: int = 8) -> list[dict]:
@@ -171,11 +217,12 @@ def run_grid(smoke: bool = False, workers: int = 8) -> list[dict]:
         device, dtype = device_dtype(smoke)
         return [row for case in todo for row in run_case(case, dtype, device)]
     ctx = mp.get_context("spawn")
-    # Longest cases first, so the last worker to finish is not the one holding a 16k case.
-    order = sorted(todo, key=lambda c: -c[0] * c[2] * c[2] * c[3])
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(ctx.Lock(),)) as pool:  # fmt: skip
-        results = dict(zip(order, pool.map(run_case, order, chunksize=1), strict=True))
+    parts = shares(todo, workers)
+    with ProcessPoolExecutor(len(parts), mp_context=ctx, initializer=_init_worker,
+                             initargs=(ctx.Lock(), ctx.Barrier(len(parts)))) as pool:  # fmt: skip
+        done = pool.map(run_share, parts, chunksize=1)
+        results = {case: rows for part, part_rows in zip(parts, done, strict=True)
+                   for case, rows in zip(part, part_rows, strict=True)}  # fmt: skip
     return [row for case in todo for row in results[case]]
 
 
