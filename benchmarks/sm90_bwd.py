@@ -4,8 +4,8 @@
 
 Per shape (bf16): backward-only and fwd+bwd ``do_bench`` medians of flash_attention with the
 portable backward (the deterministic one), with the Hopper dK/dV kernel after the portable dQ
-kernel, with the fused Hopper backward (head dim 64), and of SDPA's cuDNN backend; then the
-CUDA time of each variant's backward kernels (torch.profiler; the fused one's preprocessing and
+kernel, with the fused Hopper backward (head dim 64; the split kernel at 128), and of SDPA's cuDNN
+backend; then the CUDA time of each variant's backward kernels (torch.profiler; the fused one's preprocessing and
 dQ conversion included) and TFLOP/s over the backward's five matmuls. The gradients of the
 Hopper variants are checked against the portable ones on the way.
 """
@@ -33,8 +33,8 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
     (4, 32, 8, 2048, 64, True),
 ]
 SMOKE_SHAPES = [(1, 4, 2, 96, 64, True)]
-# --rule: where the fused kernel runs by default (causal, head dim 64): 16384 tokens a step at
-# 1k-16k, without and with GQA (4 query heads per key/value head).
+# --rule: where the fused kernel runs by default (head dim 64, or --head-dim 128): 16384 tokens a
+# step at 1k-16k, causal or not, without and with GQA (4 query heads per key/value head).
 # Self-attention, 16384 tokens a problem; GQA 2:1 (kv 8) only at the lengths where the rule for
 # MHA (kv 16) and GQA 4:1 differ.
 RULE_SHAPES = [(16384 // n, 16, kv, n, 64, causal) for causal in (True, False) for kv in (16, 8, 4)
