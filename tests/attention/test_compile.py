@@ -186,3 +186,18 @@ def test_custom_ops_hand_the_rules_the_plain_and_causal_extras_themselves(causal
     for ex in (PLAIN, CAUSAL):
         assert _ops._from_op_args(_ops._op_args(0.5, ex)) == (0.5, ex)
         assert _ops._from_op_args(_ops._op_args(0.5, ex))[1] is ex
+
+
+def test_canonical_extras_pass_every_tensor_field_through():
+    """``canonical`` leaves an Extras holding any tensor alone (dataclass equality would compare
+    tensors); it finds the tensor fields from the class itself, so a field added later counts."""
+    import dataclasses
+
+    from torch_flashsys.attention._extras import PLAIN, Extras, canonical
+
+    fields = [f.name for f in dataclasses.fields(Extras) if "Tensor" in str(f.type)]
+    assert len(fields) >= 6
+    for name in fields:
+        ex = Extras(**{name: torch.zeros(2)})
+        assert canonical(ex) is ex
+    assert canonical(Extras()) is PLAIN

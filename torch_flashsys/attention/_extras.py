@@ -14,7 +14,7 @@ Scores are then ``s = scale * q.k``, ``s = softcap * tanh(s / softcap)`` (softca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -62,7 +62,7 @@ class Extras:
 
 PLAIN = Extras()
 CAUSAL = Extras(right=0)
-_TENSOR_FIELDS = ("mask", "alibi", "seed", "cu_q", "cu_k", "seqused_k")
+_TENSOR_FIELDS = tuple(f.name for f in fields(Extras) if "Tensor" in str(f.type))
 
 
 def canonical(ex: Extras) -> Extras:
