@@ -20,6 +20,8 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "2.0B": {"d_model": 1600, "d_ff": 6400, "num_layers": 48, "num_heads": 25},
     # LLaMA-3.2-1B-shaped: width, depth and FFN, 32 query heads of 64 sharing 8 key/value heads.
     "1B": {"d_model": 2048, "d_ff": 8192, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8},
+    # LLaMA-3.2-3B-shaped: 24 query heads of 128 sharing 8 key/value heads (head dim 128).
+    "3B": {"d_model": 3072, "d_ff": 8192, "num_layers": 28, "num_heads": 24, "num_kv_heads": 8},
 }
 
 
