@@ -1,79 +1,109 @@
 """The peer grid's worker protocol (benchmarks/_peers.py): cases dealt evenly, and no timing
 starts before every worker has compiled its share (a timed call must not share the CPU with
-another worker's compiles). Threads stand in for the worker processes, on CPU."""
+another worker's compiles). The benchmarks are not imported by the tests: each check runs as a
+script in a subprocess (threads stand in for the worker processes, on CPU) and prints JSON."""
 
 from __future__ import annotations
 
-import threading
-import time
-from unittest import mock
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
 
-from benchmarks import _peers
-
-
-def test_shares_deal_every_case_once_heaviest_first():
+_SHARES = textwrap.dedent(
+    """
+    import json
+    from benchmarks import _peers
     cases = [(b, h, n, d, c) for (b, h, n) in _peers.SHAPES for d in _peers.DIMS
-             for c in (True, False)]  # fmt: skip
-    parts = _peers.shares(cases, 8)
-    assert len(parts) == 8
-    dealt = [case for part in parts for case in part]
-    assert sorted(dealt) == sorted(cases)
-    cost = lambda c: c[0] * c[2] * c[2] * c[3]
-    assert [cost(part[0]) for part in parts] == sorted((cost(c) for c in cases), reverse=True)[:8]
-    assert max(map(len, parts)) - min(map(len, parts)) <= 1
-    assert _peers.shares(cases[:3], 8) == [[c] for c in sorted(cases[:3], key=lambda c: -cost(c))]
+             for c in (True, False)]
+    print(json.dumps({"cases": cases, "parts": _peers.shares(cases, 8),
+                      "few": _peers.shares(cases[:3], 8)}))
+    """
+)
 
+# Two threads run run_share on CPU; prepare_case logs its end (after 0.2 s more, so the worker
+# with two cases ends its second well after the other's only one), time_case its start.
+_BARRIER = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    from unittest import mock
+    import torch
+    from benchmarks import _peers
 
-def test_no_worker_times_before_every_worker_compiled():
-    events: list[tuple[str, int]] = []
-    lock = threading.Lock()
+    events, lock, results = [], threading.Lock(), {}
     prepare, time_case = _peers.prepare_case, _peers.time_case
 
-    def logged(name, fn):
-        """``fn`` that records a compile's end (after 0.2 s more: the worker with two cases ends
-        its second one well after the other worker's only one) and a timing's start."""
+    def prepared(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        time.sleep(0.2)
+        with lock:
+            events.append("prepare")
+        return out
 
-        def run(first, *args, **kwargs):
-            if name == "time":
-                with lock:
-                    events.append((name, threading.get_ident()))
-            result = fn(first, *args, **kwargs)
-            if name == "prepare":
-                time.sleep(0.2)
-                with lock:
-                    events.append((name, threading.get_ident()))
-            return result
-
-        return run
+    def timed(*args, **kwargs):
+        with lock:
+            events.append("time")
+        return time_case(*args, **kwargs)
 
     cases = [[(1, 2, 16, 8, True), (1, 2, 24, 8, False)], [(2, 1, 8, 8, True)]]
-    results: dict[int, list] = {}
+    barrier = threading.Barrier(2) if sys.argv[1] == "barrier" else None
     with (
         mock.patch.object(_peers, "IMPLS", ("flash_attention", "sdpa efficient")),
-        mock.patch.object(_peers, "_BARRIER", threading.Barrier(2)),
-        mock.patch.object(_peers, "prepare_case", logged("prepare", prepare)),
-        mock.patch.object(_peers, "time_case", logged("time", time_case)),
+        mock.patch.object(_peers, "_BARRIER", barrier),
+        mock.patch.object(_peers, "prepare_case", prepared),
+        mock.patch.object(_peers, "time_case", timed),
         mock.patch.object(_peers, "bench", lambda fn, device, reps=2: {"median_ms": 1.0}),
     ):
-        workers = [
-            threading.Thread(target=lambda i=i: results.__setitem__(
-                i, _peers.run_share(cases[i], torch.float32, "cpu")))
-            for i in range(2)
-        ]  # fmt: skip
+        workers = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, _peers.run_share(cases[i], torch.float32, "cpu"))) for i in range(2)]
         for w in workers:
             w.start()
         for w in workers:
             w.join(timeout=120)
-    names = [name for name, _ in events]
+    print(json.dumps({"events": events, "cases": cases,
+                      "rows": [results[i] for i in range(2)]}, default=str))
+    """
+)
+
+
+def _run(code: str, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_shares_deal_every_case_once_heaviest_first():
+    got = _run(_SHARES)
+    cases, parts = [tuple(c) for c in got["cases"]], [[tuple(c) for c in p] for p in got["parts"]]
+    assert len(parts) == 8
+    assert sorted(case for part in parts for case in part) == sorted(cases)
+    cost = lambda c: c[0] * c[2] * c[2] * c[3]
+    assert [cost(part[0]) for part in parts] == sorted(map(cost, cases), reverse=True)[:8]
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    few = [[tuple(c) for c in p] for p in got["few"]]
+    assert few == [[c] for c in sorted(cases[:3], key=lambda c: -cost(c))]
+
+
+def test_no_worker_times_before_every_worker_compiled():
+    got = _run(_BARRIER, "barrier")
+    names = got["events"]
     assert names.count("prepare") == 3 and names.count("time") == 3
-    assert names.index("time") > max(i for i, n in enumerate(names) if n == "prepare")
-    for i, share in enumerate(cases):
-        assert len(results[i]) == len(share)
-        for case, rows in zip(share, results[i], strict=True):
+    assert names.index("time") > max(i for i, n in enumerate(names) if n == "prepare"), names
+    for share, rows_per_case in zip(got["cases"], got["rows"], strict=True):
+        assert len(rows_per_case) == len(share)
+        for case, rows in zip(share, rows_per_case, strict=True):
             assert {(r["impl"], r["mode"]) for r in rows} == {
                 (impl, mode) for impl in ("flash_attention", "sdpa efficient")
-                for mode in _peers.MODES}  # fmt: skip
+                for mode in ("fwd", "fwd+bwd")}  # fmt: skip
             assert all(r["seq"] == case[2] for r in rows)
             assert all(r["ms"] == 1.0 for r in rows if r["impl"] == "flash_attention")
+    # Without the barrier a worker times while the other still compiles (what the test catches).
+    names = _run(_BARRIER, "none")["events"]
+    assert names.index("time") < max(i for i, n in enumerate(names) if n == "prepare"), names
