@@ -12,6 +12,7 @@ Hopper variants are checked against the portable ones on the way.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -325,6 +326,22 @@ def timeline_rows(shape) -> list[dict]:
     return rows
 
 
+def _shapes(text: str) -> list[tuple]:
+    """``4x16/16x2048x64c,...`` -> [(batch, heads, kv heads, length, head dim, causal), ...]."""
+    shapes = []
+    for item in text.split(","):
+        causal = item.endswith("c")
+        try:
+            b, heads, n, d = item.rstrip("c").split("x")
+            h, hk = heads.split("/")
+            shapes.append((int(b), int(h), int(hk), int(n), int(d), causal))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected BxH/HKxLxD[c] items, e.g. 4x16/16x2048x64c; got {item!r}"
+            ) from None
+    return shapes
+
+
 def main() -> None:
     p = parser(__doc__, smoke="one tiny shape, portable backward only (CPU without a GPU)")
     p.add_argument("--variants", action="store_true",
@@ -339,6 +356,9 @@ def main() -> None:
                    help="fwd, bwd, fwd+bwd timed three ways (do_bench, back to back, alone; GPU)")  # fmt: skip
     p.add_argument("--timeline", action="store_true",
                    help="cycles per step and phase of each partition of the fused kernel (GPU)")  # fmt: skip
+    p.add_argument("--shapes", type=_shapes,
+                   help="default mode: these problems instead, e.g. 4x16/16x2048x64c,1x16/4x16384x128 "
+                        "(batch x heads/kv heads x length x head dim, c: causal)")  # fmt: skip
     args = p.parse_args()
     if args.timeline:
         rows = [r for shape in TIMELINE_SHAPES for r in timeline_rows(shape)]
@@ -371,7 +391,7 @@ def main() -> None:
         report("Fused Hopper backward: compile-time variants", rows, columns, args.out)
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    shapes = SMOKE_SHAPES if args.smoke else args.shapes or SHAPES
     rows = [r for shape in shapes for r in rows_for(shape, device)]
     report("Hopper backward kernels against the portable ones", rows, COLUMNS, args.out)
 
