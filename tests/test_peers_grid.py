@@ -107,3 +107,25 @@ def test_no_worker_times_before_every_worker_compiled():
     # Without the barrier a worker times while the other still compiles (what the test catches).
     names = _run(_BARRIER, "none")["events"]
     assert names.index("time") < max(i for i, n in enumerate(names) if n == "prepare"), names
+
+
+_SUMMARY = textwrap.dedent(
+    """
+    import json
+    from benchmarks import _peers
+    rows = []
+    for seq, ours in ((1024, 4.0), (2048, 1.0), (4096, 0.25)):  # ours / fastest: 2, 0.5, 0.125
+        for impl, ms in (("flash_attention", ours), ("sdpa cudnn", 2.0), ("sdpa flash", 3.0)):
+            rows.append({"impl": impl, "batch": 1, "heads": 2, "seq": seq, "head_dim": 64,
+                         "causal": True, "mode": "fwd", "ms": ms})
+    print(json.dumps(_peers.summary(rows)[1]))
+    """
+)
+
+
+def test_summary_gives_the_geomean_of_long_problems_beside_all():
+    """The host-bound short problems get a geomean without them beside the overall one."""
+    (fwd,) = _run(_SUMMARY)
+    assert fwd["cases"] == 3 and fwd["worst"] == 2.0
+    assert abs(fwd["geomean ours / fastest peer"] - 0.5) < 1e-12  # (2 * 0.5 * 0.125) ** (1/3)
+    assert abs(fwd["geomean from 2048 tokens"] - 0.25) < 1e-12  # (0.5 * 0.125) ** (1/2)
