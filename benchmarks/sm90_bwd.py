@@ -147,10 +147,8 @@ def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
     """The fused kernel alone, as `_sm90.backward` launches it (fresh D and zeroed dQ buffer;
     constexprs ``extra`` over the defaults): ``(launch, delta, dq_acc, dk, dv, grid)``, where
     ``launch()`` runs it once on those buffers."""
-    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90, attn_bwd_split_sm90
-
     d = k.shape[-1]
-    kernel = attn_bwd_sm90 if d == 64 else attn_bwd_split_sm90
+    kernel = _sm90.fused_kernel(d)
     delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
@@ -176,7 +174,8 @@ def variant_rows(shape) -> list[dict]:
     o2, lse = _forward(q, k, v, d**-0.5, CAUSAL if causal else PLAIN)  # flash_attention's own
     flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)
     rows = []
-    for name, extra in (FUSED_VARIANTS if d == 64 else SPLIT_VARIANTS).items():
+    variants = SPLIT_VARIANTS if d in _sm90.SPLIT_HEAD_DIMS else FUSED_VARIANTS
+    for name, extra in variants.items():
         launch, _, dq_acc, dk, dv, _ = _fused_kernel(q, k, v, dout, o2, lse, causal, extra)
         launch()
         got = (dq_acc.to(q.dtype), dk, dv)

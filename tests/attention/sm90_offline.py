@@ -83,9 +83,8 @@ def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bo
 def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8):
     """Compile the fused Hopper backward for a ``(1, heads, seq, d)`` problem, GQA 2:1."""
     from torch_flashsys.attention import _sm90
-    from torch_flashsys.attention._sm90._bwd import attn_bwd_sm90, attn_bwd_split_sm90
 
-    kernel = attn_bwd_sm90 if d == 64 else attn_bwd_split_sm90
+    kernel = _sm90.fused_kernel(d)
     q, k, lse = _problem(d, dtype, seq, heads)
     dq_acc = torch.zeros(1, heads, seq, d)
     args = _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, dq_acc, 0.125)

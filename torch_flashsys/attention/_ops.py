@@ -91,6 +91,7 @@ OP_EXTRAS = (
 )  # fmt: skip
 _NAMES = tuple(name for name, _ in OP_EXTRAS)
 _NO_GRADS = (None,) * len(OP_EXTRAS)
+_SEQUSED_K = _NAMES.index("seqused_k")  # its place among the ops' trailing arguments
 
 
 def _op_args(scale: float, ex: Extras) -> tuple:
@@ -145,7 +146,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _op_backward(ctx, dout, dlse):
-    if ctx.extras[_NAMES.index("seqused_k")] is not None:  # as the eager Function does
+    if ctx.extras[_SEQUSED_K] is not None:  # as the eager Function does
         raise NotImplementedError(NO_CACHE_BACKWARD)
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:

@@ -19,8 +19,8 @@ runs a fused Gluon kernel (after the preprocessing kernel ``_prep``) at the leng
 measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at the lengths in
 ``FUSED_SEQ_Q`` (causal 1024-16384, without a causal mask 2048-16384); head dim 128,
 ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (1024-16384, causal without GQA from
-2048). Not when ``torch.are_deterministic_algorithms_enabled()``: their dQ
-is summed in float32 by TMA bulk reductions in no fixed order, so it is not bitwise reproducible.
+2048). Not when ``torch.are_deterministic_algorithms_enabled()``: their dQ is summed in float32
+by TMA bulk reductions in no fixed order, so it is not bitwise reproducible.
 Every other backward is the portable one (deterministic; it reads the same ``out`` and ``lse``).
 The switches are below.
 """
@@ -99,6 +99,7 @@ SPLIT_SEQ_Q = {
     (False, True): (1024, 16384),
     (False, False): (1024, 16384),
 }
+SPLIT_HEAD_DIMS = frozenset({128})  # head dims the split kernel serves (the others: attn_bwd_sm90)
 SPLIT_MAX_REGS = 168  # 168 x 384 threads (two consumer warpgroups and the load warp's group)
 SPLIT_REGS = (240, 24)  # per thread: each consumer warpgroup, the load warp (4 bytes spill)
 SPLIT_NBUF = 2  # dS^T buffer pairs
@@ -317,16 +318,15 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     host-bound, 0.73x and 1.32x here, 0.81-0.83x in earlier runs), 0.82-0.94x causal without GQA
     at 4096-16384 (1.29-1.34x slower at 1024-2048, where a key tile has few query tiles; with
     one head's key tiles in turn, KEYS_FASTEST, its kernel took 0.77-0.82x the portable kernels'
-    time there, ``gpu_checks/order_ab.py``),
-    0.75-0.88x without a causal mask at 2048-8192, and (one run, with the load warp's LSE/D rows)
-    0.78-0.81x at 16384 (1024: host-bound, no clear winner). Only self-attention was
-    measured (as many keys as query rows), so the keys must be in the range too: with few keys
-    (cross-attention) the kernel has few programs, each looping over every query tile. Head
-    dim 128 (the split kernel): the lengths in SPLIT_SEQ_Q, from one ``--rule --head-dim 128``
-    run (docs/benchmarks.md)."""
+    time there, ``gpu_checks/order_ab.py``), 0.75-0.88x without a causal mask at 2048-8192, and
+    (one run, with the load warp's LSE/D rows) 0.78-0.81x at 16384 (1024: host-bound, no clear
+    winner). Only self-attention was measured (as many keys as query rows), so the keys must be
+    in the range too: with few keys (cross-attention) the kernel has few programs, each looping
+    over every query tile. Head dim 128 (the split kernel): the lengths in SPLIT_SEQ_Q, from one
+    ``--rule --head-dim 128`` run (docs/benchmarks.md)."""
     if not (ex is CAUSAL or ex is PLAIN):
         return False
-    rule = FUSED_SEQ_Q if q.shape[-1] == 64 else SPLIT_SEQ_Q
+    rule = SPLIT_SEQ_Q if q.shape[-1] in SPLIT_HEAD_DIMS else FUSED_SEQ_Q
     lo, hi = rule.get((ex is CAUSAL, q.shape[1] > k.shape[1]), (1, 0))
     return lo <= q.shape[2] <= hi and lo <= k.shape[2] <= hi
 
@@ -364,9 +364,15 @@ def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
     """The fused kernel's runtime arguments: the dK/dV kernel's, with the dQ buffer (contiguous
     float32 (B, H, L, d)) inserted."""
     args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
-    d = q.shape[-1]  # head dim 128: each consumer adds half of a dQ row
-    dq_desc = _descriptor(dq_acc, BWD_BLOCK, d if d == 64 else d // 2)
+    d = q.shape[-1]  # the split kernel: each consumer adds half of a dQ row
+    dq_desc = _descriptor(dq_acc, BWD_BLOCK, d // 2 if d in SPLIT_HEAD_DIMS else d)
     return (*args[:16], dq_acc, dq_desc, *args[16:])
+
+
+def fused_kernel(d: int):
+    """The fused backward kernel of head dim ``d`` (a key of FUSED_STAGES): the split kernel for
+    SPLIT_HEAD_DIMS, else attn_bwd_sm90."""
+    return attn_bwd_split_sm90 if d in SPLIT_HEAD_DIMS else attn_bwd_sm90
 
 
 def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1) -> dict:
@@ -377,7 +383,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1) -
     key tiles of every head first (``benchmarks/gpu_checks/order_ab.py``, docs/benchmarks.md)."""
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
-    if d != 64:  # the split kernel (head dim 128)
+    if d in SPLIT_HEAD_DIMS:
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
                 "DQ_BUFS": SPLIT_DQ_BUFS, "KEYS_FASTEST": SPLIT_KEYS_FASTEST, "num_warps": NUM_WARPS,
@@ -405,6 +411,5 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype,
                                                   q.shape[1] // k.shape[1])  # fmt: skip
 
-    kernel = attn_bwd_sm90 if k.shape[-1] == 64 else attn_bwd_split_sm90
-    _launch_planned(kernel, _FUSED_PLANS, key, index, args, plan)
+    _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS, key, index, args, plan)
     return torch.empty_like(q).copy_(dq_acc), dk, dv

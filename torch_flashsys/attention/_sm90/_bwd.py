@@ -21,9 +21,8 @@ with a third warpgroup that computes dQ from the consumers' dS^T tiles, ``attn_b
 dQ's columns each; both add their float32 dQ tiles by TMA bulk reductions (in no fixed order).
 
 The dK/dV kernel is deterministic: every dK/dV row is summed by one program in a fixed order, no
-atomics. Query rows
-past ``seq_q`` read as zeros (TMA bounds) and their LSE as +inf, so their P is 0; keys past
-``seq_k`` only touch dK/dV rows that are never stored.
+atomics. Query rows past ``seq_q`` read as zeros (TMA bounds) and their LSE as +inf, so their P is
+0; keys past ``seq_k`` only touch dK/dV rows that are never stored.
 
 Written against Triton 3.6's Gluon; :mod:`._gluon` guards the import.
 """
