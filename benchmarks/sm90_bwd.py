@@ -13,6 +13,7 @@ Hopper variants are checked against the portable ones on the way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -91,7 +92,22 @@ def _problem(shape, device: str = "cuda"):
     return q, k, v, dout, label, ours
 
 
-def rows_for(shape, device: str, variants=None) -> list[dict]:
+@contextlib.contextmanager
+def _deterministic_algorithms(on: bool):
+    saved = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved)
+
+
+def rows_for(shape, device: str, variants=None, deterministic: bool = False,
+             cudnn: bool = True) -> list[dict]:  # fmt: skip
+    """One row per backward variant (and SDPA's cuDNN unless ``cudnn`` is False); with
+    ``deterministic``, the variants run under ``torch.use_deterministic_algorithms(True)``
+    (cuDNN not), their names say so, and each row says whether two backward passes gave the
+    same bits."""
     b, h, hk, n, d, causal = shape
     q, k, v, dout, label, ours = _problem(shape, device)
     flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)  # the backward's five matmuls
@@ -105,25 +121,57 @@ def rows_for(shape, device: str, variants=None) -> list[dict]:
             _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_ALL = dkdv, fused, fused
             if (dkdv or fused) and not hopper:  # no Hopper GPU (or the forward's rule says no)
                 continue
-            if fused and not _sm90.fused_takes(q, k, v, dout, d**-0.5, ex):  # e.g. head dim 128
-                continue
-            grads = _grads(ours, q, k, v, dout)
-            reference = grads if reference is None else reference
-            diff = max((a - r).abs().max().item() for a, r in zip(grads, reference, strict=True))
-            row = {"shape": label, "impl": name, **_timings(ours, q, k, v, dout, device),
-                   "max_grad_diff_vs_portable": diff}  # fmt: skip
-            if device == "cuda":
-                row["bwd_kernels_ms"] = _kernel_ms(ours, q, k, v, dout, KERNELS)
-                row["bwd_tflops"] = flops / row["bwd_kernels_ms"] / 1e9
+            with _deterministic_algorithms(deterministic):
+                if fused and not _sm90.fused_takes(q, k, v, dout, d**-0.5, ex):  # e.g. d 128
+                    continue
+                grads = _grads(ours, q, k, v, dout)
+                reference = grads if reference is None else reference
+                diff = max(
+                    (a - r).abs().max().item() for a, r in zip(grads, reference, strict=True)
+                )
+                row = {"shape": label, "impl": name + (" (deterministic)" if deterministic else ""),
+                       **_timings(ours, q, k, v, dout, device),
+                       "max_grad_diff_vs_portable": diff}  # fmt: skip
+                if deterministic:
+                    again = _grads(ours, q, k, v, dout)
+                    row["bitwise_repeat"] = all(
+                        torch.equal(a, r) for a, r in zip(grads, again, strict=True)
+                    )
+                if device == "cuda":
+                    row["bwd_kernels_ms"] = _kernel_ms(ours, q, k, v, dout, KERNELS)
+                    row["bwd_tflops"] = flops / row["bwd_kernels_ms"] / 1e9
             rows.append(row)
     finally:
         _sm90.BWD_ENABLED, _sm90.FUSED_ENABLED, _sm90.FUSED_ALL = saved
-    if device == "cuda":
-        cudnn = sdpa_call("CUDNN_ATTENTION", is_causal=causal, enable_gqa=h != hk)
-        rows.append(
-            {"shape": label, "impl": "sdpa cudnn", **_timings(cudnn, q, k, v, dout, device)}
-        )
+    if device == "cuda" and cudnn:
+        sdpa = sdpa_call("CUDNN_ATTENTION", is_causal=causal, enable_gqa=h != hk)
+        rows.append({"shape": label, "impl": "sdpa cudnn", **_timings(sdpa, q, k, v, dout, device)})
     return rows
+
+
+# --deterministic: the target problem of issue 27 (deterministic fwd+bwd <= 1.10x cuDNN's) and
+# the rule's kinds, causal or not, GQA or not, 1k-16k.
+DETERMINISTIC_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, True),
+                        (16, 16, 16, 1024, 64, True), (8, 16, 16, 2048, 64, True),
+                        (4, 32, 8, 2048, 64, True), (2, 16, 4, 8192, 64, True),
+                        (4, 16, 16, 4096, 64, False), (8, 16, 16, 2048, 64, False),
+                        (16, 16, 4, 1024, 64, False), (1, 16, 16, 16384, 64, False)]  # fmt: skip
+# Kernel-only program orders of the ordered (deterministic) fused kernel, causal: the lightest key
+# tiles first, heads or one head's tiles fastest.
+DETERMINISTIC_VARIANTS = {
+    "lightest first, heads fastest": {"DETERMINISTIC": True, "ORDER": _sm90.LIGHTEST_FIRST},
+    "lightest first, keys fastest": {"DETERMINISTIC": True,
+                                     "ORDER": _sm90.LIGHTEST_FIRST | _sm90.KEYS_FIRST},
+    "unordered (default)": {},
+}  # fmt: skip
+
+
+def deterministic_rows(shape) -> list[dict]:
+    """Portable and fused backward under deterministic algorithms, the unordered fused kernel
+    and cuDNN beside them (one process, same tensors)."""
+    pick = {name: VARIANTS[name] for name in ("portable", "hopper fused")}
+    rows = rows_for(shape, "cuda", pick, deterministic=True, cudnn=False)
+    return rows + rows_for(shape, "cuda", {"hopper fused": VARIANTS["hopper fused"]})
 
 
 # Compile-time variants of the fused kernel (--variants): the program order, atomics for the dQ
@@ -131,16 +179,16 @@ def rows_for(shape, device: str, variants=None) -> list[dict]:
 # work at all; wrong dQ).
 FUSED_VARIANTS = {
     "default": {},
-    "keys fastest": {"KEYS_FASTEST": True},
-    "heads fastest": {"KEYS_FASTEST": False},
+    "keys first": {"ORDER": _sm90.KEYS_FIRST},
+    "heads first": {"ORDER": _sm90.HEADS_FIRST},
     "atomic dQ": {"DQ_TMA": False},
     "rs dK": {"DK_RS": True},
     "no dQ (probe)": {"PROBE": 2},
 }
 VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
                   (4, 32, 8, 2048, 64, True)]  # fmt: skip
-SPLIT_VARIANTS = {"default": {}, "keys fastest": {"KEYS_FASTEST": True},
-                  "heads fastest": {"KEYS_FASTEST": False}}  # fmt: skip
+SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
+                  "heads first": {"ORDER": _sm90.HEADS_FIRST}}  # fmt: skip
 
 
 def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
@@ -149,15 +197,23 @@ def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
     ``launch()`` runs it once on those buffers."""
     d = k.shape[-1]
     kernel = _sm90.fused_kernel(d)
-    delta, dq_acc = _sm90.backward_prep(o2, dout, lse, None)
+    deterministic = extra.get("DETERMINISTIC", False)
+    delta, dq_acc, sem = _sm90.backward_prep(o2, dout, lse, None, deterministic)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5)
-    meta = {**_sm90.fused_constexprs(d, causal, q.dtype, q.shape[1] // k.shape[1]), **extra}
+    args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5, sem)
+    meta = {**_sm90.fused_constexprs(d, causal, q.dtype, q.shape[1] // k.shape[1],
+                                     deterministic), **extra}  # fmt: skip
     grid = _sm90.backward_grid(k)
-    return (lambda: kernel[grid](*args, **meta)), delta, dq_acc, dk, dv, grid
+
+    def launch():
+        if sem is not None:  # the ordered sums' counters start from zero every time
+            sem.zero_()
+        kernel[grid](*args, **meta)
+
+    return launch, delta, dq_acc, dk, dv, grid
 
 
-def variant_rows(shape) -> list[dict]:
+def variant_rows(shape, variants_override: dict | None = None) -> list[dict]:
     """Kernel-only ``do_bench`` medians of each fused variant (the preprocessing and the dQ
     conversion excluded), with its largest gradient difference from the portable backward."""
     from triton.testing import do_bench
@@ -175,6 +231,8 @@ def variant_rows(shape) -> list[dict]:
     flops = 5 * 2 * b * h * n * n * d / (2 if causal else 1)
     rows = []
     variants = SPLIT_VARIANTS if d in _sm90.SPLIT_HEAD_DIMS else FUSED_VARIANTS
+    if variants_override is not None:
+        variants = variants_override
     for name, extra in variants.items():
         launch, _, dq_acc, dk, dv, _ = _fused_kernel(q, k, v, dout, o2, lse, causal, extra)
         launch()
@@ -358,7 +416,22 @@ def main() -> None:
     p.add_argument("--shapes", type=_shapes,
                    help="default mode: these problems instead, e.g. 4x16/16x2048x64c,1x16/4x16384x128 "
                         "(batch x heads/kv heads x length x head dim, c: causal)")  # fmt: skip
+    p.add_argument("--deterministic", action="store_true",
+                   help="portable against fused backward under deterministic algorithms, the "
+                        "unordered one and cuDNN beside them; then the ordered kernel's program "
+                        "orders (kernel only; GPU)")  # fmt: skip
     args = p.parse_args()
+    if args.deterministic:
+        shapes = args.shapes or DETERMINISTIC_SHAPES
+        rows = [r for shape in shapes for r in deterministic_rows(shape)]
+        report("Deterministic backward: portable against the ordered fused kernel", rows,
+               (*COLUMNS, "bitwise_repeat"), args.out)  # fmt: skip
+        rows = [r for shape in shapes if shape[5]
+                for r in variant_rows(shape, DETERMINISTIC_VARIANTS)]  # fmt: skip
+        report("Ordered fused kernel: program orders (causal, kernel only)", rows,
+               ("shape", "variant", "kernel_ms", "tflops", "max_grad_diff_vs_portable"),
+               args.out and args.out.replace(".csv", "_orders.csv"))  # fmt: skip
+        return
     if args.timeline:
         rows = [r for shape in TIMELINE_SHAPES for r in timeline_rows(shape)]
         report("Fused kernel: %clock64 cycles per step and phase", rows,

@@ -18,8 +18,8 @@ from benchmarks._harness import parser, report
 
 def main() -> None:
     args = parser(__doc__, smoke="(none: GPU only)").parse_args()
-    bwd.FUSED_VARIANTS = {"heads fastest": {"KEYS_FASTEST": False},
-                          "keys fastest": {"KEYS_FASTEST": True}}  # fmt: skip
+    bwd.FUSED_VARIANTS = {"heads first": {"ORDER": bwd._sm90.HEADS_FIRST},
+                          "keys first": {"ORDER": bwd._sm90.KEYS_FIRST}}  # fmt: skip
     shapes = [shape for shape in bwd.RULE_SHAPES if shape[5]]  # causal, head dim 64
     rows = []
     for shape in shapes:

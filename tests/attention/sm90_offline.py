@@ -80,15 +80,20 @@ def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bo
     )  # fmt: skip
 
 
-def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8):
-    """Compile the fused Hopper backward for a ``(1, heads, seq, d)`` problem, GQA 2:1."""
+def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8,
+                  deterministic: bool = False):  # fmt: skip
+    """Compile the fused Hopper backward for a ``(1, heads, seq, d)`` problem, GQA 2:1
+    (``deterministic``: with ordered dQ sums)."""
     from torch_flashsys.attention import _sm90
 
     kernel = _sm90.fused_kernel(d)
     q, k, lse = _problem(d, dtype, seq, heads)
     dq_acc = torch.zeros(1, heads, seq, d)
-    args = _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, dq_acc, 0.125)
-    meta = _sm90.fused_constexprs(d, causal, dtype)
+    sem = (
+        torch.zeros(1, heads, seq // _sm90.BWD_BLOCK, dtype=torch.int32) if deterministic else None
+    )
+    args = _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, dq_acc, 0.125, sem)
+    meta = _sm90.fused_constexprs(d, causal, dtype, deterministic=deterministic)
     # The direct launch passes every parameter after the runtime arguments from ``meta``.
     missing = set(kernel.arg_names[len(args) :]) - set(meta)
     assert not missing, f"fused_constexprs lacks {sorted(missing)}"
@@ -161,6 +166,10 @@ if __name__ == "__main__":
         kernel = _warmup_fused(d, causal, dtype, 256)
         assert "cp.reduce.async.bulk.tensor" in kernel.asm["ptx"], "dQ not summed by TMA"
         print(f"fused d={d} causal={causal} {dtype}: shared memory {kernel.metadata.shared} bytes")
+    for causal in (True, False):  # ordered dQ sums: each waits for its turn, then completes
+        ptx = _warmup_fused(64, causal, torch.bfloat16, 256, deterministic=True).asm["ptx"]
+        assert "cp.async.bulk.wait_group 0;" in ptx and "gpu.release.add" in ptx, "not ordered"
+        print(f"fused deterministic d=64 causal={causal}: compiled")
     print(
         f"{kernels_for_lengths(64, True, torch.float16, LENGTHS)} kernel(s) for lengths {LENGTHS}"
     )

@@ -121,12 +121,12 @@ def _every_kind(lengths: tuple[int, int]) -> dict:
     return {(causal, gqa): lengths for causal in (True, False) for gqa in (True, False)}
 
 
-def test_the_fused_backward_takes_head_dims_64_and_128_unless_determinism_is_asked_for():
+def test_the_fused_backward_takes_head_dims_64_and_128_and_64_for_determinism():
     """The fused backward's rule: the forward's, its switch, head dim 64 or 128, where it measured
     faster (query lengths in FUSED_SEQ_Q per kind, causal or not, GQA or not; every problem
-    with FUSED_ALL), dO a TMA operand of q's shape and dtype, and not under
-    ``torch.use_deterministic_algorithms(True)`` (its dQ sums are added in no fixed order: that
-    mode gets the portable, reproducible backward)."""
+    with FUSED_ALL), dO a TMA operand of q's shape and dtype. Under
+    ``torch.use_deterministic_algorithms(True)``: head dim 64 only (the kernel with ordered dQ
+    sums; the split kernel has none), at the lengths in DETERMINISTIC_SEQ_Q."""
     q = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
     kv = q[:, :1]  # GQA 4:1
     wide = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
@@ -162,7 +162,16 @@ def test_the_fused_backward_takes_head_dims_64_and_128_unless_determinism_is_ask
             deterministic = torch.are_deterministic_algorithms_enabled()
             try:
                 torch.use_deterministic_algorithms(True)
-                assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)
+                with mock.patch.object(_sm90, "FUSED_ALL", False):
+                    table = _every_kind((8, 8))
+                    with mock.patch.object(_sm90, "DETERMINISTIC_SEQ_Q", table):
+                        assert _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)  # ordered sums
+                        assert not _sm90.fused_takes(wide, wide[:, :1], wide[:, :1], wide, 0.1,
+                                                     CAUSAL)  # fmt: skip
+                    for lengths in ((1, 7), (9, 100)):
+                        table = {**_every_kind((8, 8)), (True, True): lengths}
+                        with mock.patch.object(_sm90, "DETERMINISTIC_SEQ_Q", table):
+                            assert not _sm90.fused_takes(q, kv, kv, q, 0.1, CAUSAL)
             finally:
                 torch.use_deterministic_algorithms(deterministic)
 
@@ -207,18 +216,32 @@ def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_h
 
 
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
-@pytest.mark.parametrize(("causal", "group", "keys_fastest"),
-                         [(False, 1, True), (False, 4, True), (True, 1, True), (True, 2, False),
-                          (True, 4, False)])  # fmt: skip
-def test_the_fused_backward_orders_its_programs_as_measured_fastest(causal, group, keys_fastest):
-    """Head dim 64: one head's key tiles after another (KEYS_FASTEST) without a causal mask, and
-    causal without GQA (``benchmarks/gpu_checks/order_ab.py``: 0.66-0.99x the heads-fastest
+@pytest.mark.parametrize(("causal", "group", "order"),
+                         [(False, 1, _sm90.KEYS_FIRST), (False, 4, _sm90.KEYS_FIRST),
+                          (True, 1, _sm90.KEYS_FIRST), (True, 2, _sm90.HEADS_FIRST),
+                          (True, 4, _sm90.HEADS_FIRST)])  # fmt: skip
+def test_the_fused_backward_orders_its_programs_as_measured_fastest(causal, group, order):
+    """Head dim 64: one head's key tiles after another (KEYS_FIRST) without a causal mask, and
+    causal without GQA (``benchmarks/gpu_checks/order_ab.py``: 0.66-0.99x the heads-first
     kernel's time at 1024-16384); causal with GQA 4:1, the heaviest key tiles of every head
-    first (keys fastest took up to 1.15x longer there). Head dim 128 (the split kernel): keys
-    fastest always (``sm90_bwd.py --variants --head-dim 128``)."""
+    first (keys first took up to 1.15x longer there). Head dim 128 (the split kernel): keys
+    first always (``sm90_bwd.py --variants --head-dim 128``)."""
     meta = _sm90.fused_constexprs(64, causal, torch.bfloat16, group)
-    assert meta["KEYS_FASTEST"] is keys_fastest
-    assert _sm90.fused_constexprs(128, causal, torch.bfloat16, group)["KEYS_FASTEST"] is True
+    assert meta["ORDER"] == order and meta["DETERMINISTIC"] is False
+    assert _sm90.fused_constexprs(128, causal, torch.bfloat16, group)["ORDER"] == _sm90.KEYS_FIRST
+
+
+@pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("group", [1, 4])
+def test_the_deterministic_fused_backward_starts_a_tiles_predecessors_first(causal, group):
+    """Ordered dQ sums: key tile ``nb`` adds into a query tile after the tiles before it in the
+    sums' order (causal: the higher key tiles; else the lower ones), and waits for them, so
+    those must have smaller program ids (started first), or the kernel could wait forever:
+    causal, the lightest tiles first (LIGHTEST_FIRST)."""
+    meta = _sm90.fused_constexprs(64, causal, torch.bfloat16, group, deterministic=True)
+    assert meta["DETERMINISTIC"] is True and meta["DQ_TMA"] is True
+    assert bool(meta["ORDER"] & _sm90.LIGHTEST_FIRST) is causal
 
 
 @pytest.mark.parametrize(
@@ -259,12 +282,15 @@ def test_the_fused_backward_switch_is_read_at_import():
 @settings(max_examples=8, deadline=None)
 @given(
     batch=st.integers(1, 2), heads=st.integers(1, 3), seq=st.integers(1, 150),
-    transposed=st.booleans(), with_dlse=st.booleans(), seed=st.integers(0, 2**16),
+    transposed=st.booleans(), with_dlse=st.booleans(), deterministic=st.booleans(),
+    seed=st.integers(0, 2**16),
 )  # fmt: skip
 def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, transposed,
-                                                          with_dlse, seed):  # fmt: skip
+                                                          with_dlse, deterministic,
+                                                          seed):  # fmt: skip
     """The preprocessing kernel (plain Triton; the interpreter on CPU): D = rowsum(dO * O) - dLSE
-    for every row of every head, any layout of O and dO, and a zeroed dQ buffer."""
+    for every row of every head, any layout of O and dO, a zeroed dQ buffer and zeroed
+    counters (the deterministic backward's, one per tile of BWD_BLOCK query rows)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -276,7 +302,7 @@ def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, tra
     dout = rand(batch, heads, seq, 64).half()
     lse = rand(batch, heads, seq)
     dlse = rand(batch, heads, seq) if with_dlse else None
-    delta, dq_acc = _sm90.backward_prep(out, dout, lse, dlse)
+    delta, dq_acc, sem = _sm90.backward_prep(out, dout, lse, dlse, deterministic)
     ref = (out.double() * dout.double()).sum(-1)
     if with_dlse:
         ref -= dlse.double()
@@ -284,6 +310,11 @@ def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, tra
     assert (delta.double() - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
     assert dq_acc.shape == out.shape and dq_acc.dtype == torch.float32 and dq_acc.is_contiguous()
     assert not dq_acc.any()
+    if deterministic:
+        assert sem.shape == (batch, heads, -(-seq // _sm90.BWD_BLOCK)) and sem.dtype == torch.int32
+        assert not sem.any()
+    else:
+        assert sem is None
 
 
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
@@ -450,32 +481,86 @@ def test_fused_backward_matches_float64(case, dtype):
     assert spy.call_count == 1
 
 
+@contextmanager
+def _deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True, warn_only=True)`` (warn only: the float64
+    references' cuBLAS calls would raise without CUBLAS_WORKSPACE_CONFIG), restored after."""
+    saved = torch.are_deterministic_algorithms_enabled()
+    saved_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved, warn_only=saved_warn)
+
+
 @gpu
 @needs_sm90
-def test_fused_backward_steps_aside_for_deterministic_algorithms():
-    """Under ``torch.use_deterministic_algorithms(True)`` the reproducible backward runs: two
-    passes give the same bits, and the fused kernel is not called."""
-    q = torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(2, 2, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=15, deadline=None)
+@given(case=cases(max_seq=700, head_dims=(64,), max_batch=3))
+@example(case=Case(4, 2, 4, 4096, 4096, 64, True, None, False, False, seed=11))
+@example(case=Case(4, 2, 4, 4096, 4096, 64, False, None, False, True, seed=12))
+@example(case=Case(2, 16, 1, 2048, 2048, 64, True, None, False, False, seed=13))
+@example(case=Case(1, 2, 3, 300, 1000, 64, True, None, False, False, seed=3))
+@example(case=Case(3, 8, 1, 1500, 700, 64, False, 0.3, False, False, seed=2))
+def test_deterministic_fused_backward_matches_float64(case, dtype):
+    """Under deterministic algorithms the head-dim-64 fused kernel adds dQ's sums in a fixed
+    order (counted: it runs) and matches float64 as the portable backward must. The first three
+    examples have more programs than the GPU has SMs (256 and 512 key tiles): a tile waits for
+    its predecessors in the sums' order, which must have started (else the kernel hangs); the
+    others: keys beyond the queries (key tiles that see no query, causal) and fewer keys."""
+    with _fused_backward() as spy, _deterministic_algorithms():
+        check_against_reference(case, dtype, _run(case), device="cuda")
+    assert spy.call_count == 1
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize(("causal", "kv_heads", "seq", "seq_k"),
+                         [(True, 2, 3000, 3000), (False, 8, 2500, 2500), (True, 8, 700, 2100),
+                          (False, 2, 1000, 300)])  # fmt: skip
+def test_deterministic_fused_backward_is_bitwise_reproducible(causal, kv_heads, seq, seq_k):
+    """Under ``torch.use_deterministic_algorithms(True)`` the fused kernel runs (head dim 64,
+    counted) and two passes give the same bits; without it, the unordered sums agree with them
+    up to summation order."""
+    q = torch.randn(2, 8, seq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, kv_heads, seq_k, 64, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)  # fmt: skip
     v = torch.randn_like(k, requires_grad=True)
     dout = torch.randn_like(q)
-    deterministic = torch.are_deterministic_algorithms_enabled()
+
+    def grads():
+        out = flash_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads < 8)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
     with _fused_backward() as spy:
-        try:
-            torch.use_deterministic_algorithms(True)
-            grads = []
-            for _ in range(2):
-                out = flash_attention(q, k, v, is_causal=True, enable_gqa=True)
-                grads.append(torch.autograd.grad(out, (q, k, v), dout))
-        finally:
-            torch.use_deterministic_algorithms(deterministic)
-        assert spy.call_count == 0
-        out = flash_attention(q, k, v, is_causal=True, enable_gqa=True)
-        fused = torch.autograd.grad(out, (q, k, v), dout)
-        assert spy.call_count == 1
-    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
-    for a, b in zip(fused, grads[0], strict=True):  # the same gradients up to summation order
+        with _deterministic_algorithms():
+            runs = [grads() for _ in range(3)]
+        assert spy.call_count == 3
+        unordered = grads()
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))
+    for a, b in zip(unordered, runs[0], strict=True):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
+
+
+@gpu
+@needs_sm90
+def test_head_dim_128_backward_is_the_portable_one_under_deterministic_algorithms():
+    """The split kernel (head dim 128) has no ordered dQ sums: deterministic mode gets the
+    portable backward there, reproducible bit for bit."""
+    q = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    dout = torch.randn_like(q)
+    with _fused_backward() as spy, _deterministic_algorithms():
+        runs = []
+        for _ in range(2):
+            out = flash_attention(q, k, v, is_causal=True, enable_gqa=True)
+            runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    assert spy.call_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 @gpu

@@ -104,7 +104,20 @@ SPLIT_MAX_REGS = 168  # 168 x 384 threads (two consumer warpgroups and the load 
 SPLIT_REGS = (240, 24)  # per thread: each consumer warpgroup, the load warp (4 bytes spill)
 SPLIT_NBUF = 2  # dS^T buffer pairs
 SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reductions
-SPLIT_KEYS_FASTEST = True  # one head's key tiles after another, causal too (H100: 1-13% faster)
+# Program orders of the backward kernels (``_bwd._program_tile``'s ORDER bits): the heaviest
+# causal key tiles of every head first, one head's key tiles after another, or (a bit beside
+# either) the lightest first.
+HEADS_FIRST, KEYS_FIRST, LIGHTEST_FIRST = 0, 1, 2
+SPLIT_ORDER = KEYS_FIRST  # the split kernel, causal too (H100: 1-13% faster than HEADS_FIRST)
+# Deterministic (ordered dQ sums, head dim 64; docs/attention.md): causal, the lightest key tiles
+# first, as the sums' order needs (a key tile's predecessors must start before it).
+DETERMINISTIC_CAUSAL_ORDER = LIGHTEST_FIRST | KEYS_FIRST
+DETERMINISTIC_SEQ_Q = {  # (causal, GQA) -> the lengths where the ordered fused kernel runs
+    (True, True): (1024, 16384),
+    (True, False): (1024, 16384),
+    (False, True): (2048, 16384),
+    (False, False): (2048, 16384),
+}
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
 FUSED_NBUF = 4  # dS^T buffers between the consumers and the dQ warpgroup (shared memory 199 KB)
@@ -302,12 +315,27 @@ def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
                 scale: float, ex: Extras) -> bool:  # fmt: skip
     """Whether the backward of this 4-D problem runs on the fused Hopper kernel: the forward's
     rule, the switch, a head dim it has a configuration for, a problem where it is the faster
-    backward (or FUSED_ALL), dO a TMA operand of q's shape, and deterministic algorithms not
-    requested (its dQ sums are added in no fixed order)."""
-    return (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES and (FUSED_ALL or _fused_wins(q, k, ex))
-            and dout.shape == q.shape
-            and dout.dtype == q.dtype and forward_takes(q, k, v, scale, ex) and _tma_ok(dout)
-            and not torch.are_deterministic_algorithms_enabled())  # fmt: skip
+    backward (or FUSED_ALL), and dO a TMA operand of q's shape. Under deterministic algorithms,
+    only head dim 64 (the kernel with ordered dQ sums) where DETERMINISTIC_SEQ_Q says."""
+    if not (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES):
+        return False
+    if torch.are_deterministic_algorithms_enabled():
+        if q.shape[-1] in SPLIT_HEAD_DIMS or not (FUSED_ALL or _deterministic_wins(q, k, ex)):
+            return False
+    elif not (FUSED_ALL or _fused_wins(q, k, ex)):
+        return False
+    return (dout.shape == q.shape and dout.dtype == q.dtype
+            and forward_takes(q, k, v, scale, ex) and _tma_ok(dout))  # fmt: skip
+
+
+def _deterministic_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
+    """Where the fused kernel with ordered dQ sums (DETERMINISTIC) runs under
+    ``torch.use_deterministic_algorithms(True)``: the query and key lengths in
+    DETERMINISTIC_SEQ_Q for the problem's kind."""
+    if not (ex is CAUSAL or ex is PLAIN):
+        return False
+    lo, hi = DETERMINISTIC_SEQ_Q.get((ex is CAUSAL, q.shape[1] > k.shape[1]), (1, 0))
+    return lo <= q.shape[2] <= hi and lo <= k.shape[2] <= hi
 
 
 def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
@@ -331,28 +359,31 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     return lo <= q.shape[2] <= hi and lo <= k.shape[2] <= hi
 
 
-_launch_prep = LaunchCache(attn_bwd_prep, n_tensors=5)
-PREP_BLOCK = 64
+_launch_prep = LaunchCache(attn_bwd_prep, n_tensors=6)
+PREP_BLOCK = 64  # query rows per program: BWD_BLOCK, the fused kernel's query tile (counters)
 
 
 def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                  dlse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(delta, dq_acc)``: D = rowsum(dO * O) - dLSE in lse's layout, and a zeroed float32
-    (B, H, L, d) buffer for the fused kernel's dQ sums."""
+                  dlse: torch.Tensor | None, deterministic: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``(delta, dq_acc, sem)``: D = rowsum(dO * O) - dLSE in lse's layout, a zeroed float32
+    (B, H, L, d) buffer for the fused kernel's dQ sums, and (``deterministic``, else None) the
+    ordered sums' zeroed int32 counters, one per (batch, head, tile of BWD_BLOCK query rows)."""
     batch, heads, seq_q, d = out.shape
     delta = torch.empty_like(lse)
     dq_acc = out.new_empty((batch, heads, seq_q, d), dtype=torch.float32)
-    key = (out.shape, out.stride(), dout.stride(), lse.stride(), out.dtype, dlse is None)
-    args = (out, dout, lse if dlse is None else dlse, delta, dq_acc, *out.stride()[:3],
-            *dout.stride()[:3], lse.stride(0), lse.stride(1), heads, seq_q)  # fmt: skip
-    grid = (triton_cdiv(seq_q, PREP_BLOCK), batch * heads)
-    _launch_prep(
-        key,
-        lambda meta: grid,
-        args,
-        {"HAS_DLSE": dlse is not None, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d},
-    )
-    return delta, dq_acc
+    n_blocks = triton_cdiv(seq_q, PREP_BLOCK)
+    sem = out.new_empty((batch, heads, n_blocks), dtype=torch.int32) if deterministic else None
+    key = (out.shape, out.stride(), dout.stride(), lse.stride(), out.dtype, dlse is None,
+           deterministic)  # fmt: skip
+    args = (out, dout, lse if dlse is None else dlse, delta, dq_acc, dq_acc if sem is None else sem,
+            *out.stride()[:3], *dout.stride()[:3], lse.stride(0), lse.stride(1), heads,
+            seq_q)  # fmt: skip
+    grid = (n_blocks, batch * heads)
+    meta = {"HAS_DLSE": dlse is not None, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d,
+            "HAS_SEM": deterministic}  # fmt: skip
+    _launch_prep(key, lambda meta: grid, args, meta)
+    return delta, dq_acc, sem
 
 
 _FUSED_PLANS: dict[tuple, tuple] = {}
@@ -360,13 +391,17 @@ _FUSED_PLANS: dict[tuple, tuple] = {}
 
 def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                       lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                      dq_acc: torch.Tensor, scale: float) -> tuple:  # fmt: skip
+                      dq_acc: torch.Tensor, scale: float,
+                      sem: torch.Tensor | None = None) -> tuple:  # fmt: skip
     """The fused kernel's runtime arguments: the dK/dV kernel's, with the dQ buffer (contiguous
-    float32 (B, H, L, d)) inserted."""
+    float32 (B, H, L, d)) inserted, and for attn_bwd_sm90 the deterministic sums' counters
+    (``sem`` from :func:`backward_prep`; unused, the dQ buffer stands in)."""
     args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
-    d = q.shape[-1]  # the split kernel: each consumer adds half of a dQ row
-    dq_desc = _descriptor(dq_acc, BWD_BLOCK, d // 2 if d in SPLIT_HEAD_DIMS else d)
-    return (*args[:16], dq_acc, dq_desc, *args[16:])
+    d = q.shape[-1]
+    if d in SPLIT_HEAD_DIMS:  # each consumer adds half of a dQ row
+        return (*args[:16], dq_acc, _descriptor(dq_acc, BWD_BLOCK, d // 2), *args[16:])
+    return (*args[:16], dq_acc, _descriptor(dq_acc, BWD_BLOCK), dq_acc if sem is None else sem,
+            *args[16:])  # fmt: skip
 
 
 def fused_kernel(d: int):
@@ -375,23 +410,28 @@ def fused_kernel(d: int):
     return attn_bwd_split_sm90 if d in SPLIT_HEAD_DIMS else attn_bwd_sm90
 
 
-def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1) -> dict:
+def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1,
+                     deterministic: bool = False) -> dict:  # fmt: skip
     """The fused kernel's compile-time arguments, every one (the direct launch passes them all),
     and launch options, for head dim ``d`` and ``group`` query heads per key/value head. The
     variants beside the defaults: ``benchmarks/sm90_bwd.py --variants``. Program order (head
     dim 64): one head's key tiles after another without a causal mask or GQA, else the heaviest
-    key tiles of every head first (``benchmarks/gpu_checks/order_ab.py``, docs/benchmarks.md)."""
+    key tiles of every head first (``benchmarks/gpu_checks/order_ab.py``, docs/benchmarks.md);
+    ``deterministic`` (head dim 64: ordered dQ sums), causal: DETERMINISTIC_CAUSAL_ORDER."""
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
     if d in SPLIT_HEAD_DIMS:
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
-                "DQ_BUFS": SPLIT_DQ_BUFS, "KEYS_FASTEST": SPLIT_KEYS_FASTEST, "num_warps": NUM_WARPS,
+                "DQ_BUFS": SPLIT_DQ_BUFS, "ORDER": SPLIT_ORDER, "num_warps": NUM_WARPS,
                 "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
+    order = KEYS_FIRST if not causal or group == 1 else HEADS_FIRST
+    if deterministic and causal:
+        order = DETERMINISTIC_CAUSAL_ORDER
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
-            "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA,
-            "KEYS_FASTEST": not causal or group == 1, "num_warps": NUM_WARPS,
+            "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA or deterministic,
+            "ORDER": order, "DETERMINISTIC": deterministic, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 
@@ -400,16 +440,18 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` of a problem :func:`fused_takes` accepted, in q's, k's and v's layouts:
     the preprocessing kernel, the fused kernel, then dQ's float32 sums converted."""
-    delta, dq_acc = backward_prep(out, dout, lse, dlse)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    delta, dq_acc, sem = backward_prep(out, dout, lse, dlse, deterministic)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    args = fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale)
+    args = fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale, sem)
     index = q.get_device()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
-           dv.stride(), q.dtype, causal, index)  # fmt: skip
+           dv.stride(), q.dtype, causal, index, deterministic)  # fmt: skip
 
     def plan() -> tuple[tuple, dict]:
         return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype,
-                                                  q.shape[1] // k.shape[1])  # fmt: skip
+                                                  q.shape[1] // k.shape[1],
+                                                  deterministic)  # fmt: skip
 
     _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS, key, index, args, plan)
     return torch.empty_like(q).copy_(dq_acc), dk, dv

@@ -62,23 +62,32 @@ _INTEGER_ARGS = [
 if AVAILABLE:
     LOG2E = gl.constexpr(1.4426950408889634)
 
+    KEYS_FIRST = gl.constexpr(1)  # ORDER bits: one head's key tiles after another
+    LIGHTEST_FIRST = gl.constexpr(2)  # ORDER bits: the key tiles in descending order
+
     @gluon.jit
     def _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M: gl.constexpr, BLOCK_N2: gl.constexpr,
-                      CAUSAL: gl.constexpr, KEYS_FASTEST: gl.constexpr = False):  # fmt: skip
-        """This program's (b, hk, n0, first query tile, query tiles): key tiles in order (causal:
-        tile 0 is the heaviest), heads varying fastest, so that the heaviest causal tiles of
-        every head start first. ``KEYS_FASTEST``: one head's key tiles after another instead,
-        so that its Q, dO and dQ sums stay in L2 (the fused kernel without a causal mask, where
-        every tile is equally heavy: 8% faster at 4 x 16 x 4096, d 64; causal, it lost the
-        longest-first order: 19% slower at GQA 4 x 32/8 x 2048)."""
+                      CAUSAL: gl.constexpr, ORDER: gl.constexpr = 0):  # fmt: skip
+        """This program's (b, hk, n0, first query tile, query tiles). ``ORDER`` 0: key tiles in
+        order (causal: tile 0 is the heaviest), heads varying fastest, so that the heaviest causal
+        tiles of every head start first. Bit ``KEYS_FIRST``: one head's key tiles after another
+        instead, so that its Q, dO and dQ sums stay in L2 (the fused kernel without a causal mask,
+        where every tile is equally heavy: 8% faster at 4 x 16 x 4096, d 64; causal, it lost the
+        longest-first order: 19% slower at GQA 4 x 32/8 x 2048). Bit ``LIGHTEST_FIRST``: the key
+        tiles in descending order (the deterministic causal backward: a query tile's dQ sums are
+        added from its last key tile down, so a tile's predecessors must have started before
+        it)."""
         pid = gl.program_id(0)
-        if KEYS_FASTEST:  # a head's key tiles one after another (its Q, dO, dQ stay in L2)
-            n_kb = gl.num_programs(0) // n_bhk
+        n_kb = gl.num_programs(0) // n_bhk
+        if (ORDER & KEYS_FIRST) != 0:  # a head's key tiles one after another (Q, dO, dQ in L2)
             bhk = pid // n_kb
-            n0 = (pid % n_kb) * BLOCK_N2
+            nb = pid % n_kb
         else:
             bhk = pid % n_bhk
-            n0 = (pid // n_bhk) * BLOCK_N2
+            nb = pid // n_bhk
+        if (ORDER & LIGHTEST_FIRST) != 0:
+            nb = n_kb - 1 - nb
+        n0 = nb * BLOCK_N2
         n_m = gl.cdiv(seq_q, BLOCK_M)
         m_lo = 0
         if CAUSAL:  # top-left aligned: query row i sees keys j <= i
@@ -137,6 +146,13 @@ if AVAILABLE:
         fence_async_shared()  # every thread's stores, before the async proxy reads them
         thread_barrier()  # ... all of this warpgroup's, before one thread arrives
         mbarrier.arrive(ready, count=1)
+
+    @gluon.jit
+    def _bulk_wait_all(x):
+        """Wait until this thread's TMA stores and reductions are complete in global memory
+        (``tma.store_wait`` waits only until their shared-memory sources are read)."""
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, $1;", "=r,r",
+                                  [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
     def _clock(x):
@@ -255,7 +271,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _load(descs, bufs, bars, sched, outs, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr,
-              KEYS_FASTEST: gl.constexpr = False, STATS: gl.constexpr = False,
+              ORDER: gl.constexpr = 0, STATS: gl.constexpr = False,
               stats=None):  # fmt: skip
         """Load warp: K and V (two halves each) once, then Q and dO per step into the ring.
         ``STATS`` (the fused kernel): each step's LSE (times log2 e; +inf past seq_q) and D rows
@@ -273,7 +289,7 @@ if AVAILABLE:
         STAGES: gl.constexpr = q_smem.type.shape[0]
         row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
-                                             CAUSAL, KEYS_FASTEST)  # fmt: skip
+                                             CAUSAL, ORDER)  # fmt: skip
         mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for i in gl.static_range(2):
             tma_load(k_desc, [b, hk, n0 + i * BLOCK_N, 0], kv_ready, k_smem.index(i))
@@ -344,7 +360,7 @@ if AVAILABLE:
     @gluon.jit
     def _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                        KV_RS: gl.constexpr, DK_RS: gl.constexpr, PROBE: gl.constexpr,
-                       KEYS_FASTEST: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                       ORDER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the fused kernel: as :func:`_consume` (serial), and each
         step's dS^T goes to shared memory, where the dQ warpgroup reads it. Each step's LSE and
         D rows come from shared memory, put there by the load warp with Q and dO (8-10% off the
@@ -376,7 +392,7 @@ if AVAILABLE:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
-                                             CAUSAL, KEYS_FASTEST)  # fmt: skip
+                                             CAUSAL, ORDER)  # fmt: skip
         n0w = n0 + WG * BLOCK_N
         k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
         v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
@@ -481,33 +497,40 @@ if AVAILABLE:
     @gluon.jit
     def _fused_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          KV_RS: gl.constexpr, DK_RS: gl.constexpr, PROBE: gl.constexpr,
-                         KEYS_FASTEST: gl.constexpr):  # fmt: skip
-        _fused_consume(
-            descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, KEYS_FASTEST, 0
-        )
+                         ORDER: gl.constexpr):  # fmt: skip
+        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, ORDER, 0)
 
     @gluon.jit
     def _fused_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          KV_RS: gl.constexpr, DK_RS: gl.constexpr, PROBE: gl.constexpr,
-                         KEYS_FASTEST: gl.constexpr):  # fmt: skip
-        _fused_consume(
-            descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, KEYS_FASTEST, 1
-        )
+                         ORDER: gl.constexpr):  # fmt: skip
+        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, ORDER, 1)
 
     @gluon.jit
     def _fused_load(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                    KEYS_FASTEST: gl.constexpr):  # fmt: skip
-        _load(descs, bufs, bars, sched, outs, CAUSAL, False, KEYS_FASTEST, True, dqs[6])
+                    ORDER: gl.constexpr):  # fmt: skip
+        _load(descs, bufs, bars, sched, outs, CAUSAL, False, ORDER, True, dqs[6])
 
     @gluon.jit
     def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                  PROBE: gl.constexpr, DQ_TMA: gl.constexpr,
-                  KEYS_FASTEST: gl.constexpr):  # fmt: skip
+                  PROBE: gl.constexpr, DQ_TMA: gl.constexpr, ORDER: gl.constexpr, SEM,
+                  DETERMINISTIC: gl.constexpr):  # fmt: skip
         """The dQ warpgroup: per step, dQ_i += scale * dS_i K over the program's 2 x BLOCK_N keys
         (both consumers' dS^T tiles from shared memory, K as loaded), added into the float32
         dQ buffer, so the consumers never wait on the reduction: with atomics from registers,
         or (``DQ_TMA``) stored to one of two shared-memory tiles and added by a TMA bulk
-        reduction, which runs while the next step's product is computed."""
+        reduction, which runs while the next step's product is computed.
+
+        ``DETERMINISTIC`` (with ``DQ_TMA``): the key tiles add into a query tile's dQ in a fixed
+        order, so that the sums are bitwise reproducible (FA3's deterministic backward). ``SEM``
+        holds one int32 counter per (batch, query head, query tile), zeroed by the preprocessing
+        kernel: the reduction of key tile ``nb`` waits until the counter reads its turn, completes
+        (not only reads its shared-memory tile), then counts one up. The turn: causal, from the
+        last key tile that sees the query tile down (``nb_last - nb``: with the lightest tiles
+        started first, ``ORDER`` LIGHTEST_FIRST, a tile reaches a query tile two steps after the
+        key tile above it, so it rarely waits); without a causal mask, ``nb`` (key tile 0 first).
+        A tile's predecessors have smaller program ids, so they are running or done (the hardware
+        starts programs in id order)."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
@@ -521,7 +544,7 @@ if AVAILABLE:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
         )
         b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
-                                             CAUSAL, KEYS_FASTEST)  # fmt: skip
+                                             CAUSAL, ORDER)  # fmt: skip
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         offs = rows[:, None] * HEAD_DIM + cols[None, :]  # the buffer is (B, H, seq_q, HEAD_DIM)
@@ -530,6 +553,11 @@ if AVAILABLE:
         k1 = k_smem.index(1).reshape([BLOCK_N, HEAD_DIM])
         mbarrier.wait(kv_ready, 0)
         n_steps = group * (n_m - m_lo)
+        if DETERMINISTIC:
+            gl.static_assert(DQ_TMA, "the ordered dQ sums are TMA reductions")
+            nb = n0 // (2 * BLOCK_N)
+            nb_end = gl.cdiv(seq_k, 2 * BLOCK_N) - 1  # the last key tile
+            sem_base = SEM + (b * n_kv_heads + hk).to(gl.int64) * group * n_m
         if PROBE == 3:
             c0 = n_steps.to(gl.int64) * 0
             c1 = c0
@@ -570,8 +598,19 @@ if AVAILABLE:
                     tile.reshape([BLOCK_M, HEAD_DIM]).store(dq * sm_scale)
                     fence_async_shared()
                     thread_barrier()
+                    if DETERMINISTIC:
+                        lock = sem_base + g * n_m + m0 // BLOCK_M
+                        turn = nb
+                        if CAUSAL:
+                            turn = gl.minimum((m0 + BLOCK_M - 1) // (2 * BLOCK_N), nb_end) - nb
+                        while gl.atomic_add(lock, 0, sem="acquire", scope="gpu") != turn:
+                            pass
                     tma_reduce_add(dq_desc, [b, hk * group + g, m0, 0], tile)  # rows past seq_q
                     # fall outside the descriptor and are dropped
+                    if DETERMINISTIC:
+                        _bulk_wait_all(step)  # the sums done in global memory, not only read
+                        thread_barrier()
+                        gl.atomic_add(lock, 1, sem="release", scope="gpu")
                     if PROBE == 3:
                         t1 = _clock(step)
                         c3 += t1 - t
@@ -601,12 +640,12 @@ if AVAILABLE:
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
     def attn_bwd_sm90(
         q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,
-        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc,
+        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc, SEM,
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         DQ_REGS: gl.constexpr, NBUF: gl.constexpr = 2, KV_RS: gl.constexpr = False,
         DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0, DQ_TMA: gl.constexpr = False,
-        KEYS_FASTEST: gl.constexpr = False,
+        ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -653,12 +692,12 @@ if AVAILABLE:
         gl.warp_specialize(
             [
                 (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS,
-                                    PROBE, KEYS_FASTEST)),
+                                    PROBE, ORDER)),
                 (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS,
-                                    PROBE, KEYS_FASTEST)),
+                                    PROBE, ORDER)),
                 (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
-                             KEYS_FASTEST)),
-                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
+                             ORDER, SEM, DETERMINISTIC)),
+                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, DQ_REGS, 40],  # (the load warp: 24 without the stats)
@@ -672,7 +711,7 @@ if AVAILABLE:
     # stores to shared memory and adds into the float32 dQ buffer by a TMA bulk reduction.
     @gluon.jit
     def _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                       KEYS_FASTEST: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                       ORDER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the head-dim-128 fused kernel: keys [n0 + WG * BLOCK_N,
         + BLOCK_N) for dK and dV (as :func:`_fused_consume`), dQ columns [WG * HALF, + HALF)."""
         q_desc, k_desc, v_desc, do_desc = descs
@@ -700,7 +739,7 @@ if AVAILABLE:
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, 2 * BLOCK_N,
-                                             CAUSAL, KEYS_FASTEST)  # fmt: skip
+                                             CAUSAL, ORDER)  # fmt: skip
         n0w = n0 + WG * BLOCK_N
         k = k_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
         v = v_smem.index(WG).reshape([BLOCK_N, HEAD_DIM])
@@ -759,13 +798,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _split_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                         KEYS_FASTEST: gl.constexpr):  # fmt: skip
-        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST, 0)
+                         ORDER: gl.constexpr):  # fmt: skip
+        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 0)
 
     @gluon.jit
     def _split_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                         KEYS_FASTEST: gl.constexpr):  # fmt: skip
-        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST, 1)
+                         ORDER: gl.constexpr):  # fmt: skip
+        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 1)
 
     # The same sums as attn_bwd_sm90 for head dim 128 (dq_desc's blocks are half a row wide).
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
@@ -775,7 +814,7 @@ if AVAILABLE:
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LOAD_REGS: gl.constexpr, NBUF: gl.constexpr = 2, DQ_BUFS: gl.constexpr = 1,
-        KEYS_FASTEST: gl.constexpr = False,
+        ORDER: gl.constexpr = 0,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -818,9 +857,9 @@ if AVAILABLE:
         # fmt: off
         gl.warp_specialize(
             [
-                (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
-                (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
-                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KEYS_FASTEST)),
+                (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
+                (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
+                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOAD_REGS],

@@ -1,6 +1,7 @@
 """The fused Hopper backward's preprocessing, a plain Triton kernel (it runs anywhere, the
 interpreter included): ``D = rowsum(dO * O) - dLSE`` for every query row, and the float32 dQ
-buffer zeroed for the backward's sums (TMA reductions or atomics, added in no fixed order)."""
+buffer zeroed for the backward's sums (TMA reductions or atomics, added in no fixed order), and
+with ``HAS_SEM`` the deterministic backward's counters, one per (batch, head, row block)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["seq_q"])
 def attn_bwd_prep(
-    Out, DO, DLSE, Delta, DQ, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+    Out, DO, DLSE, Delta, DQ, SEM, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, n_heads, seq_q, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_SEM: tl.constexpr = False,
 ):  # fmt: skip
-    """Program (row block, b * n_heads + h). ``DQ`` is (B, H, seq_q, HEAD_DIM), contiguous."""
+    """Program (row block, b * n_heads + h). ``DQ`` is (B, H, seq_q, HEAD_DIM), contiguous;
+    ``SEM`` (int32, ``HAS_SEM``) is (B, H, row blocks), contiguous."""
     bh = tl.program_id(1)
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
@@ -32,3 +34,5 @@ def attn_bwd_prep(
     tl.store(Delta + l_off, delta, mask=ok)
     dq = DQ + bh.to(tl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
     tl.store(dq, tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=ok[:, None])
+    if HAS_SEM:
+        tl.store(SEM + bh * tl.num_programs(0) + tl.program_id(0), 0)
