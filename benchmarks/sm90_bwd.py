@@ -156,12 +156,17 @@ DETERMINISTIC_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, True
                         (4, 32, 8, 2048, 64, True), (2, 16, 4, 8192, 64, True),
                         (4, 16, 16, 4096, 64, False), (8, 16, 16, 2048, 64, False),
                         (16, 16, 4, 1024, 64, False), (1, 16, 16, 16384, 64, False)]  # fmt: skip
-# Kernel-only program orders of the ordered (deterministic) fused kernel, causal: the lightest key
-# tiles first, heads or one head's tiles fastest.
+# Kernel-only variants of the ordered (deterministic) fused kernel: dQ copies (chains), the
+# counter's signal a step late or at once, and (causal) the lightest key tiles of every head first
+# instead of one head's tiles after another.
 DETERMINISTIC_VARIANTS = {
-    "lightest first, heads fastest": {"DETERMINISTIC": True, "ORDER": _sm90.LIGHTEST_FIRST},
-    "lightest first, keys fastest": {"DETERMINISTIC": True,
-                                     "ORDER": _sm90.LIGHTEST_FIRST | _sm90.KEYS_FIRST},
+    "1 chain, signal at once": {"DETERMINISTIC": True, "CHAINS": 1, "SIGNAL_LAG": False},
+    "1 chain, signal lag": {"DETERMINISTIC": True, "CHAINS": 1, "SIGNAL_LAG": True},
+    "2 chains, signal at once": {"DETERMINISTIC": True, "CHAINS": 2, "SIGNAL_LAG": False},
+    "2 chains, signal lag": {"DETERMINISTIC": True, "CHAINS": 2, "SIGNAL_LAG": True},
+    "4 chains, signal lag": {"DETERMINISTIC": True, "CHAINS": 4, "SIGNAL_LAG": True},
+    "2 chains, lag, heads fastest": {"DETERMINISTIC": True, "CHAINS": 2, "SIGNAL_LAG": True,
+                                     "ORDER": _sm90.LIGHTEST_FIRST},
     "unordered (default)": {},
 }  # fmt: skip
 
@@ -198,11 +203,12 @@ def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
     d = k.shape[-1]
     kernel = _sm90.fused_kernel(d)
     deterministic = extra.get("DETERMINISTIC", False)
-    delta, dq_acc, sem = _sm90.backward_prep(o2, dout, lse, None, deterministic)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5, sem)
     meta = {**_sm90.fused_constexprs(d, causal, q.dtype, q.shape[1] // k.shape[1],
                                      deterministic), **extra}  # fmt: skip
+    copies = meta.get("CHAINS", 1)
+    delta, dq_acc, sem = _sm90.backward_prep(o2, dout, lse, None, deterministic, copies)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    args = _sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, d**-0.5, sem)
     grid = _sm90.backward_grid(k)
 
     def launch():
@@ -236,7 +242,7 @@ def variant_rows(shape, variants_override: dict | None = None) -> list[dict]:
     for name, extra in variants.items():
         launch, _, dq_acc, dk, dv, _ = _fused_kernel(q, k, v, dout, o2, lse, causal, extra)
         launch()
-        got = (dq_acc.to(q.dtype), dk, dv)
+        got = (dq_acc.view(-1, *q.shape).sum(0).to(q.dtype), dk, dv)  # (dQ copies: CHAINS)
         diff = max(
             (a.float() - r.float()).abs().max().item() for a, r in zip(got, ref, strict=True)
         )
@@ -426,9 +432,8 @@ def main() -> None:
         rows = [r for shape in shapes for r in deterministic_rows(shape)]
         report("Deterministic backward: portable against the ordered fused kernel", rows,
                (*COLUMNS, "bitwise_repeat"), args.out)  # fmt: skip
-        rows = [r for shape in shapes if shape[5]
-                for r in variant_rows(shape, DETERMINISTIC_VARIANTS)]  # fmt: skip
-        report("Ordered fused kernel: program orders (causal, kernel only)", rows,
+        rows = [r for shape in shapes for r in variant_rows(shape, DETERMINISTIC_VARIANTS)]
+        report("Ordered fused kernel: chains, signal lag, program order (kernel only)", rows,
                ("shape", "variant", "kernel_ms", "tflops", "max_grad_diff_vs_portable"),
                args.out and args.out.replace(".csv", "_orders.csv"))  # fmt: skip
         return

@@ -112,6 +112,8 @@ SPLIT_ORDER = KEYS_FIRST  # the split kernel, causal too (H100: 1-13% faster tha
 # Deterministic (ordered dQ sums, head dim 64; docs/attention.md): causal, the lightest key tiles
 # first, as the sums' order needs (a key tile's predecessors must start before it).
 DETERMINISTIC_CAUSAL_ORDER = LIGHTEST_FIRST | KEYS_FIRST
+DETERMINISTIC_CHAINS = 2  # dQ copies, each summed in its own order (``_bwd._fused_dq``)
+DETERMINISTIC_SIGNAL_LAG = True  # a step's counter counts up a step later (no wait for own sums)
 DETERMINISTIC_SEQ_Q = {  # (causal, GQA) -> the lengths where the ordered fused kernel runs
     (True, True): (1024, 16384),
     (True, False): (1024, 16384),
@@ -364,24 +366,26 @@ PREP_BLOCK = 64  # query rows per program: BWD_BLOCK, the fused kernel's query t
 
 
 def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                  dlse: torch.Tensor | None, deterministic: bool = False,
+                  dlse: torch.Tensor | None, deterministic: bool = False, copies: int = 1,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``(delta, dq_acc, sem)``: D = rowsum(dO * O) - dLSE in lse's layout, a zeroed float32
-    (B, H, L, d) buffer for the fused kernel's dQ sums, and (``deterministic``, else None) the
-    ordered sums' zeroed int32 counters, one per (batch, head, tile of BWD_BLOCK query rows)."""
+    (copies x B, H, L, d) buffer for the fused kernel's dQ sums (``copies``: the deterministic
+    kernel's CHAINS), and (``deterministic``, else None) the ordered sums' zeroed int32
+    counters, one per (copy x batch, head, tile of BWD_BLOCK query rows)."""
     batch, heads, seq_q, d = out.shape
     delta = torch.empty_like(lse)
-    dq_acc = out.new_empty((batch, heads, seq_q, d), dtype=torch.float32)
+    dq_acc = out.new_empty((copies * batch, heads, seq_q, d), dtype=torch.float32)
     n_blocks = triton_cdiv(seq_q, PREP_BLOCK)
-    sem = out.new_empty((batch, heads, n_blocks), dtype=torch.int32) if deterministic else None
+    sem = (out.new_empty((copies * batch, heads, n_blocks), dtype=torch.int32)
+           if deterministic else None)  # fmt: skip
     key = (out.shape, out.stride(), dout.stride(), lse.stride(), out.dtype, dlse is None,
-           deterministic)  # fmt: skip
+           deterministic, copies)  # fmt: skip
     args = (out, dout, lse if dlse is None else dlse, delta, dq_acc, dq_acc if sem is None else sem,
             *out.stride()[:3], *dout.stride()[:3], lse.stride(0), lse.stride(1), heads,
             seq_q)  # fmt: skip
     grid = (n_blocks, batch * heads)
     meta = {"HAS_DLSE": dlse is not None, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d,
-            "HAS_SEM": deterministic}  # fmt: skip
+            "HAS_SEM": deterministic, "COPIES": copies}  # fmt: skip
     _launch_prep(key, lambda meta: grid, args, meta)
     return delta, dq_acc, sem
 
@@ -431,7 +435,9 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1,
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA or deterministic,
-            "ORDER": order, "DETERMINISTIC": deterministic, "num_warps": NUM_WARPS,
+            "ORDER": order, "DETERMINISTIC": deterministic,
+            "CHAINS": DETERMINISTIC_CHAINS if deterministic else 1,
+            "SIGNAL_LAG": deterministic and DETERMINISTIC_SIGNAL_LAG, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 
@@ -441,7 +447,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """``(dq, dk, dv)`` of a problem :func:`fused_takes` accepted, in q's, k's and v's layouts:
     the preprocessing kernel, the fused kernel, then dQ's float32 sums converted."""
     deterministic = torch.are_deterministic_algorithms_enabled()
-    delta, dq_acc, sem = backward_prep(out, dout, lse, dlse, deterministic)
+    copies = DETERMINISTIC_CHAINS if deterministic else 1
+    delta, dq_acc, sem = backward_prep(out, dout, lse, dlse, deterministic, copies)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     args = fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale, sem)
     index = q.get_device()
@@ -454,4 +461,6 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                                   deterministic)  # fmt: skip
 
     _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS, key, index, args, plan)
+    if copies > 1:  # the chains' sums, added in a fixed order
+        dq_acc = dq_acc.view(copies, *q.shape).sum(0)
     return torch.empty_like(q).copy_(dq_acc), dk, dv

@@ -148,11 +148,30 @@ if AVAILABLE:
         mbarrier.arrive(ready, count=1)
 
     @gluon.jit
-    def _bulk_wait_all(x):
-        """Wait until this thread's TMA stores and reductions are complete in global memory
-        (``tma.store_wait`` waits only until their shared-memory sources are read)."""
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, $1;", "=r,r",
-                                  [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+    def _bulk_wait(x, PENDING: gl.constexpr):
+        """Wait until all but ``PENDING`` (0 or 1) of this thread's TMA store and reduction groups
+        are complete in global memory (``tma.store_wait`` waits only until their shared-memory
+        sources are read). ``x``: any scalar (keeps the wait in place)."""
+        if PENDING == 0:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, $1;", "=r,r",
+                                      [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+        else:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n mov.u32 $0, $1;", "=r,r",
+                                      [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _wait_turn(lock, turn):
+        """Spin until the int32 at ``lock`` reads ``turn`` (acquire, GPU scope); every thread
+        polls (one load per warp), no barrier per round."""
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 v;\n"
+            "WAIT_TURN: ld.acquire.gpu.global.b32 v, [$1];\n"
+            "setp.ne.s32 p, v, $2;\n"
+            "@p bra WAIT_TURN;\n"
+            "mov.u32 $0, v; }",
+            "=r,l,r", [lock.to(gl.int64, bitcast=True), turn], dtype=gl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
 
     @gluon.jit
     def _clock(x):
@@ -514,7 +533,8 @@ if AVAILABLE:
     @gluon.jit
     def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                   PROBE: gl.constexpr, DQ_TMA: gl.constexpr, ORDER: gl.constexpr, SEM,
-                  DETERMINISTIC: gl.constexpr):  # fmt: skip
+                  DETERMINISTIC: gl.constexpr, CHAINS: gl.constexpr,
+                  SIGNAL_LAG: gl.constexpr):  # fmt: skip
         """The dQ warpgroup: per step, dQ_i += scale * dS_i K over the program's 2 x BLOCK_N keys
         (both consumers' dS^T tiles from shared memory, K as loaded), added into the float32
         dQ buffer, so the consumers never wait on the reduction: with atomics from registers,
@@ -525,12 +545,18 @@ if AVAILABLE:
         order, so that the sums are bitwise reproducible (FA3's deterministic backward). ``SEM``
         holds one int32 counter per (batch, query head, query tile), zeroed by the preprocessing
         kernel: the reduction of key tile ``nb`` waits until the counter reads its turn, completes
-        (not only reads its shared-memory tile), then counts one up. The turn: causal, from the
-        last key tile that sees the query tile down (``nb_last - nb``: with the lightest tiles
-        started first, ``ORDER`` LIGHTEST_FIRST, a tile reaches a query tile two steps after the
-        key tile above it, so it rarely waits); without a causal mask, ``nb`` (key tile 0 first).
-        A tile's predecessors have smaller program ids, so they are running or done (the hardware
-        starts programs in id order)."""
+        (not only reads its shared-memory tile), then counts one up (``SIGNAL_LAG``: a step
+        later, after the next step's reduction is issued, so the warpgroup never waits for its
+        own reduction to land). The turn: causal, from the last key tile that sees the query
+        tile down (``nb_last - nb``: with the lightest tiles started first, ``ORDER``
+        LIGHTEST_FIRST, a tile reaches a query tile two steps after the key tile above it);
+        without a causal mask, ``nb`` (key tile 0 first). A tile's predecessors have smaller
+        program ids, so they are running or done (the hardware starts programs in id order),
+        and the waits point one way (to higher key tiles, causal; else lower), so none is
+        circular. ``CHAINS`` (1, 2, 4): key tile ``nb`` adds into dQ copy ``nb % CHAINS``
+        (``DQ``, ``SEM``: CHAINS x batch rows), each copy its own order, summed in a fixed order
+        after the kernel: a tile's predecessor is CHAINS key tiles away, 2 x CHAINS steps ahead
+        (causal), more than a reduction's round trip."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
@@ -553,11 +579,14 @@ if AVAILABLE:
         k1 = k_smem.index(1).reshape([BLOCK_N, HEAD_DIM])
         mbarrier.wait(kv_ready, 0)
         n_steps = group * (n_m - m_lo)
+        dq_b = b  # the dQ copy's batch row
         if DETERMINISTIC:
             gl.static_assert(DQ_TMA, "the ordered dQ sums are TMA reductions")
             nb = n0 // (2 * BLOCK_N)
             nb_end = gl.cdiv(seq_k, 2 * BLOCK_N) - 1  # the last key tile
-            sem_base = SEM + (b * n_kv_heads + hk).to(gl.int64) * group * n_m
+            dq_b = (nb % CHAINS) * (n_bhk // n_kv_heads) + b
+            sem_base = SEM + (dq_b * n_kv_heads + hk).to(gl.int64) * group * n_m
+            prev = sem_base  # SIGNAL_LAG: the counter of the step before
         if PROBE == 3:
             c0 = n_steps.to(gl.int64) * 0
             c1 = c0
@@ -600,17 +629,24 @@ if AVAILABLE:
                     thread_barrier()
                     if DETERMINISTIC:
                         lock = sem_base + g * n_m + m0 // BLOCK_M
-                        turn = nb
+                        turn = nb // CHAINS
                         if CAUSAL:
-                            turn = gl.minimum((m0 + BLOCK_M - 1) // (2 * BLOCK_N), nb_end) - nb
-                        while gl.atomic_add(lock, 0, sem="acquire", scope="gpu") != turn:
-                            pass
-                    tma_reduce_add(dq_desc, [b, hk * group + g, m0, 0], tile)  # rows past seq_q
-                    # fall outside the descriptor and are dropped
+                            last = gl.minimum((m0 + BLOCK_M - 1) // (2 * BLOCK_N), nb_end)
+                            turn = (last - nb) // CHAINS
+                        _wait_turn(lock, turn)
+                    tma_reduce_add(dq_desc, [dq_b, hk * group + g, m0, 0], tile)  # rows past
+                    # seq_q fall outside the descriptor and are dropped
                     if DETERMINISTIC:
-                        _bulk_wait_all(step)  # the sums done in global memory, not only read
-                        thread_barrier()
-                        gl.atomic_add(lock, 1, sem="release", scope="gpu")
+                        if SIGNAL_LAG:  # the step before's sums landed: its counter up
+                            _bulk_wait(step, 1)
+                            thread_barrier()
+                            if step > 0:
+                                gl.atomic_add(prev, 1, sem="release", scope="gpu")
+                            prev = lock
+                        else:  # this step's sums landed (not only read): its counter up
+                            _bulk_wait(step, 0)
+                            thread_barrier()
+                            gl.atomic_add(lock, 1, sem="release", scope="gpu")
                     if PROBE == 3:
                         t1 = _clock(step)
                         c3 += t1 - t
@@ -625,6 +661,11 @@ if AVAILABLE:
                     gl.atomic_add(base + offs, dq * sm_scale, mask=ok, sem="relaxed")
         if DQ_TMA:
             tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
+        if DETERMINISTIC and SIGNAL_LAG:
+            if n_steps > 0:
+                _bulk_wait(n_steps, 0)
+                thread_barrier()
+                gl.atomic_add(prev, 1, sem="release", scope="gpu")
         if PROBE == 3:
             Delta = outs[1]
             base = Delta + gl.program_id(0).to(gl.int64) * 48 + 32
@@ -645,7 +686,8 @@ if AVAILABLE:
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         DQ_REGS: gl.constexpr, NBUF: gl.constexpr = 2, KV_RS: gl.constexpr = False,
         DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0, DQ_TMA: gl.constexpr = False,
-        ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False,
+        ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False, CHAINS: gl.constexpr = 1,
+        SIGNAL_LAG: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -696,7 +738,7 @@ if AVAILABLE:
                 (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS,
                                     PROBE, ORDER)),
                 (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
-                             ORDER, SEM, DETERMINISTIC)),
+                             ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG)),
                 (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
             ],
             [4, 4, 1],

@@ -13,10 +13,10 @@ import triton.language as tl
 def attn_bwd_prep(
     Out, DO, DLSE, Delta, DQ, SEM, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, n_heads, seq_q, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_SEM: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, HAS_SEM: tl.constexpr = False, COPIES: tl.constexpr = 1,
 ):  # fmt: skip
-    """Program (row block, b * n_heads + h). ``DQ`` is (B, H, seq_q, HEAD_DIM), contiguous;
-    ``SEM`` (int32, ``HAS_SEM``) is (B, H, row blocks), contiguous."""
+    """Program (row block, b * n_heads + h). ``DQ`` is (COPIES x B, H, seq_q, HEAD_DIM),
+    contiguous; ``SEM`` (int32, ``HAS_SEM``) is (COPIES x B, H, row blocks), contiguous."""
     bh = tl.program_id(1)
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
@@ -32,7 +32,9 @@ def attn_bwd_prep(
     if HAS_DLSE:
         delta -= tl.load(DLSE + l_off, mask=ok, other=0.0)
     tl.store(Delta + l_off, delta, mask=ok)
-    dq = DQ + bh.to(tl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
-    tl.store(dq, tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=ok[:, None])
-    if HAS_SEM:
-        tl.store(SEM + bh * tl.num_programs(0) + tl.program_id(0), 0)
+    for c in tl.static_range(COPIES):
+        row = c * tl.num_programs(1) + bh
+        dq = DQ + row.to(tl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+        tl.store(dq, tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=ok[:, None])
+        if HAS_SEM:
+            tl.store(SEM + row * tl.num_programs(0) + tl.program_id(0), 0)
