@@ -161,14 +161,19 @@ DETERMINISTIC_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, True
 # instead of one head's tiles after another.
 DETERMINISTIC_VARIANTS = {
     "1 chain, signal at once": {"DETERMINISTIC": True, "CHAINS": 1, "SIGNAL_LAG": False},
-    "1 chain, signal lag": {"DETERMINISTIC": True, "CHAINS": 1, "SIGNAL_LAG": True},
     "2 chains, signal at once": {"DETERMINISTIC": True, "CHAINS": 2, "SIGNAL_LAG": False},
     "2 chains, signal lag": {"DETERMINISTIC": True, "CHAINS": 2, "SIGNAL_LAG": True},
     "4 chains, signal lag": {"DETERMINISTIC": True, "CHAINS": 4, "SIGNAL_LAG": True},
-    "2 chains, lag, heads fastest": {"DETERMINISTIC": True, "CHAINS": 2, "SIGNAL_LAG": True,
-                                     "ORDER": _sm90.LIGHTEST_FIRST},
+    "8 chains, signal lag": {"DETERMINISTIC": True, "CHAINS": 8, "SIGNAL_LAG": True},
     "unordered (default)": {},
 }  # fmt: skip
+# (causal only: the lightest key tiles of every head first, instead of one head's in turn)
+DETERMINISTIC_CAUSAL_VARIANTS = {
+    "4 chains, lag, heads fastest": {"DETERMINISTIC": True, "CHAINS": 4, "SIGNAL_LAG": True,
+                                     "ORDER": _sm90.LIGHTEST_FIRST},
+}  # fmt: skip
+DETERMINISTIC_VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, True),
+                                (4, 32, 8, 2048, 64, True), (4, 16, 16, 4096, 64, False)]  # fmt: skip
 
 
 def deterministic_rows(shape) -> list[dict]:
@@ -429,10 +434,14 @@ def main() -> None:
     args = p.parse_args()
     if args.deterministic:
         shapes = args.shapes or DETERMINISTIC_SHAPES
-        rows = [r for shape in shapes for r in deterministic_rows(shape)]
-        report("Deterministic backward: portable against the ordered fused kernel", rows,
-               (*COLUMNS, "bitwise_repeat"), args.out)  # fmt: skip
-        rows = [r for shape in shapes for r in variant_rows(shape, DETERMINISTIC_VARIANTS)]
+        if not args.variants:
+            rows = [r for shape in shapes for r in deterministic_rows(shape)]
+            report("Deterministic backward: portable against the ordered fused kernel", rows,
+                   (*COLUMNS, "bitwise_repeat"), args.out)  # fmt: skip
+        rows = [r for shape in (args.shapes or DETERMINISTIC_VARIANT_SHAPES)
+                for r in variant_rows(shape, {**DETERMINISTIC_VARIANTS,
+                                              **(DETERMINISTIC_CAUSAL_VARIANTS if shape[5]
+                                                 else {})})]  # fmt: skip
         report("Ordered fused kernel: chains, signal lag, program order (kernel only)", rows,
                ("shape", "variant", "kernel_ms", "tflops", "max_grad_diff_vs_portable"),
                args.out and args.out.replace(".csv", "_orders.csv"))  # fmt: skip

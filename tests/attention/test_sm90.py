@@ -317,6 +317,29 @@ def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, tra
         assert sem is None
 
 
+@settings(max_examples=6, deadline=None)
+@given(
+    batch=st.integers(1, 2), heads=st.integers(1, 3), seq=st.integers(1, 150),
+    copies=st.integers(2, 4), transposed=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_the_deterministic_dq_copies_are_summed_in_order(batch, heads, seq, copies, transposed,
+                                                        seed):  # fmt: skip
+    """The deterministic backward's float32 dQ copies (one per chain) are added in copy order
+    into q's dtype and layout: exactly ``((c0 + c1) + c2) ...`` rounded once."""
+    gen = torch.Generator().manual_seed(seed)
+    acc = torch.randn(copies * batch, heads, seq, 64, generator=gen)
+    shape = (batch, seq, heads, 64) if transposed else (batch, heads, seq, 64)
+    q = torch.zeros(shape, dtype=torch.float16)
+    q = q.transpose(1, 2) if transposed else q
+    dq = _sm90.dq_sum(acc, q, copies)
+    parts = acc.view(copies, batch, heads, seq, 64)
+    total = parts[0].clone()
+    for c in range(1, copies):
+        total += parts[c]
+    assert dq.dtype == q.dtype and dq.stride() == q.stride()
+    assert torch.equal(dq, total.half())
+
+
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
 def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     """The Gluon source compiles for sm90 without a GPU (so CI checks it on its Triton)."""

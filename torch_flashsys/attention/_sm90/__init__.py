@@ -40,7 +40,7 @@ from torch_flashsys.attention._launch import (
     remember,
 )
 from torch_flashsys.attention._sm90._gluon import AVAILABLE, VERIFIED, TensorDescriptor, gl
-from torch_flashsys.attention._sm90._prep import attn_bwd_prep
+from torch_flashsys.attention._sm90._prep import attn_bwd_dq_sum, attn_bwd_prep
 from torch_flashsys.attention._tensors import empty_like_layout
 
 if AVAILABLE:
@@ -390,6 +390,22 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     return delta, dq_acc, sem
 
 
+_launch_dq_sum = LaunchCache(attn_bwd_dq_sum, n_tensors=2)
+
+
+def dq_sum(dq_acc: torch.Tensor, q: torch.Tensor, copies: int) -> torch.Tensor:
+    """dQ in q's dtype and layout: the sum of ``dq_acc``'s ``copies`` float32 copies ((copies x
+    B, H, L, d), contiguous), added in copy order (one kernel; the deterministic backward's)."""
+    batch, heads, seq_q, d = q.shape
+    dq = torch.empty_like(q)
+    key = (q.shape, dq.stride(), q.dtype, copies)
+    args = (dq_acc, dq, *dq.stride()[:3], heads, seq_q)
+    grid = (triton_cdiv(seq_q, PREP_BLOCK), batch * heads)
+    meta = {"COPIES": copies, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d}
+    _launch_dq_sum(key, lambda meta: grid, args, meta)
+    return dq
+
+
 _FUSED_PLANS: dict[tuple, tuple] = {}
 
 
@@ -462,5 +478,5 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS, key, index, args, plan)
     if copies > 1:  # the chains' sums, added in a fixed order
-        dq_acc = dq_acc.view(copies, *q.shape).sum(0)
+        return dq_sum(dq_acc, q, copies), dk, dv
     return torch.empty_like(q).copy_(dq_acc), dk, dv

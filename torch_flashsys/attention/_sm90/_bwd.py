@@ -582,6 +582,10 @@ if AVAILABLE:
         dq_b = b  # the dQ copy's batch row
         if DETERMINISTIC:
             gl.static_assert(DQ_TMA, "the ordered dQ sums are TMA reductions")
+            # A tile's predecessors in the sums' order must start first, or the kernel can wait
+            # forever: causal (from the last key tile down) the lightest first, else key order.
+            gl.static_assert(((ORDER & LIGHTEST_FIRST) != 0) == CAUSAL,
+                             "ordered dQ sums: LIGHTEST_FIRST exactly when causal")  # fmt: skip
             nb = n0 // (2 * BLOCK_N)
             nb_end = gl.cdiv(seq_k, 2 * BLOCK_N) - 1  # the last key tile
             dq_b = (nb % CHAINS) * (n_bhk // n_kv_heads) + b

@@ -38,3 +38,26 @@ def attn_bwd_prep(
         tl.store(dq, tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=ok[:, None])
         if HAS_SEM:
             tl.store(SEM + row * tl.num_programs(0) + tl.program_id(0), 0)
+
+
+@triton.jit(do_not_specialize=["seq_q"])
+def attn_bwd_dq_sum(
+    ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, COPIES: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """dQ = the sum of the deterministic backward's ``COPIES`` float32 dQ copies (``ACC``:
+    (COPIES x B, H, seq_q, HEAD_DIM), contiguous), added in copy order, in DQ's dtype and
+    layout. Program (row block, b * n_heads + h)."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    ok = (rows < seq_q)[:, None]
+    offs = rows[:, None] * HEAD_DIM + cols[None, :]
+    dq = tl.load(ACC + bh.to(tl.int64) * seq_q * HEAD_DIM + offs, mask=ok, other=0.0)
+    for c in tl.static_range(1, COPIES):
+        row = c * tl.num_programs(1) + bh
+        dq += tl.load(ACC + row.to(tl.int64) * seq_q * HEAD_DIM + offs, mask=ok, other=0.0)
+    b = (bh // n_heads).to(tl.int64)
+    h = (bh % n_heads).to(tl.int64)
+    out = DQ + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + cols[None, :]
+    tl.store(out, dq.to(DQ.dtype.element_ty), mask=ok)
