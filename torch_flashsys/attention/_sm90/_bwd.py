@@ -160,17 +160,41 @@ if AVAILABLE:
                                       [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
+    def _read_count(lock):
+        """The int32 at ``lock`` (a relaxed GPU-scope load, in every thread: issued early, its
+        latency hides behind the step's product)."""
+        return gl.inline_asm_elementwise(
+            "ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [lock.to(gl.int64, bitcast=True)],
+            dtype=gl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
     def _wait_turn(lock, turn):
-        """Spin until the int32 at ``lock`` reads ``turn`` (acquire, GPU scope); every thread
-        polls (one load per warp), no barrier per round."""
+        """Spin until the int32 at ``lock`` reads ``turn`` (relaxed GPU-scope loads); every thread
+        polls (one load per warp), no barrier per round. (No acquire: what the wait orders is
+        this warpgroup's next TMA reduction, an async-proxy operation that acquire semantics do
+        not cover; it issues after the loop exits, and the reduction it follows was complete in
+        global memory before its counter went up.)"""
         gl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b32 v;\n"
-            "WAIT_TURN: ld.acquire.gpu.global.b32 v, [$1];\n"
+            "WAIT_TURN: ld.relaxed.gpu.global.b32 v, [$1];\n"
             "setp.ne.s32 p, v, $2;\n"
             "@p bra WAIT_TURN;\n"
             "mov.u32 $0, v; }",
-            "=r,l,r", [lock.to(gl.int64, bitcast=True), turn], dtype=gl.int32, is_pure=False,
-            pack=1,
+            "=r,l,r", [lock.to(gl.int64, bitcast=True)
+                       , turn], dtype=gl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _count_up(lock):
+        """Add one to the int32 at ``lock`` (a release reduction at GPU scope, no value back),
+        from the warpgroup's first thread only (the caller's barrier first)."""
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t;\n"
+            "mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0;\n"
+            "@p red.release.gpu.global.add.s32 [$1], 1;\n"
+            "mov.u32 $0, 0; }",
+            "=r,l", [lock.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1,
         )  # fmt: skip
 
     @gluon.jit
@@ -603,6 +627,13 @@ if AVAILABLE:
             buf = step % NBUF
             ds0 = ds_smem.index(2 * buf).permute((1, 0))
             ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
+            if DETERMINISTIC:  # this step's counter, read before the product
+                lock = sem_base + g * n_m + m0 // BLOCK_M
+                turn = nb // CHAINS
+                if CAUSAL:
+                    last = gl.minimum((m0 + BLOCK_M - 1) // (2 * BLOCK_N), nb_end)
+                    turn = (last - nb) // CHAINS
+                seen = _read_count(lock)
             mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
             if PROBE == 3:
                 t1 = _clock(step)
@@ -632,12 +663,8 @@ if AVAILABLE:
                     fence_async_shared()
                     thread_barrier()
                     if DETERMINISTIC:
-                        lock = sem_base + g * n_m + m0 // BLOCK_M
-                        turn = nb // CHAINS
-                        if CAUSAL:
-                            last = gl.minimum((m0 + BLOCK_M - 1) // (2 * BLOCK_N), nb_end)
-                            turn = (last - nb) // CHAINS
-                        _wait_turn(lock, turn)
+                        if seen != turn:
+                            _wait_turn(lock, turn)
                     tma_reduce_add(dq_desc, [dq_b, hk * group + g, m0, 0], tile)  # rows past
                     # seq_q fall outside the descriptor and are dropped
                     if DETERMINISTIC:
@@ -645,12 +672,12 @@ if AVAILABLE:
                             _bulk_wait(step, 1)
                             thread_barrier()
                             if step > 0:
-                                gl.atomic_add(prev, 1, sem="release", scope="gpu")
+                                _count_up(prev)
                             prev = lock
                         else:  # this step's sums landed (not only read): its counter up
                             _bulk_wait(step, 0)
                             thread_barrier()
-                            gl.atomic_add(lock, 1, sem="release", scope="gpu")
+                            _count_up(lock)
                     if PROBE == 3:
                         t1 = _clock(step)
                         c3 += t1 - t
@@ -669,7 +696,7 @@ if AVAILABLE:
             if n_steps > 0:
                 _bulk_wait(n_steps, 0)
                 thread_barrier()
-                gl.atomic_add(prev, 1, sem="release", scope="gpu")
+                _count_up(prev)
         if PROBE == 3:
             Delta = outs[1]
             base = Delta + gl.program_id(0).to(gl.int64) * 48 + 32
