@@ -160,10 +160,10 @@ DETERMINISTIC_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, True
 # counter's signal a step late or at once, and (causal) the lightest key tiles of every head first
 # instead of one head's tiles after another.
 DETERMINISTIC_VARIANTS = {
-    "1 chain, signal at once": {"DETERMINISTIC": True, "CHAINS": 1, "SIGNAL_LAG": False},
-    "1 chain, signal lag": {"DETERMINISTIC": True, "CHAINS": 1, "SIGNAL_LAG": True},
-    "2 chains, signal lag": {"DETERMINISTIC": True, "CHAINS": 2, "SIGNAL_LAG": True},
-    "4 chains, signal lag": {"DETERMINISTIC": True, "CHAINS": 4, "SIGNAL_LAG": True},
+    "1 chain, signal at once": {"DETERMINISTIC": True, "CHAINS": 1, "SIGNAL_LAG": 0},
+    "2 chains, signal lag 1": {"DETERMINISTIC": True, "CHAINS": 2, "SIGNAL_LAG": 1},
+    "2 chains, signal lag 2": {"DETERMINISTIC": True, "CHAINS": 2, "SIGNAL_LAG": 2},
+    "4 chains, signal lag 2": {"DETERMINISTIC": True, "CHAINS": 4, "SIGNAL_LAG": 2},
     "unordered (default)": {},
 }  # fmt: skip
 # (causal only: the unordered kernel in the ordered one's program order, which isolates what the
@@ -357,10 +357,11 @@ CONSUMER_PHASES = ("wait Q/dO", "S^T+dP^T issue, wait S^T", "P^T (exp), to A lay
                    "wait dP^T, dV issue, dS^T", "wait dS buffer free", "dS^T store+fence+bar+arrive",
                    "dK issue, wait dV/dK, release")  # fmt: skip
 DQ_PHASES = ("wait dS^T", "dQ product, wait, release", "wait tile free (TMA)",
-             "store tile, fence, bar, reduce")  # fmt: skip
+             "store tile, fence, bar, reduce", "(ordered) wait turn",
+             "(ordered) sums landed, count up")  # fmt: skip
 
 
-def timeline_rows(shape) -> list[dict]:
+def timeline_rows(shape, extra: dict | None = None) -> list[dict]:
     """%clock64 cycles per step and phase of each partition of the fused kernel (PROBE == 3;
     summed over programs, divided by their steps), and the kernel time with and without the
     probes (they write into Delta: wrong gradients)."""
@@ -372,7 +373,7 @@ def timeline_rows(shape) -> list[dict]:
     rows = []
     for probe in (0, 3):
         launch, delta, _, _, _, grid = _fused_kernel(q, k, v, dout, o2, lse, causal,
-                                                     {"PROBE": probe})  # fmt: skip
+                                                     {**(extra or {}), "PROBE": probe})  # fmt: skip
         assert delta.numel() >= 48 * grid[0], "Delta too small for the probes' 48 floats each"
         ms = do_bench(launch, warmup=25, rep=200)
         rows.append({"shape": label, "partition": f"kernel (PROBE={probe})", "phase": "ms",
@@ -431,7 +432,7 @@ def main() -> None:
                         "unordered one and cuDNN beside them; then the ordered kernel's program "
                         "orders (kernel only; GPU)")  # fmt: skip
     args = p.parse_args()
-    if args.deterministic:
+    if args.deterministic and not args.timeline:
         shapes = args.shapes or DETERMINISTIC_SHAPES
         if not args.variants:
             rows = [r for shape in shapes for r in deterministic_rows(shape)]
@@ -446,7 +447,8 @@ def main() -> None:
                args.out and args.out.replace(".csv", "_orders.csv"))  # fmt: skip
         return
     if args.timeline:
-        rows = [r for shape in TIMELINE_SHAPES for r in timeline_rows(shape)]
+        extra = {"DETERMINISTIC": True} if args.deterministic else None
+        rows = [r for shape in TIMELINE_SHAPES for r in timeline_rows(shape, extra)]
         report("Fused kernel: %clock64 cycles per step and phase", rows,
                ("shape", "partition", "phase", "value"), args.out)  # fmt: skip
         return

@@ -113,7 +113,7 @@ SPLIT_ORDER = KEYS_FIRST  # the split kernel, causal too (H100: 1-13% faster tha
 # first, as the sums' order needs (a key tile's predecessors must start before it).
 DETERMINISTIC_CAUSAL_ORDER = LIGHTEST_FIRST | KEYS_FIRST
 DETERMINISTIC_CHAINS = 2  # dQ copies, each summed in its own order (``_bwd._fused_dq``)
-DETERMINISTIC_SIGNAL_LAG = True  # a step's counter counts up a step later (no wait for own sums)
+DETERMINISTIC_SIGNAL_LAG = 1  # a step's counter counts up this many steps later (``_fused_dq``)
 DETERMINISTIC_SEQ_Q = {  # (causal, GQA) -> the lengths where the ordered fused kernel runs
     (True, True): (1024, 16384),
     (True, False): (1024, 16384),
@@ -453,7 +453,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA or deterministic,
             "ORDER": order, "DETERMINISTIC": deterministic,
             "CHAINS": DETERMINISTIC_CHAINS if deterministic else 1,
-            "SIGNAL_LAG": deterministic and DETERMINISTIC_SIGNAL_LAG, "num_warps": NUM_WARPS,
+            "SIGNAL_LAG": DETERMINISTIC_SIGNAL_LAG if deterministic else 0, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 

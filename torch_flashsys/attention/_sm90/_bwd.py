@@ -569,9 +569,9 @@ if AVAILABLE:
         order, so that the sums are bitwise reproducible (FA3's deterministic backward). ``SEM``
         holds one int32 counter per (batch, query head, query tile), zeroed by the preprocessing
         kernel: the reduction of key tile ``nb`` waits until the counter reads its turn, completes
-        (not only reads its shared-memory tile), then counts one up (``SIGNAL_LAG``: a step
-        later, after the next step's reduction is issued, so the warpgroup never waits for its
-        own reduction to land). The turn: causal, from the last key tile that sees the query
+        (not only reads its shared-memory tile), then counts one up; ``SIGNAL_LAG`` (0, 1, 2)
+        steps later, after that many further reductions are issued, so that the warpgroup does
+        not wait for its own reductions to land. The turn: causal, from the last key tile that sees the query
         tile down (``nb_last - nb``: with the lightest tiles started first, ``ORDER``
         LIGHTEST_FIRST, a tile reaches a query tile two steps after the key tile above it);
         without a causal mask, ``nb`` (key tile 0 first). A tile's predecessors have smaller
@@ -614,12 +614,15 @@ if AVAILABLE:
             nb_end = gl.cdiv(seq_k, 2 * BLOCK_N) - 1  # the last key tile
             dq_b = (nb % CHAINS) * (n_bhk // n_kv_heads) + b
             sem_base = SEM + (dq_b * n_kv_heads + hk).to(gl.int64) * group * n_m
-            prev = sem_base  # SIGNAL_LAG: the counter of the step before
+            prev = sem_base  # SIGNAL_LAG: the counters of the step before and the one before it
+            prev2 = sem_base
         if PROBE == 3:
             c0 = n_steps.to(gl.int64) * 0
             c1 = c0
             c2 = c0
             c3 = c0
+            c4 = c0
+            c5 = c0
             t = _clock(n_steps)
         for step in range(n_steps):
             g = step // (n_m - m_lo)
@@ -663,21 +666,37 @@ if AVAILABLE:
                     fence_async_shared()
                     thread_barrier()
                     if DETERMINISTIC:
+                        if PROBE == 3:
+                            t1 = _clock(step)
+                            c3 += t1 - t
+                            t = t1
                         if seen != turn:
                             _wait_turn(lock, turn)
+                        if PROBE == 3:
+                            t1 = _clock(step)
+                            c4 += t1 - t
+                            t = t1
                     tma_reduce_add(dq_desc, [dq_b, hk * group + g, m0, 0], tile)  # rows past
                     # seq_q fall outside the descriptor and are dropped
                     if DETERMINISTIC:
-                        if SIGNAL_LAG:  # the step before's sums landed: its counter up
-                            _bulk_wait(step, 1)
-                            thread_barrier()
+                        # The sums of SIGNAL_LAG steps before landed: that step's counter up.
+                        _bulk_wait(step, SIGNAL_LAG)
+                        thread_barrier()
+                        if SIGNAL_LAG == 0:
+                            _count_up(lock)
+                        elif SIGNAL_LAG == 1:
                             if step > 0:
                                 _count_up(prev)
                             prev = lock
-                        else:  # this step's sums landed (not only read): its counter up
-                            _bulk_wait(step, 0)
-                            thread_barrier()
-                            _count_up(lock)
+                        else:
+                            if step > 1:
+                                _count_up(prev2)
+                            prev2 = prev
+                            prev = lock
+                        if PROBE == 3:
+                            t1 = _clock(step)
+                            c5 += t1 - t
+                            t = t1
                     if PROBE == 3:
                         t1 = _clock(step)
                         c3 += t1 - t
@@ -692,10 +711,13 @@ if AVAILABLE:
                     gl.atomic_add(base + offs, dq * sm_scale, mask=ok, sem="relaxed")
         if DQ_TMA:
             tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
-        if DETERMINISTIC and SIGNAL_LAG:
+        if DETERMINISTIC and SIGNAL_LAG > 0:  # the last steps' counters
+            _bulk_wait(n_steps, 0)
+            thread_barrier()
+            if SIGNAL_LAG == 2:
+                if n_steps > 1:
+                    _count_up(prev2)
             if n_steps > 0:
-                _bulk_wait(n_steps, 0)
-                thread_barrier()
                 _count_up(prev)
         if PROBE == 3:
             Delta = outs[1]
@@ -704,6 +726,8 @@ if AVAILABLE:
             gl.store(base + 1, c1.to(gl.float32))
             gl.store(base + 2, c2.to(gl.float32))
             gl.store(base + 3, c3.to(gl.float32))
+            gl.store(base + 4, c4.to(gl.float32))
+            gl.store(base + 5, c5.to(gl.float32))
             gl.store(base + 7, n_steps.to(gl.float32))
 
     # dQ = scale * sum_j dS_ij K_j; dK, dV as the dK/dV kernel. dQ is summed in float32 by TMA
@@ -718,7 +742,7 @@ if AVAILABLE:
         DQ_REGS: gl.constexpr, NBUF: gl.constexpr = 2, KV_RS: gl.constexpr = False,
         DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0, DQ_TMA: gl.constexpr = False,
         ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False, CHAINS: gl.constexpr = 1,
-        SIGNAL_LAG: gl.constexpr = False,
+        SIGNAL_LAG: gl.constexpr = 0,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
