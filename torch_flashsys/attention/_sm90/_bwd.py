@@ -149,14 +149,21 @@ if AVAILABLE:
 
     @gluon.jit
     def _bulk_wait(x, PENDING: gl.constexpr):
-        """Wait until all but ``PENDING`` (0 or 1) of this thread's TMA store and reduction groups
+        """Wait until all but ``PENDING`` (0 to 3) of this thread's TMA store and reduction groups
         are complete in global memory (``tma.store_wait`` waits only until their shared-memory
         sources are read). ``x``: any scalar (keeps the wait in place)."""
+        gl.static_assert(PENDING >= 0 and PENDING <= 3, "0 to 3 groups pending")
         if PENDING == 0:
             gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n mov.u32 $0, $1;", "=r,r",
                                       [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
-        else:
+        elif PENDING == 1:
             gl.inline_asm_elementwise("cp.async.bulk.wait_group 1;\n mov.u32 $0, $1;", "=r,r",
+                                      [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+        elif PENDING == 2:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 2;\n mov.u32 $0, $1;", "=r,r",
+                                      [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+        else:
+            gl.inline_asm_elementwise("cp.async.bulk.wait_group 3;\n mov.u32 $0, $1;", "=r,r",
                                       [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
@@ -184,6 +191,15 @@ if AVAILABLE:
             "=r,l,r", [lock.to(gl.int64, bitcast=True)
                        , turn], dtype=gl.int32, is_pure=False, pack=1,
         )  # fmt: skip
+
+    @gluon.jit
+    def _step_lock(sem_base, step, m_lo, n_m, BLOCK_M: gl.constexpr):
+        """The counter of the (query head of the group, query tile) that step ``step`` of a
+        program adds into. (Recomputed from the step: a pointer carried across iterations in a
+        variable assigned from another carried variable was not carried by Triton 3.6's
+        front end, and the kernel waited forever.)"""
+        g = step // (n_m - m_lo)
+        return sem_base + g * n_m + m_lo + step % (n_m - m_lo)
 
     @gluon.jit
     def _count_up(lock):
@@ -569,7 +585,7 @@ if AVAILABLE:
         order, so that the sums are bitwise reproducible (FA3's deterministic backward). ``SEM``
         holds one int32 counter per (batch, query head, query tile), zeroed by the preprocessing
         kernel: the reduction of key tile ``nb`` waits until the counter reads its turn, completes
-        (not only reads its shared-memory tile), then counts one up; ``SIGNAL_LAG`` (0, 1, 2)
+        (not only reads its shared-memory tile), then counts one up; ``SIGNAL_LAG`` (0 to 3)
         steps later, after that many further reductions are issued, so that the warpgroup does
         not wait for its own reductions to land. The turn: causal, from the last key tile that sees the query
         tile down (``nb_last - nb``: with the lightest tiles started first, ``ORDER``
@@ -614,8 +630,6 @@ if AVAILABLE:
             nb_end = gl.cdiv(seq_k, 2 * BLOCK_N) - 1  # the last key tile
             dq_b = (nb % CHAINS) * (n_bhk // n_kv_heads) + b
             sem_base = SEM + (dq_b * n_kv_heads + hk).to(gl.int64) * group * n_m
-            prev = sem_base  # SIGNAL_LAG: the counters of the step before and the one before it
-            prev2 = sem_base
         if PROBE == 3:
             c0 = n_steps.to(gl.int64) * 0
             c1 = c0
@@ -630,13 +644,12 @@ if AVAILABLE:
             buf = step % NBUF
             ds0 = ds_smem.index(2 * buf).permute((1, 0))
             ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
-            if DETERMINISTIC:  # this step's counter, read before the product
-                lock = sem_base + g * n_m + m0 // BLOCK_M
+            if DETERMINISTIC:  # this step's counter and the count it waits for
+                lock = _step_lock(sem_base, step, m_lo, n_m, BLOCK_M)
                 turn = nb // CHAINS
                 if CAUSAL:
                     last = gl.minimum((m0 + BLOCK_M - 1) // (2 * BLOCK_N), nb_end)
                     turn = (last - nb) // CHAINS
-                seen = _read_count(lock)
             mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
             if PROBE == 3:
                 t1 = _clock(step)
@@ -649,6 +662,8 @@ if AVAILABLE:
                 dq = warpgroup_mma(ds1, k1, dq, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ds0, ds1, k0, k1))[0]
                 mbarrier.arrive(ds_empty.index(buf), count=1)
+                if DETERMINISTIC:  # read now, used after the tile's store (latency hidden)
+                    seen = _read_count(lock)
                 if PROBE == 3:
                     t1 = _clock(step)
                     c1 += t1 - t
@@ -684,15 +699,9 @@ if AVAILABLE:
                         thread_barrier()
                         if SIGNAL_LAG == 0:
                             _count_up(lock)
-                        elif SIGNAL_LAG == 1:
-                            if step > 0:
-                                _count_up(prev)
-                            prev = lock
-                        else:
-                            if step > 1:
-                                _count_up(prev2)
-                            prev2 = prev
-                            prev = lock
+                        elif step >= SIGNAL_LAG:
+                            _count_up(_step_lock(sem_base, step - SIGNAL_LAG, m_lo, n_m,
+                                                 BLOCK_M))  # fmt: skip
                         if PROBE == 3:
                             t1 = _clock(step)
                             c5 += t1 - t
@@ -714,11 +723,8 @@ if AVAILABLE:
         if DETERMINISTIC and SIGNAL_LAG > 0:  # the last steps' counters
             _bulk_wait(n_steps, 0)
             thread_barrier()
-            if SIGNAL_LAG == 2:
-                if n_steps > 1:
-                    _count_up(prev2)
-            if n_steps > 0:
-                _count_up(prev)
+            for last in range(gl.maximum(n_steps - SIGNAL_LAG, 0), n_steps):
+                _count_up(_step_lock(sem_base, last, m_lo, n_m, BLOCK_M))
         if PROBE == 3:
             Delta = outs[1]
             base = Delta + gl.program_id(0).to(gl.int64) * 48 + 32
