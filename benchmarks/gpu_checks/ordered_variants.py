@@ -14,11 +14,11 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = {
+    "unordered (not deterministic)": {"DETERMINISTIC": False},
+    "1 chain, lag 1": {"CHAINS": 1, "SIGNAL_LAG": 1},
     "2 chains, lag 1": {"CHAINS": 2, "SIGNAL_LAG": 1},
     "2 chains, lag 2": {"CHAINS": 2, "SIGNAL_LAG": 2},
-    "4 chains, lag 2": {"CHAINS": 4, "SIGNAL_LAG": 2},
     "4 chains, lag 3": {"CHAINS": 4, "SIGNAL_LAG": 3},
-    "1 chain, lag 0": {"CHAINS": 1, "SIGNAL_LAG": 0},
 }
 SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, True), (4, 16, 16, 4096, 64, False)]
 CODE = """

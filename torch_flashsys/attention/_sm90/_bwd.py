@@ -167,15 +167,6 @@ if AVAILABLE:
                                       [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
-    def _read_count(lock):
-        """The int32 at ``lock`` (a relaxed GPU-scope load, in every thread: issued early, its
-        latency hides behind the step's product)."""
-        return gl.inline_asm_elementwise(
-            "ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [lock.to(gl.int64, bitcast=True)],
-            dtype=gl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-    @gluon.jit
     def _wait_turn(lock, turn):
         """Spin until the int32 at ``lock`` reads ``turn`` (relaxed GPU-scope loads); every thread
         polls (one load per warp), no barrier per round. (No acquire: what the wait orders is
@@ -203,15 +194,36 @@ if AVAILABLE:
 
     @gluon.jit
     def _count_up(lock):
-        """Add one to the int32 at ``lock`` (a release reduction at GPU scope, no value back),
-        from the warpgroup's first thread only (the caller's barrier first)."""
+        """Add one to the int32 at ``lock`` (a release reduction at GPU scope, no value back) from
+        lane 0 (a one-warp partition's call: one addition)."""
         gl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b32 t;\n"
-            "mov.u32 t, %tid.x; and.b32 t, t, 127; setp.eq.u32 p, t, 0;\n"
+            "mov.u32 t, %laneid; setp.eq.u32 p, t, 0;\n"
             "@p red.release.gpu.global.add.s32 [$1], 1;\n"
             "mov.u32 $0, 0; }",
             "=r,l", [lock.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1,
         )  # fmt: skip
+
+    @gluon.jit
+    def _ordered_setup(n0, b, hk, n_bhk, n_kv_heads, group, seq_k, n_m, SEM,
+                       CHAINS: gl.constexpr, BLOCK_N2: gl.constexpr):  # fmt: skip
+        """The ordered dQ sums of this program's key tile: ``(nb, last key tile, its dQ copy's
+        batch row, its counters' base)``."""
+        nb = n0 // BLOCK_N2
+        nb_end = gl.cdiv(seq_k, BLOCK_N2) - 1
+        dq_b = (nb % CHAINS) * (n_bhk // n_kv_heads) + b
+        return nb, nb_end, dq_b, SEM + (dq_b * n_kv_heads + hk).to(gl.int64) * group * n_m
+
+    @gluon.jit
+    def _turn(m0, nb, nb_end, CAUSAL: gl.constexpr, CHAINS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N2: gl.constexpr):  # fmt: skip
+        """The count key tile ``nb`` waits for before adding into query tile ``m0``'s dQ (its
+        copy's tiles before it in the sums' order: causal, those above it that see the query
+        tile; else those below it)."""
+        turn = nb // CHAINS
+        if CAUSAL:
+            turn = (gl.minimum((m0 + BLOCK_M - 1) // BLOCK_N2, nb_end) - nb) // CHAINS
+        return turn
 
     @gluon.jit
     def _clock(x):
@@ -573,8 +585,8 @@ if AVAILABLE:
     @gluon.jit
     def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                   PROBE: gl.constexpr, DQ_TMA: gl.constexpr, ORDER: gl.constexpr, SEM,
-                  DETERMINISTIC: gl.constexpr, CHAINS: gl.constexpr,
-                  SIGNAL_LAG: gl.constexpr):  # fmt: skip
+                  DETERMINISTIC: gl.constexpr, CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr,
+                  syncs):  # fmt: skip
         """The dQ warpgroup: per step, dQ_i += scale * dS_i K over the program's 2 x BLOCK_N keys
         (both consumers' dS^T tiles from shared memory, K as loaded), added into the float32
         dQ buffer, so the consumers never wait on the reduction: with atomics from registers,
@@ -626,10 +638,10 @@ if AVAILABLE:
             # forever: causal (from the last key tile down) the lightest first, else key order.
             gl.static_assert(((ORDER & LIGHTEST_FIRST) != 0) == CAUSAL,
                              "ordered dQ sums: LIGHTEST_FIRST exactly when causal")  # fmt: skip
-            nb = n0 // (2 * BLOCK_N)
-            nb_end = gl.cdiv(seq_k, 2 * BLOCK_N) - 1  # the last key tile
-            dq_b = (nb % CHAINS) * (n_bhk // n_kv_heads) + b
-            sem_base = SEM + (dq_b * n_kv_heads + hk).to(gl.int64) * group * n_m
+            turn_ok, landed = syncs
+            NSYNC: gl.constexpr = turn_ok.type.shape[0]
+            dq_b = _ordered_setup(n0, b, hk, n_bhk, n_kv_heads, group, seq_k, n_m, SEM, CHAINS,
+                                  2 * BLOCK_N)[2]  # fmt: skip
         if PROBE == 3:
             c0 = n_steps.to(gl.int64) * 0
             c1 = c0
@@ -644,12 +656,6 @@ if AVAILABLE:
             buf = step % NBUF
             ds0 = ds_smem.index(2 * buf).permute((1, 0))
             ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
-            if DETERMINISTIC:  # this step's counter and the count it waits for
-                lock = _step_lock(sem_base, step, m_lo, n_m, BLOCK_M)
-                turn = nb // CHAINS
-                if CAUSAL:
-                    last = gl.minimum((m0 + BLOCK_M - 1) // (2 * BLOCK_N), nb_end)
-                    turn = (last - nb) // CHAINS
             mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
             if PROBE == 3:
                 t1 = _clock(step)
@@ -662,8 +668,6 @@ if AVAILABLE:
                 dq = warpgroup_mma(ds1, k1, dq, is_async=True)
                 dq = warpgroup_mma_wait(0, deps=(dq, ds0, ds1, k0, k1))[0]
                 mbarrier.arrive(ds_empty.index(buf), count=1)
-                if DETERMINISTIC:  # read now, used after the tile's store (latency hidden)
-                    seen = _read_count(lock)
                 if PROBE == 3:
                     t1 = _clock(step)
                     c1 += t1 - t
@@ -685,8 +689,8 @@ if AVAILABLE:
                             t1 = _clock(step)
                             c3 += t1 - t
                             t = t1
-                        if seen != turn:
-                            _wait_turn(lock, turn)
+                        # the sync warp saw this tile's turn come
+                        mbarrier.wait(turn_ok.index(step % NSYNC), (step // NSYNC) & 1)
                         if PROBE == 3:
                             t1 = _clock(step)
                             c4 += t1 - t
@@ -694,14 +698,12 @@ if AVAILABLE:
                     tma_reduce_add(dq_desc, [dq_b, hk * group + g, m0, 0], tile)  # rows past
                     # seq_q fall outside the descriptor and are dropped
                     if DETERMINISTIC:
-                        # The sums of SIGNAL_LAG steps before landed: that step's counter up.
+                        # The sums of SIGNAL_LAG steps before landed: the sync warp counts up.
                         _bulk_wait(step, SIGNAL_LAG)
                         thread_barrier()
-                        if SIGNAL_LAG == 0:
-                            _count_up(lock)
-                        elif step >= SIGNAL_LAG:
-                            _count_up(_step_lock(sem_base, step - SIGNAL_LAG, m_lo, n_m,
-                                                 BLOCK_M))  # fmt: skip
+                        if step >= SIGNAL_LAG:
+                            done = step - SIGNAL_LAG
+                            mbarrier.arrive(landed.index(done % NSYNC), count=1)
                         if PROBE == 3:
                             t1 = _clock(step)
                             c5 += t1 - t
@@ -720,11 +722,11 @@ if AVAILABLE:
                     gl.atomic_add(base + offs, dq * sm_scale, mask=ok, sem="relaxed")
         if DQ_TMA:
             tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
-        if DETERMINISTIC and SIGNAL_LAG > 0:  # the last steps' counters
+        if DETERMINISTIC and SIGNAL_LAG > 0:  # the last steps' sums landed
             _bulk_wait(n_steps, 0)
             thread_barrier()
-            for last in range(gl.maximum(n_steps - SIGNAL_LAG, 0), n_steps):
-                _count_up(_step_lock(sem_base, last, m_lo, n_m, BLOCK_M))
+            for done in range(gl.maximum(n_steps - SIGNAL_LAG, 0), n_steps):
+                mbarrier.arrive(landed.index(done % NSYNC), count=1)
         if PROBE == 3:
             Delta = outs[1]
             base = Delta + gl.program_id(0).to(gl.int64) * 48 + 32
@@ -735,6 +737,40 @@ if AVAILABLE:
             gl.store(base + 4, c4.to(gl.float32))
             gl.store(base + 5, c5.to(gl.float32))
             gl.store(base + 7, n_steps.to(gl.float32))
+
+    @gluon.jit
+    def _fused_sync(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                    ORDER: gl.constexpr, SEM, CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr,
+                    syncs):  # fmt: skip
+        """The ordered dQ sums' sync warp (DETERMINISTIC): per step, it polls the counter of the
+        query tile the step adds into until the key tile's turn comes, says so to the dQ
+        warpgroup (``turn_ok``, a ring of mbarriers), and once the dQ warpgroup says that step's
+        sums landed (``landed``, SIGNAL_LAG steps later) counts the counter up. The global
+        memory round trips stay off the dQ warpgroup (whose barriers would wait for them);
+        this warp runs ahead by the ring's depth."""
+        q_desc, k_desc = descs[0], descs[1]
+        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
+        turn_ok, landed = syncs
+        NSYNC: gl.constexpr = turn_ok.type.shape[0]
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N2: gl.constexpr = 2 * k_desc.block_type.shape[2]
+        b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, BLOCK_N2,
+                                             CAUSAL, ORDER)  # fmt: skip
+        nb, nb_end, dq_b, sem_base = _ordered_setup(n0, b, hk, n_bhk, n_kv_heads, group, seq_k,
+                                                    n_m, SEM, CHAINS, BLOCK_N2)  # fmt: skip
+        n_steps = group * (n_m - m_lo)
+        for step in range(n_steps):
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
+            _wait_turn(_step_lock(sem_base, step, m_lo, n_m, BLOCK_M),
+                       _turn(m0, nb, nb_end, CAUSAL, CHAINS, BLOCK_M, BLOCK_N2))  # fmt: skip
+            mbarrier.arrive(turn_ok.index(step % NSYNC), count=1)
+            if step >= SIGNAL_LAG:
+                done = step - SIGNAL_LAG
+                mbarrier.wait(landed.index(done % NSYNC), (done // NSYNC) & 1)
+                _count_up(_step_lock(sem_base, done, m_lo, n_m, BLOCK_M))
+        for done in range(gl.maximum(n_steps - SIGNAL_LAG, 0), n_steps):
+            mbarrier.wait(landed.index(done % NSYNC), (done // NSYNC) & 1)
+            _count_up(_step_lock(sem_base, done, m_lo, n_m, BLOCK_M))
 
     # dQ = scale * sum_j dS_ij K_j; dK, dV as the dK/dV kernel. dQ is summed in float32 by TMA
     # bulk reductions (DQ_TMA) or atomics (not reproducible bit for bit: the order of the
@@ -792,19 +828,43 @@ if AVAILABLE:
         # fmt: off
         # (The two consumers' argument tuples are written out: a tuple held in a variable loses
         # its constexpr members.)
-        gl.warp_specialize(
-            [
-                (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS,
-                                    PROBE, ORDER)),
-                (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS,
-                                    PROBE, ORDER)),
-                (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
-                             ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG)),
-                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
-            ],
-            [4, 4, 1],
-            [CONSUMER_REGS, DQ_REGS, 40],  # (the load warp: 24 without the stats)
-        )
+        if DETERMINISTIC:  # the sync warp's rings: turn come, sums landed (4 > SIGNAL_LAG)
+            gl.static_assert(SIGNAL_LAG < 4, "the rings hold 4 steps")
+            turn_ok = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+            landed = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(4):
+                mbarrier.init(turn_ok.index(i), count=1)
+                mbarrier.init(landed.index(i), count=1)
+            syncs = (turn_ok, landed)
+            gl.warp_specialize(
+                [
+                    (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
+                                        DK_RS, PROBE, ORDER)),
+                    (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
+                                        DK_RS, PROBE, ORDER)),
+                    (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
+                                 ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs)),
+                    (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
+                    (_fused_sync, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                   CHAINS, SIGNAL_LAG, syncs)),
+                ],
+                [4, 4, 1, 1],
+                [CONSUMER_REGS, DQ_REGS, 40, 24],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
+                                        DK_RS, PROBE, ORDER)),
+                    (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
+                                        DK_RS, PROBE, ORDER)),
+                    (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
+                                 ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG, None)),
+                    (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, DQ_REGS, 40],  # (the load warp: 24 without the stats)
+            )
         # fmt: on
 
     # The head-dim-128 fused backward. The consumers' dK and dV (64 keys x 128 floats each) leave
