@@ -260,6 +260,28 @@ def test_the_split_backward_runs_by_default_where_it_measured_faster(heads, kv_h
     assert _fused_by_default(heads, kv_heads, seq, seq_k, 128, causal) is fused
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq", "d", "causal", "fused"),
+    [(16, 16, 16384, 64, True, True), (16, 4, 1024, 64, True, True),
+     (16, 16, 512, 64, True, False), (16, 16, 32768, 64, True, False),
+     (16, 16, 4096, 64, False, False), (16, 4, 4096, 64, False, False),
+     (16, 16, 4096, 128, True, False)],
+)  # fmt: skip
+def test_the_deterministic_backward_takes_the_ordered_kernel_where_it_measured_faster(
+    heads, kv_heads, seq, d, causal, fused
+):
+    """Under deterministic algorithms (H100, ``benchmarks/sm90_bwd.py --deterministic``,
+    docs/benchmarks.md): the ordered fused kernel for causal head-dim-64 problems of 1024-16384
+    rows; without a causal mask (its key tiles wait for each other: no faster than the portable
+    backward) and at head dim 128 (no ordered split kernel), the portable backward."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert _fused_by_default(heads, kv_heads, seq, seq, d, causal) is fused
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
 def test_the_fused_backward_switch_is_read_at_import():
     """TORCH_FLASHSYS_SM90_BWD=fused turns the fused backward on wherever the forward is on, for
     every problem it can run; =1 the dK/dV kernel instead, =0 neither; unset, FUSED_DEFAULT

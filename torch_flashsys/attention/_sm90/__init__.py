@@ -112,13 +112,17 @@ SPLIT_ORDER = KEYS_FIRST  # the split kernel, causal too (H100: 1-13% faster tha
 # Deterministic (ordered dQ sums, head dim 64; docs/attention.md): causal, the lightest key tiles
 # first, as the sums' order needs (a key tile's predecessors must start before it).
 DETERMINISTIC_CAUSAL_ORDER = LIGHTEST_FIRST | KEYS_FIRST
-DETERMINISTIC_CHAINS = 2  # dQ copies, each summed in its own order (``_bwd._fused_dq``)
-DETERMINISTIC_SIGNAL_LAG = 1  # a step's counter counts up this many steps later (``_fused_dq``)
+# dQ copies, each summed in its own order, and how many steps later a step's counter counts up
+# (``_bwd._fused_dq``; ``benchmarks/gpu_checks/ordered_variants.py``: 2 and 1 were the fastest
+# causal pair, 1.11x the unordered kernel's time at (1, 16, 16384, 64), where one copy took 1.33x).
+DETERMINISTIC_CHAINS = 2
+DETERMINISTIC_SIGNAL_LAG = 1
 DETERMINISTIC_SEQ_Q = {  # (causal, GQA) -> the lengths where the ordered fused kernel runs
     (True, True): (1024, 16384),
     (True, False): (1024, 16384),
-    (False, True): (2048, 16384),
-    (False, False): (2048, 16384),
+    # Without a causal mask every key tile reaches a query tile at the same step, so each waits
+    # for the one before it: 1.36x the unordered kernel (two copies), no faster than the
+    # portable backward; it keeps the portable one.
 }
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
