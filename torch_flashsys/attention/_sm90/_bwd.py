@@ -595,20 +595,23 @@ if AVAILABLE:
 
         ``DETERMINISTIC`` (with ``DQ_TMA``): the key tiles add into a query tile's dQ in a fixed
         order, so that the sums are bitwise reproducible (FA3's deterministic backward). ``SEM``
-        holds one int32 counter per (batch, query head, query tile), zeroed by the preprocessing
-        kernel: the reduction of key tile ``nb`` waits until the counter reads its turn, completes
-        (not only reads its shared-memory tile), then counts one up; ``SIGNAL_LAG`` (0 to 3)
-        steps later, after that many further reductions are issued, so that the warpgroup does
-        not wait for its own reductions to land. The turn: causal, from the last key tile that sees the query
-        tile down (``nb_last - nb``: with the lightest tiles started first, ``ORDER``
-        LIGHTEST_FIRST, a tile reaches a query tile two steps after the key tile above it);
-        without a causal mask, ``nb`` (key tile 0 first). A tile's predecessors have smaller
-        program ids, so they are running or done (the hardware starts programs in id order),
-        and the waits point one way (to higher key tiles, causal; else lower), so none is
-        circular. ``CHAINS`` (1, 2, 4): key tile ``nb`` adds into dQ copy ``nb % CHAINS``
-        (``DQ``, ``SEM``: CHAINS x batch rows), each copy its own order, summed in a fixed order
-        after the kernel: a tile's predecessor is CHAINS key tiles away, 2 x CHAINS steps ahead
-        (causal), more than a reduction's round trip."""
+        holds one int32 counter per (dQ copy x batch, query head, query tile), zeroed by the
+        preprocessing kernel; key tile ``nb`` adds into a query tile only when its counter reads
+        the tile's turn, and the counter counts up once the addition has landed in global memory
+        (not only once its shared-memory tile was read). The sync warp (:func:`_fused_sync`)
+        does the polling and the counting; this warpgroup waits on its ``turn_ok`` ring before
+        each reduction and, ``SIGNAL_LAG`` (0 to 3) steps later (after that many further
+        reductions are issued, so it never waits for its own reductions to land), arrives on
+        ``landed``. The turn: causal, from the last key tile that sees the query tile down
+        (``nb_last - nb``: with the lightest tiles started first, ``ORDER`` LIGHTEST_FIRST, a
+        tile reaches a query tile two steps after the key tile above it); without a causal mask,
+        ``nb`` (key tile 0 first). A tile's predecessors have smaller program ids, so they are
+        running or done (the hardware starts programs in id order), and the waits point one
+        way (to higher key tiles, causal; else lower), so none is circular. ``CHAINS`` (1, 2,
+        4): key tile ``nb`` adds into dQ copy ``nb % CHAINS`` (``DQ``, ``SEM``: CHAINS x batch
+        rows), each copy in its own order, summed in copy order after the kernel: a tile's
+        predecessor is CHAINS key tiles away, 2 x CHAINS steps ahead (causal), more than a
+        reduction's round trip."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
