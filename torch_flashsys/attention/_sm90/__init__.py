@@ -19,9 +19,12 @@ runs a fused Gluon kernel (after the preprocessing kernel ``_prep``) at the leng
 measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at the lengths in
 ``FUSED_SEQ_Q`` (causal 1024-16384, without a causal mask 2048-16384); head dim 128,
 ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (1024-16384, causal without GQA from
-2048). Not when ``torch.are_deterministic_algorithms_enabled()``: their dQ is summed in float32
-by TMA bulk reductions in no fixed order, so it is not bitwise reproducible.
-Every other backward is the portable one (deterministic; it reads the same ``out`` and ``lse``).
+2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed order, so it is not
+bitwise reproducible; when ``torch.are_deterministic_algorithms_enabled()``, the head-dim-64
+kernel runs with its dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in
+``DETERMINISTIC_SEQ_Q`` (causal without GQA, 4096-16384), and every other problem takes the
+portable backward. Every other backward is the portable one (deterministic; it reads the same
+``out`` and ``lse``).
 The switches are below.
 """
 
@@ -76,7 +79,9 @@ ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFI
 # on an H100 (query lengths in FUSED_SEQ_Q per kind of problem; docs/benchmarks.md), the portable
 # backward the rest. ``TORCH_FLASHSYS_SM90_BWD=fused``: the fused kernel for every problem it can
 # run (FUSED_ALL); ``=1``: the deterministic dK/dV kernel after the portable dQ kernel; ``=0``:
-# neither. Under torch.use_deterministic_algorithms(True) the fused kernel never runs.
+# neither. Under torch.use_deterministic_algorithms(True) the head-dim-64 fused kernel runs with
+# ordered dQ sums (at DETERMINISTIC_SEQ_Q's lengths, or everywhere with FUSED_ALL), the split
+# kernel never.
 _BWD_MODE = os.environ.get("TORCH_FLASHSYS_SM90_BWD", "")
 BWD_ENABLED = ENABLED and _BWD_MODE == "1"
 FUSED_DEFAULT = True
