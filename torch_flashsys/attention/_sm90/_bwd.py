@@ -18,7 +18,9 @@ partitions:
 The fused kernels add dQ (five products, S and dP computed once): ``attn_bwd_sm90`` (head dim 64)
 with a third warpgroup that computes dQ from the consumers' dS^T tiles, ``attn_bwd_split_sm90``
 (head dim 128, whose dK and dV fill the consumers' registers) with the consumers computing half of
-dQ's columns each; both add their float32 dQ tiles by TMA bulk reductions (in no fixed order).
+dQ's columns each; both add their float32 dQ tiles by TMA bulk reductions (in no fixed order;
+``attn_bwd_sm90`` with ``DETERMINISTIC`` in a fixed one, paced by a sync warp: ``_fused_dq``,
+``_fused_sync``).
 
 The dK/dV kernel is deterministic: every dK/dV row is summed by one program in a fixed order, no
 atomics. Query rows past ``seq_q`` read as zeros (TMA bounds) and their LSE as +inf, so their P is
