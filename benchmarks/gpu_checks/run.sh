@@ -150,6 +150,16 @@ sm90bwd() {  # the Hopper backward kernels (opt-in): their GPU tests, the A/B, t
   [ -f "$OUT/bwd_rule.md" ] && show bwd_rule 34
 }
 
+deterministic() {  # the ordered (deterministic) fused backward: its GPU tests, then the A/B
+  # under torch.use_deterministic_algorithms(True) against the portable backward and cuDNN
+  # (DET_SHAPES, e.g. "1x16/16x16384x128c,..."; default: sm90_bwd.py's DETERMINISTIC_SHAPES)
+  HYPOTHESIS_PROFILE=gpu step det_tests "${DET_TEST_TIMEOUT:-200}" python3 -m pytest -q -rf \
+    -p no:cacheprovider -m gpu -n 4 -x tests/attention/test_sm90.py -k deterministic
+  step det_bench "${DET_BENCH_TIMEOUT:-300}" python3 benchmarks/sm90_bwd.py --deterministic \
+    ${DET_SHAPES:+--shapes "$DET_SHAPES"} --out "$OUT/sm90_deterministic.csv"
+  shows det_tests:4 det_bench:60
+}
+
 context_parallel() {
   local n=${NPROC:-$(ngpus 2)} marker=gpu modes=ring
   [ "$n" -ge 2 ] && marker="gpu or multigpu" && modes=ring,ulysses
@@ -167,7 +177,7 @@ echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: \
 $(git status --porcelain 2>/dev/null | wc -l))" | tee -a "$OUT/env.txt"
 for section in "${@:-tests}"; do
   case $section in
-    tests | attention | features | startup | tune | harness | ddp | sharded | e2e | context_parallel | sm90bwd) "$section" ;;
+    tests | attention | features | startup | tune | harness | ddp | sharded | e2e | context_parallel | sm90bwd | deterministic) "$section" ;;
     *) echo "unknown section $section (see docs/benchmarking.md)" >&2 && exit 2 ;;
   esac
 done
