@@ -176,6 +176,19 @@ def test_the_fused_backward_takes_head_dims_64_and_128_and_64_for_determinism():
                 torch.use_deterministic_algorithms(deterministic)
 
 
+@contextmanager
+def _deterministic_algorithms():
+    """``torch.use_deterministic_algorithms(True, warn_only=True)`` (warn only: the float64
+    references' cuBLAS calls would raise without CUBLAS_WORKSPACE_CONFIG), restored after."""
+    saved = torch.are_deterministic_algorithms_enabled()
+    saved_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved, warn_only=saved_warn)
+
+
 def _fused_by_default(heads: int, kv_heads: int, seq: int, seq_k: int, d: int,
                       causal: bool) -> bool:  # fmt: skip
     """Whether the default rule (no FUSED_ALL) sends this problem's backward to a fused kernel,
@@ -239,9 +252,14 @@ def test_the_deterministic_fused_backward_starts_a_tiles_predecessors_first(caus
     sums' order (causal: the higher key tiles; else the lower ones), and waits for them, so
     those must have smaller program ids (started first), or the kernel could wait forever:
     causal, the lightest tiles first (LIGHTEST_FIRST)."""
+    from torch_flashsys.attention._sm90 import _bwd
+
     meta = _sm90.fused_constexprs(64, causal, torch.bfloat16, group, deterministic=True)
     assert meta["DETERMINISTIC"] is True and meta["DQ_TMA"] is True
     assert bool(meta["ORDER"] & _sm90.LIGHTEST_FIRST) is causal
+    # the host's ORDER bits are the kernel's
+    assert (_bwd.KEYS_FIRST.value, _bwd.LIGHTEST_FIRST.value) == (_sm90.KEYS_FIRST,
+                                                                  _sm90.LIGHTEST_FIRST)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -276,12 +294,8 @@ def test_the_deterministic_backward_takes_the_ordered_kernel_where_it_measured_f
     of 4096-16384 rows (0.85-0.98x the portable backward's time; 1.16-1.35x at 1024-2048); with
     GQA (1.02-1.04x), without a causal mask (its key tiles wait for each other) and at head dim
     128 (no ordered split kernel), the portable backward."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True)
+    with _deterministic_algorithms():
         assert _fused_by_default(heads, kv_heads, seq, seq, d, causal) is fused
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
 
 
 def test_the_fused_backward_switch_is_read_at_import():
@@ -526,19 +540,6 @@ def test_fused_backward_matches_float64(case, dtype):
     with _fused_backward() as spy:
         check_against_reference(case, dtype, _run(case), device="cuda")
     assert spy.call_count == 1
-
-
-@contextmanager
-def _deterministic_algorithms():
-    """``torch.use_deterministic_algorithms(True, warn_only=True)`` (warn only: the float64
-    references' cuBLAS calls would raise without CUBLAS_WORKSPACE_CONFIG), restored after."""
-    saved = torch.are_deterministic_algorithms_enabled()
-    saved_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(saved, warn_only=saved_warn)
 
 
 @gpu

@@ -64,8 +64,9 @@ _INTEGER_ARGS = [
 if AVAILABLE:
     LOG2E = gl.constexpr(1.4426950408889634)
 
-    KEYS_FIRST = gl.constexpr(1)  # ORDER bits: one head's key tiles after another
-    LIGHTEST_FIRST = gl.constexpr(2)  # ORDER bits: the key tiles in descending order
+    # ORDER bits (the host's names for them: _sm90.KEYS_FIRST, _sm90.LIGHTEST_FIRST, same values)
+    KEYS_FIRST = gl.constexpr(1)  # one head's key tiles after another
+    LIGHTEST_FIRST = gl.constexpr(2)  # the key tiles in descending order
 
     @gluon.jit
     def _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M: gl.constexpr, BLOCK_N2: gl.constexpr,
@@ -170,19 +171,19 @@ if AVAILABLE:
 
     @gluon.jit
     def _wait_turn(lock, turn):
-        """Spin until the int32 at ``lock`` reads ``turn`` (relaxed GPU-scope loads); every thread
-        polls (one load per warp), no barrier per round. (No acquire: what the wait orders is
-        this warpgroup's next TMA reduction, an async-proxy operation that acquire semantics do
-        not cover; it issues after the loop exits, and the reduction it follows was complete in
-        global memory before its counter went up.)"""
+        """Spin until the int32 at ``lock`` reads ``turn`` (relaxed GPU-scope loads); each lane
+        polls, no barrier per round. (No acquire: what the wait orders is a TMA reduction, an
+        async-proxy operation that acquire semantics do not cover, issued only after the sync
+        warp's ``turn_ok`` arrival that follows this loop; the reduction it follows was
+        complete in global memory before its counter went up.)"""
         gl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b32 v;\n"
             "WAIT_TURN: ld.relaxed.gpu.global.b32 v, [$1];\n"
             "setp.ne.s32 p, v, $2;\n"
             "@p bra WAIT_TURN;\n"
             "mov.u32 $0, v; }",
-            "=r,l,r", [lock.to(gl.int64, bitcast=True)
-                       , turn], dtype=gl.int32, is_pure=False, pack=1,
+            "=r,l,r", [lock.to(gl.int64, bitcast=True), turn], dtype=gl.int32, is_pure=False,
+            pack=1,
         )  # fmt: skip
 
     @gluon.jit
