@@ -100,8 +100,8 @@ harness() {
 ddp() {
   local n=${NPROC:-$(ngpus)} marker=gpu
   [ "$n" -ge 2 ] && marker="gpu or multigpu"
-  [ "${SKIP_TESTS:-0}" != 1 ] && step ddp_tests 200 python3 -m pytest -q -p no:cacheprovider \
-    -m "$marker" tests/distributed
+  [ "${SKIP_TESTS:-0}" != 1 ] && step ddp_tests "${DDP_TEST_TIMEOUT:-200}" python3 -m pytest -v \
+    -p no:cacheprovider -rf --durations=20 -n "${DDP_WORKERS:-1}" -m "$marker" tests/distributed
   # The benchmark gets what is left but ~150 s kept for the profile; it starts no round that
   # would not fit (round 1 always runs: about 80 s on one H200 for the 11 variants).
   local bench=$(($(left 530) - 150)) v=plain,torch-ddp,torch-ddp-zero,torch-fsdp2,torch-fsdp2-noreshard
@@ -114,7 +114,8 @@ ddp() {
     --nproc_per_node="$n" benchmarks/ddp.py ${BENCH_ARGS:---preset 2.0B} --profile "$OUT/profile" \
     --warmup 2 --profile-steps 3 --time-budget "$prof" \
     --variants plain,torch-ddp,ours-ddp,ours-ddp-copy,torch-ddp-zero,ours-ddp-zero2
-  [ -f "$OUT/ddp_tests.md" ] && show ddp_tests 4
+  [ -f "$OUT/ddp_tests.md" ] && grep -E "PASSED|FAILED|ERROR" "$OUT/ddp_tests.md" | cut -c1-120 \
+    && show ddp_tests 4
   [ -f "$OUT/ddp_profile.md" ] && show ddp_profile 24
   show ddp_bench 18
 }
