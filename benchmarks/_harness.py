@@ -128,6 +128,50 @@ def profiled(step: Callable, iters: int, warmup: int = 1, record: bool = True):
     return prof, ms
 
 
+def _merged(intervals) -> list[list[float]]:
+    """The union of ``(start, end)`` intervals as sorted, disjoint ``[start, end]`` pairs."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return out
+
+
+def _common(a: list[list[float]], b: list[list[float]]) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        i, j = (i + 1, j) if a[i][1] < b[j][1] else (i, j + 1)
+    return total
+
+
+def comm_overlap(kernels, iters: int, is_comm: Callable[[str], bool]) -> dict[str, float]:
+    """How much of one GPU's communication ran beside computation, per iteration (ms).
+
+    ``kernels``: ``(name, start_us, end_us)`` of the GPU activity in a profile (torch.profiler's
+    CUDA events). Communication is the union of the ``is_comm`` kernels (NCCL's, including their
+    wait for the other ranks), computation the union of the rest; ``hidden_ms`` is the time both
+    ran, ``exposed_comm_ms`` the communication time with no computation beside it."""
+    comm = _merged((s, e) for n, s, e in kernels if is_comm(n))
+    compute = _merged((s, e) for n, s, e in kernels if not is_comm(n))
+    total, hidden = sum(e - s for s, e in comm), _common(comm, compute)
+    ms = lambda us: us / 1e3 / iters
+    return {"compute_ms": ms(sum(e - s for s, e in compute)), "comm_ms": ms(total),
+            "hidden_ms": ms(hidden), "exposed_comm_ms": ms(total - hidden),
+            "hidden_frac": hidden / total if total else float("nan")}  # fmt: skip
+
+
+def device_kernels(prof) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of every CUDA activity in a torch.profiler profile."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == cuda]  # fmt: skip
+
+
 def top_ops(events, key: str, iters: int, n: int = 4, scale: float = 1e-3) -> str:
     """The ``n`` profiler events with the largest ``key`` as "name time; ..." per iteration
     (microseconds times ``scale``: ms by default)."""
@@ -295,6 +339,38 @@ def line_plot(path: str, series: dict, xlabel: str, ylabel: str, title: str, log
     ax.set_title(f"{title}\n{stamp['device']}, torch {stamp['torch']}, {stamp['date']}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def timeline_plot(path: str, timelines: dict, is_comm: Callable[[str], bool], title: str) -> None:
+    """One row pair per ``timelines`` entry (label -> ``(name, start_us, end_us)`` kernels):
+    computation above, communication below, milliseconds from the entry's first kernel. Without
+    matplotlib this warns and writes nothing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"{path}: matplotlib is not installed; no plot written", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 0.9 * len(timelines) + 1.5))
+    labels = []
+    for row, (label, kernels) in enumerate(timelines.items()):
+        t0 = min((s for _, s, _ in kernels), default=0.0)
+        for comm in (False, True):
+            spans = _merged((s, e) for n, s, e in kernels if is_comm(n) == comm)
+            bars = [((s - t0) / 1e3, (e - s) / 1e3) for s, e in spans]
+            y = 2 * (len(timelines) - 1 - row) + (0 if comm else 1)
+            ax.broken_barh(bars, (y + 0.1, 0.8), color="tab:red" if comm else "tab:blue")
+            labels.append((y + 0.5, f"{label} {'comm' if comm else 'compute'}"))
+    ax.set_yticks([y for y, _ in labels], [text for _, text in labels], fontsize=7)
+    ax.set_xlabel("ms from the first profiled kernel")
+    stamp = env_stamp()
+    ax.set_title(f"{title}\n{stamp['device']}, torch {stamp['torch']}, {stamp['date']}", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

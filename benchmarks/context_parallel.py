@@ -20,7 +20,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.distributed as dist
 
-from benchmarks._harness import Laps, is_oom, parser, percentiles, report, run_ranks, samples_ms
+from benchmarks._harness import (
+    Laps,
+    csv_list,
+    is_oom,
+    parser,
+    percentiles,
+    report,
+    run_ranks,
+    samples_ms,
+)
 from torch_flashsys import BucketedDDP, flash_attention
 from torch_flashsys.distributed import (
     context_parallel_attention,
@@ -52,7 +61,13 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5, help="timed attention repetitions")
     p.add_argument("--time-budget", type=float, default=110.0, help="seconds per context search")
     p.add_argument("--simulate-oom-above", type=int, help="testing: longer contexts count as OOM")
+    p.add_argument(
+        "--parts",
+        default="longest,attention",
+        help="comma-separated: longest (context search), attention (time per rank)",
+    )
     args = p.parse_args(argv)
+    args.parts = csv_list(p, args.parts, "--parts", choices=["longest", "attention"])
     args.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     args.lm = LLAMA_1B
     if args.smoke:
@@ -201,8 +216,10 @@ def worker(args) -> list[dict]:
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    rows = [longest_context(args, device, m) for m in (args.modes if world > 1 else ["ring"])]
-    return rows + attention_rows(args, device)
+    rows = []
+    if "longest" in args.parts:
+        rows += [longest_context(args, device, m) for m in (args.modes if world > 1 else ["ring"])]
+    return rows + (attention_rows(args, device) if "attention" in args.parts else [])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -29,13 +29,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._harness import (
+    comm_overlap,
     csv_list,
+    device_kernels,
     parser,
     percentiles,
     profiled,
     report,
     run_ranks,
     samples_ms,
+    timeline_plot,
     top_ops,
     why,
 )
@@ -67,6 +70,14 @@ COLUMNS = ["variant", "step_ms", "p20_ms", "p80_ms", "peak_gib", "state_gib", "v
 COLUMNS += ["peak_vs_peer", "saved_over_state", "vs_plain", "loss", "status"]
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 _MESH: list = []  # the FSDP2 variants' DeviceMesh
+_TIMELINES: dict = {}  # --profile on CUDA: variant -> rank 0's GPU kernels, for the plot
+_PHASE_PEAKS: dict = {}  # --profile on CUDA: phase -> peak GiB of the variant being profiled
+OVERLAP = ["comm_ms", "hidden_ms", "exposed_comm_ms", "hidden_frac", "compute_ms"]
+
+
+def _is_comm(kernel: str) -> bool:
+    """NCCL's kernels (all-reduce, reduce-scatter, all-gather, broadcast)."""
+    return kernel.lower().startswith("nccl")
 
 
 def parse_args(argv=None):
@@ -88,6 +99,11 @@ def parse_args(argv=None):
     p.add_argument("--time-budget", type=float, help="seconds: start no round that would not fit")
     p.add_argument("--profile", help="directory: torch.profiler on rank 0 instead of timing")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per variant")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --profile: also save each variant's trace (trace_<variant>.json.gz)",
+    )
     preset = p.parse_known_args(argv)[0].preset
     if preset:  # the preset's values become the defaults: options given explicitly still win
         p.set_defaults(**PRESETS[preset])
@@ -172,18 +188,32 @@ def _steps(name: str, args, device: torch.device):
     amp = args.autocast == "bf16"
 
     def step(labelled: bool = False) -> torch.Tensor:
-        label = torch.profiler.record_function if labelled else (lambda _: contextlib.nullcontext())
-        with label("forward"), torch.autocast(device.type, torch.bfloat16, enabled=amp):
+        label = _phase if labelled else (lambda _, __: contextlib.nullcontext())
+        with label("forward", device), torch.autocast(device.type, torch.bfloat16, enabled=amp):
             loss = F.cross_entropy(module(x).flatten(0, 1).float(), y.flatten())
-        with label("backward"):
+        with label("backward", device):
             loss.backward()
-        with label("optimizer.step"):
+        with label("optimizer.step", device):
             opt.step()
-        with label("zero_grad"):
+        with label("zero_grad", device):
             opt.zero_grad()
         return loss.detach()
 
     return step, opt
+
+
+@contextlib.contextmanager
+def _phase(name: str, device: torch.device):
+    """A profiled step's phase: a torch.profiler range and, on CUDA, the phase's peak memory
+    (GiB, the largest over the profiled steps) in ``_PHASE_PEAKS``."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.profiler.record_function(name):
+        yield
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) / GIB
+        _PHASE_PEAKS[name] = max(_PHASE_PEAKS.get(name, 0.0), peak)
 
 
 def _agree(failed: bool, device: torch.device) -> bool:
@@ -204,6 +234,7 @@ def _timed(name: str, args, device: torch.device) -> dict:
 def _profiled(name: str, args, device: torch.device) -> dict:
     """Warm-up, then ``--profile-steps`` steps under torch.profiler (rank 0 records)."""
     step, _ = _steps(name, args, device)
+    _PHASE_PEAKS.clear()
     rank0, run = dist.get_rank() == 0, lambda: step(labelled=True)
     prof, ms = profiled(run, args.profile_steps, max(args.warmup, 1), rank0)
     return {"step_ms": ms, **(_summarize(name, prof, args, device.type == "cuda") if rank0 else {})}
@@ -238,6 +269,12 @@ def _summarize(name: str, prof, args, cuda: bool) -> dict:
         row[f"self_{col}_ms"] = sum(getattr(e, key, 0) for e in ops) / 1e3 / n
         row[f"top_{col}"] = top_ops(ops, key, n)
     os.makedirs(args.profile, exist_ok=True)
+    if cuda:  # communication beside computation on rank 0's GPU (docs/benchmarking.md, section 5)
+        row |= {f"{k}_peak_gib": v for k, v in _PHASE_PEAKS.items()}
+        _TIMELINES[name] = device_kernels(prof)
+        row |= comm_overlap(_TIMELINES[name], n, _is_comm)
+    if args.trace:
+        prof.export_chrome_trace(os.path.join(args.profile, f"trace_{name}.json.gz"))
     with open(os.path.join(args.profile, f"profile_{name}.txt"), "w") as f:
         f.write(f"{name}: {n} steps, rank 0 of {dist.get_world_size()}; times are totals\n\n")
         for key in ["self_cuda_time_total"] * cuda + ["self_cpu_time_total"]:
@@ -308,8 +345,12 @@ def _profile(args, device, world):
                 print(f"  top CUDA ms/step: {row['top_cuda']}")
         title = f"torch.profiler, {args.size} LM, {args.profile_steps} steps, rank 0 of {world}"
         columns = ["variant", "step_ms", *(f"{p}_cpu_ms" for p in PHASES), "self_cpu_ms"]
-        columns += ["self_cuda_ms"] * (device.type == "cuda") + ["status"]
+        cuda = [f"{p}_peak_gib" for p in PHASES[:3]] + ["self_cuda_ms", *OVERLAP]
+        columns += (cuda if device.type == "cuda" else []) + ["status"]
         report(title, rows, columns, args.out)
+        if _TIMELINES:
+            timeline_plot(os.path.join(args.profile, "overlap.png"), _TIMELINES, _is_comm,
+                          f"{title}: GPU kernels (blue) and NCCL (red)")  # fmt: skip
 
 
 def worker(args) -> None:

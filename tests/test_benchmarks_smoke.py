@@ -264,3 +264,46 @@ def test_help_examples_keep_their_line_continuations():
         doc = ast.get_docstring(ast.parse(source), clean=False) or ""
         written = source.split('"""')[1] if '"""' in source else ""
         assert doc.count("\\\n") == written.count("\\\n"), f"{script}: make the docstring r'''"
+
+
+# The harness's overlap arithmetic (ddp.py --profile: how much NCCL time ran beside computation),
+# run in a child process like the scripts, on random kernel timelines against a brute-force count
+# over unit time slots.
+_OVERLAP = textwrap.dedent(
+    """
+    import json, sys
+    from benchmarks._harness import comm_overlap
+    cases = json.load(sys.stdin)
+    out = [comm_overlap(c, 1, lambda n: n.startswith("nccl")) for c in cases]
+    print("JSON" + json.dumps(out))
+    """
+)
+
+
+def test_comm_overlap_counts_what_ran_beside_computation():
+    import random
+
+    rng = random.Random()
+    cases = []
+    for _ in range(200):
+        kernels = []
+        for _ in range(rng.randint(0, 12)):
+            start = rng.randint(0, 60)
+            name = rng.choice(["ncclDevKernel_AllReduce", "ampere_gemm", "triton_mm", "nccl:x"])
+            kernels.append((name, start, start + rng.randint(0, 15)))
+        cases.append(kernels)
+    proc = subprocess.run(
+        [sys.executable, "-c", _OVERLAP], input=json.dumps(cases), capture_output=True,
+        text=True, timeout=SMOKE_TIMEOUT_S, env=_env(), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON"))[4:])
+    for kernels, row in zip(cases, got, strict=True):
+        busy = {"comm": set(), "compute": set()}  # unit slots [t, t+1) each kind occupies
+        for name, start, end in kernels:
+            busy["comm" if name.startswith("nccl") else "compute"].update(range(start, end))
+        comm, hidden = len(busy["comm"]), len(busy["comm"] & busy["compute"])
+        assert row["comm_ms"] * 1e3 == pytest.approx(comm), kernels
+        assert row["compute_ms"] * 1e3 == pytest.approx(len(busy["compute"])), kernels
+        assert row["hidden_ms"] * 1e3 == pytest.approx(hidden), kernels
+        assert row["exposed_comm_ms"] * 1e3 == pytest.approx(comm - hidden), kernels

@@ -21,6 +21,12 @@ show() {  # show NAME [LINES]: the step's exit line and the tail of its output
   tail -n "${2:-24}" "$OUT/$1.md"
 }
 shows() { for s in "$@"; do show "${s%:*}" "${s#*:}"; done; }  # shows NAME:LINES...
+pack() {  # pack DIR: $OUT/DIR as DIR.tgz (tables, plots) and DIR_traces.tar (traces), then gone
+  [ -d "$OUT/$1" ] || return 0
+  tar czf "$OUT/$1.tgz" -C "$OUT" --exclude='*.json.gz' "$1"
+  (cd "$OUT/$1" && ls trace_* >/dev/null 2>&1 && tar cf "$OUT/$1_traces.tar" trace_*)
+  rm -rf "${OUT:?}/$1"
+}
 ngpus() { python3 -c "import torch; print(min(${1:-64}, torch.cuda.device_count()))"; }
 HOST=(--batch 1 --heads 4 --seq 128 --dim 64 --modes fwd --no-check --host-overhead)
 PEERS="flash_attention,sdpa cudnn_attention,sdpa flash_attention"
@@ -106,18 +112,20 @@ ddp() {
   # would not fit (round 1 always runs: about 80 s on one H200 for the 11 variants).
   local bench=$(($(left 530) - 150)) v=plain,torch-ddp,torch-ddp-zero,torch-fsdp2,torch-fsdp2-noreshard
   v=$v,torch-fsdp2-bf16,torch-fsdp2-bf16-noreshard,ours-ddp,ours-ddp-copy,ours-ddp-zero1,ours-ddp-zero2
-  step ddp_bench $((bench + 90)) torchrun --standalone --nproc_per_node="$n" benchmarks/ddp.py \
-    ${BENCH_ARGS:---preset 2.0B} --variants "$v" --time-budget "$bench"
+  [ "${SKIP_BENCH:-0}" != 1 ] && step ddp_bench $((bench + 90)) torchrun --standalone \
+    --nproc_per_node="$n" benchmarks/ddp.py ${BENCH_ARGS:---preset 2.0B} --variants "$v" \
+    --time-budget "$bench"
   cp docs/data/ddp_"$n"x*.csv "$OUT"/ 2>/dev/null
   local prof=$(($(left 530) - 25))
   [ "$prof" -gt 45 ] && step ddp_profile $((prof + 20)) torchrun --standalone \
     --nproc_per_node="$n" benchmarks/ddp.py ${BENCH_ARGS:---preset 2.0B} --profile "$OUT/profile" \
-    --warmup 2 --profile-steps 3 --time-budget "$prof" \
-    --variants plain,torch-ddp,ours-ddp,ours-ddp-copy,torch-ddp-zero,ours-ddp-zero2
+    --warmup 2 --profile-steps 3 --time-budget "$prof" --trace \
+    --variants "${PROFILE_VARIANTS:-plain,torch-ddp,ours-ddp,torch-ddp-zero,ours-ddp-zero1,ours-ddp-zero2}"
+  pack profile
   [ -f "$OUT/ddp_tests.md" ] && grep -E "PASSED|FAILED|ERROR" "$OUT/ddp_tests.md" | cut -c1-120 \
     && show ddp_tests 4
   [ -f "$OUT/ddp_profile.md" ] && show ddp_profile 24
-  show ddp_bench 18
+  [ -f "$OUT/ddp_bench.md" ] && show ddp_bench 18
 }
 
 sharded() {
@@ -164,11 +172,13 @@ deterministic() {  # the ordered (deterministic) fused backward: its GPU tests, 
 context_parallel() {
   local n=${NPROC:-$(ngpus 2)} marker=gpu modes=ring
   [ "$n" -ge 2 ] && marker="gpu or multigpu" && modes=ring,ulysses
-  step cp_tests 150 python3 -m pytest -q -p no:cacheprovider -m "$marker" \
+  [ "${SKIP_TESTS:-0}" != 1 ] && step cp_tests 150 python3 -m pytest -q -p no:cacheprovider -m "$marker" \
     tests/distributed/test_context_parallel.py
   step cp_bench "$(left 300)" python3 benchmarks/context_parallel.py --nproc "$n" \
-    --modes "$modes" ${BENCH_ARGS:---time-budget ${SEARCH_S:-100}} --out "$OUT/context_parallel.csv"
-  shows cp_tests:4 cp_bench:16
+    --modes "$modes" --parts "${CP_PARTS:-longest,attention}" \
+    ${BENCH_ARGS:---time-budget ${SEARCH_S:-100}} --out "$OUT/context_parallel.csv"
+  [ -f "$OUT/cp_tests.md" ] && show cp_tests 4
+  show cp_bench 16
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"

@@ -333,10 +333,14 @@ def nccl_equivalence(rank: int, world: int) -> dict[str, float]:
                 ref64 = [t.double().requires_grad_() for t in (q, k, v)]
                 want64 = flash_attention(*ref64, is_causal=causal, backend="torch")
                 want64.backward(dout.double())
-                ref = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+                # fresh leaves: ``t.to(float32)`` is ``t`` itself, so marking it would make the
+                # shards below non-leaf tensors whose ``.grad`` stays None
+                ref = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
                 want = flash_attention(*ref, is_causal=causal)  # Triton on CUDA
                 want.backward(dout.to(dtype))
-                local = [shard_sequence(t.to(dtype), dim=2).requires_grad_() for t in (q, k, v)]
+                local = [
+                    shard_sequence(t.to(dtype), dim=2).detach().requires_grad_() for t in (q, k, v)
+                ]
                 out = context_parallel_attention(*local, mode=mode, is_causal=causal)
                 out.backward(shard_sequence(dout.to(dtype), dim=2))
                 pairs = [(out, want, want64)] + [
