@@ -166,10 +166,12 @@ def comm_overlap(kernels, iters: int, is_comm: Callable[[str], bool]) -> dict[st
 
 
 def device_kernels(prof) -> list[tuple[str, float, float]]:
-    """``(name, start_us, end_us)`` of every CUDA activity in a torch.profiler profile."""
+    """``(name, start_us, end_us)`` of every CUDA activity (kernels, copies, sets) in a
+    torch.profiler profile; not the GPU-side spans of ``record_function`` ranges, which cover
+    whole phases."""
     cuda = torch.autograd.DeviceType.CUDA
     return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-            if e.device_type == cuda]  # fmt: skip
+            if e.device_type == cuda and not e.is_user_annotation]  # fmt: skip
 
 
 def top_ops(events, key: str, iters: int, n: int = 4, scale: float = 1e-3) -> str:

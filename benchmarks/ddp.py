@@ -262,8 +262,15 @@ def run_variant(name: str, args, device: torch.device) -> dict:
 
 def _summarize(name: str, prof, args, cuda: bool) -> dict:
     n, events = args.profile_steps, prof.key_averages()
-    phases = {e.key: e for e in events if e.key in PHASES}
-    ops = [e for e in events if e.key not in phases and not e.key.startswith("ProfilerStep")]
+    phases = {}  # a phase's host range (its GPU-side span has the same key and no CPU time)
+    for e in events:
+        if e.key in PHASES and e.cpu_time_total >= getattr(phases.get(e.key), "cpu_time_total", 0):
+            phases[e.key] = e
+    ops = [
+        e
+        for e in events
+        if e.key not in phases and not e.key.startswith("ProfilerStep") and not e.is_user_annotation
+    ]  # ranges such as Optimizer.step#AdamW.step: not ops
     row = {f"{k}_cpu_ms": phases[k].cpu_time_total / 1e3 / n for k in phases}
     for col, key in [("cpu", "self_cpu_time_total")] + [("cuda", "self_device_time_total")] * cuda:
         row[f"self_{col}_ms"] = sum(getattr(e, key, 0) for e in ops) / 1e3 / n
