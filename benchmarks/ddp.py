@@ -66,7 +66,8 @@ PRESETS = {  # issue 18: 2.0B LM, batch 4 x 512 per rank; ShardedOptimizer: xl, 
                 "autocast": "none"},
 }  # fmt: skip
 GIB = 2**30
-COLUMNS = ["variant", "step_ms", "p20_ms", "p80_ms", "peak_gib", "state_gib", "vs_peer"]
+COLUMNS = ["variant", "step_ms", "p20_ms", "p80_ms", "peak_gib", "reserved_gib", "state_gib"]
+COLUMNS += ["vs_peer"]
 COLUMNS += ["peak_vs_peer", "saved_over_state", "vs_plain", "loss", "status"]
 PHASES = ("forward", "backward", "optimizer.step", "zero_grad")
 _MESH: list = []  # the FSDP2 variants' DeviceMesh
@@ -248,15 +249,18 @@ def run_variant(name: str, args, device: torch.device) -> dict:
         res |= (_profiled if args.profile else _timed)(name, args, device)
     except Exception as exc:  # a variant this torch / backend cannot run: an n/a row
         res["status"] = f"n/a: {why(exc, 120)}"
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated(device) / GIB if cuda else None
+    reserved = torch.cuda.max_memory_reserved(device) / GIB if cuda else 0.0
     _free(device)
     if _agree(res["status"] != "ok", device) and res["status"] == "ok":
         res["status"] = "n/a: failed on another rank"
-    stats = [*res["times"], peak or 0.0, res["state_gib"]]
+    stats = [*res["times"], reserved, peak or 0.0, res["state_gib"]]
     stats = torch.tensor(stats, dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    res["times"], res["state_gib"] = stats[:-2].tolist(), stats[-1].item()
+    res["times"], res["state_gib"] = stats[:-3].tolist(), stats[-1].item()
     res["peak_gib"] = None if peak is None else stats[-2].item()
+    res["reserved_gib"] = stats[-3].item() if cuda else None
     return {k: v for k, v in res.items() if k != "times"} if args.profile else res
 
 
@@ -320,6 +324,7 @@ def _rows(pooled: dict, args, world: int) -> list[dict]:
         rows.append({
             "variant": name, "step_ms": mean.get(name, "n/a"), **t,
             "peak_gib": ("" if res["peak_gib"] is None else res["peak_gib"]) if t else "n/a",
+            "reserved_gib": (res.get("reserved_gib") or "") if t else "n/a",
             "vs_peer": _ratio(mean, name, peer), "peak_vs_peer": _ratio(peak, name, peer),
             "vs_plain": _ratio(mean, name, "plain"),
             **{k: res[k] for k in ("loss", "leftover_gib", "status")},
@@ -396,6 +401,7 @@ def _round(r: int, args, device, pooled: dict) -> None:
         acc["times"] += res["times"]
         if res["peak_gib"] is not None:
             acc["peak_gib"] = max(acc["peak_gib"] or 0.0, res["peak_gib"])
+            acc["reserved_gib"] = max(acc["reserved_gib"] or 0.0, res["reserved_gib"])
         acc["leftover_gib"] = max(acc["leftover_gib"], res["leftover_gib"])
 
 

@@ -95,6 +95,7 @@ MODES = [
         ["--preset", "sharded", "--variants", "torch-ddp,torch-ddp-zero-view,torch-ddp-sharded"],
     ),
     ("ddp.py", ["--profile", "PROFILE_DIR", "--variants", "plain,ours-ddp"]),
+    ("context_parallel.py", ["--parts", "attention"]),
     ("model.py", ["--preset", "e2e"]),
 ]
 

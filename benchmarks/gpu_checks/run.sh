@@ -21,10 +21,11 @@ show() {  # show NAME [LINES]: the step's exit line and the tail of its output
   tail -n "${2:-24}" "$OUT/$1.md"
 }
 shows() { for s in "$@"; do show "${s%:*}" "${s#*:}"; done; }  # shows NAME:LINES...
-pack() {  # pack DIR: $OUT/DIR as DIR.tgz (tables, plots) and DIR_traces.tar (traces), then gone
+pack() {  # pack DIR: $OUT/DIR as DIR.tgz (tables, plots) and DIR_traces.tar (the TRACES files,
+  # default every trace_*; ~4 MB each for the 2.0B LM), then removes DIR
   [ -d "$OUT/$1" ] || return 0
   tar czf "$OUT/$1.tgz" -C "$OUT" --exclude='*.json.gz' "$1"
-  (cd "$OUT/$1" && ls trace_* >/dev/null 2>&1 && tar cf "$OUT/$1_traces.tar" trace_*)
+  (cd "$OUT/$1" && ls ${TRACES:-trace_*} >/dev/null 2>&1 && tar cf "$OUT/$1_traces.tar" ${TRACES:-trace_*})
   rm -rf "${OUT:?}/$1"
 }
 ngpus() { python3 -c "import torch; print(min(${1:-64}, torch.cuda.device_count()))"; }

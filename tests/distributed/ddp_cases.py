@@ -145,7 +145,7 @@ def snapshot(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def grads_are_bucket_views(ddp: BucketedDDP) -> bool:
-    storages = {b.buffer.untyped_storage().data_ptr() for b in ddp._reducer.buckets}
+    storages = _bucket_storages(ddp)
     return all(
         p.grad.untyped_storage().data_ptr() in storages
         for p in ddp.module.parameters()
@@ -588,20 +588,25 @@ LOOP_PATTERNS = ("default", "before", "between", "zeros", "manual", "no_sync")
 
 
 class _CountBucketCopies(TorchDispatchMode):
-    """Counts copy_ calls whose destination is in one of ``storages`` (gradient bucket copies)."""
+    """Counts copy_ calls into a gradient bucket of ``ddp`` (None: counts nothing). Buffers
+    can be allocated during the backward (after release_idle), so they are looked up at each
+    copy."""
 
-    def __init__(self, storages: set[int]) -> None:
+    def __init__(self, ddp: BucketedDDP | None) -> None:
         super().__init__()
-        self.storages, self.count = storages, 0
+        self.ddp, self.count = ddp, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.copy_.default:
-            self.count += args[0].untyped_storage().data_ptr() in self.storages
+        if func is torch.ops.aten.copy_.default and self.ddp is not None:
+            self.count += args[0].untyped_storage().data_ptr() in _bucket_storages(self.ddp)
         return func(*args, **(kwargs or {}))
 
 
 def _bucket_storages(ddp: BucketedDDP) -> set[int]:
-    return {s.untyped_storage().data_ptr() for s, _, _ in ddp._reducer.storages}
+    """Data pointers of the storages of every gradient bucket buffer ``ddp`` holds now."""
+    reducer = ddp._reducer
+    buffers = [b.buffer for b in reducer.buckets if b.buffer is not None]
+    return {t.untyped_storage().data_ptr() for t in buffers + reducer.kept_buffers()}
 
 
 def train_loop(
@@ -610,36 +615,44 @@ def train_loop(
     init_rank: int,
     wrap: Wrap,
     batches: Batches,
-    pattern: str,
+    pattern: str | Sequence[str],
     device: str = "cpu",
 ) -> dict[str, Any]:
-    """AdamW steps as a user's loop would run them (``pattern``, see LOOP_PATTERNS); for
-    BucketedDDP also the number of gradient copies into the buckets in each backward."""
+    """AdamW steps as a user's loop would run them (``pattern``, see LOOP_PATTERNS; or one
+    pattern per step); for BucketedDDP also the number of gradient copies into the buckets in
+    each backward and, per step, whether its forward found the kept buckets without buffers."""
     wrapped = wrap(build(kind, seed, init_rank).to(device))
     module = getattr(wrapped, "module", wrapped)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=0.05, weight_decay=0.1)
     ours = isinstance(wrapped, BucketedDDP)
-    copies = []
-    for micro_batches in batches:
-        if pattern == "before":
+    copies, released = [], []
+    for step, micro_batches in enumerate(batches):
+        if ours:
+            released.append(None)
+        pattern_ = pattern if isinstance(pattern, str) else pattern[step]
+        if pattern_ == "before":
             opt.zero_grad()
         for i, (args, target) in enumerate(micro_batches):
             args, target = tuple(a.to(device) for a in args), target.to(device)
-            unsynced = pattern == "no_sync" and i < len(micro_batches) - 1 and wrapped is not module
+            unsynced = (
+                pattern_ == "no_sync" and i < len(micro_batches) - 1 and wrapped is not module
+            )
             with wrapped.no_sync() if unsynced else contextlib.nullcontext():
                 loss = (wrapped(*args) - target).pow(2).mean()
-                if pattern == "between":
+                if ours and released[-1] is None:
+                    released[-1] = not wrapped._reducer.kept_buffers()
+                if pattern_ == "between":
                     opt.zero_grad()
-                counter = _CountBucketCopies(_bucket_storages(wrapped) if ours else set())
+                counter = _CountBucketCopies(wrapped if ours else None)
                 with counter:
                     loss.backward()
                 copies.append(counter.count)
         opt.step()
-        if pattern in ("default", "manual", "no_sync"):
+        if pattern_ in ("default", "manual", "no_sync"):
             opt.zero_grad()
-        elif pattern == "zeros":
+        elif pattern_ == "zeros":
             opt.zero_grad(set_to_none=False)
-        if pattern == "manual":
+        if pattern_ == "manual":
             for p in list(module.parameters())[::2]:
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
@@ -647,6 +660,61 @@ def train_loop(
     if ours:
         out["views"] = grads_are_bucket_views(wrapped)
         out["copies"] = copies
+        out["released"] = released
+    return out
+
+
+def mixed_loop(
+    rank: int, world: int, seed: int, bucket_mb: float | None, patterns: list[str]
+) -> dict:
+    """One loop pattern per step (so the buckets go from shared storage to released buffers,
+    to buffers held by accumulated or zeroed grads, and back): single process (rank 0), torch
+    DDP and BucketedDDP, per model kind."""
+    out: dict[str, Any] = {}
+    for kind in ("tied", "branches", "mixed"):
+        micro = [2 if p == "no_sync" else 1 for p in patterns]
+        mine = [[shard(kind, seed, s, rank, m) for m in range(n)] for s, n in enumerate(micro)]
+        res: dict[str, Any] = {}
+        if rank == 0:
+            full = [
+                [full_batch(kind, seed, s, range(world), m) for m in range(n)]
+                for s, n in enumerate(micro)
+            ]
+            res["single"] = train_loop(kind, seed, 0, _identity, full, patterns)
+        res["torch"] = train_loop(kind, seed, rank, _torch_ddp(kind), mine, patterns)
+        res["ours"] = train_loop(
+            kind, seed, rank, lambda m: BucketedDDP(m, bucket_mb), mine, patterns
+        )
+        out[kind] = res
+    return out
+
+
+def release_between_steps(rank: int, world: int) -> dict[str, Any]:
+    """What BucketedDDP's forward does with the kept buckets' memory: after ``zero_grad()``
+    (every grad None) it is freed (nothing references the old storage any more); after
+    ``zero_grad(set_to_none=False)`` it is kept, the grads still views into it."""
+    torch.manual_seed(0)
+    ddp = BucketedDDP(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)), 0.0001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    reducer, out = ddp._reducer, {}
+    ddp(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    before = [weakref.ref(t) for t in reducer.kept_buffers()]
+    out["had_buffers"] = len(before) > 0
+    y = ddp(x)
+    out["freed_by_forward"] = all(ref() is None for ref in before)
+    out["none_left"] = not reducer.kept_buffers()
+    y.sum().backward()
+    out["views_after_backward"] = grads_are_bucket_views(ddp) and all(
+        p.grad is not None for p in ddp.parameters()
+    )
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    kept = {t.data_ptr() for t in reducer.kept_buffers()}
+    ddp(x).sum().backward()
+    out["zeroed_views_kept"] = bool(kept) and kept == {t.data_ptr() for t in reducer.kept_buffers()}
     return out
 
 

@@ -246,6 +246,10 @@ def check_default_loop(runs: list[dict], bucket_mb: float | None) -> None:
             views = ours.pop("views")  # "manual" ends with the grads the user put there
             assert views or pattern == "manual", f"{what}: param.grad is not a bucket view"
             copies = ours.pop("copies")
+            # the buckets' memory is freed by the forward after a step that left every grad None
+            freed = pattern in ("default", "no_sync", "before")
+            released = ours.pop("released")
+            assert released[1:] == [freed] * (len(released) - 1), f"{what}: released {released}"
             # "mixed" passes float64 gradients through a float32 layer: float32 tolerances
             tol = {"rtol": 1e-5, "atol": 1e-6} if key.startswith("mixed") else {}
             assert_close_tree(ours, res["torch"], f"{what} vs torch DDP", **tol)
@@ -262,6 +266,7 @@ def check_default_loop(runs: list[dict], bucket_mb: float | None) -> None:
             if "ours_copying" in res:  # the control: without pointing, every gradient is copied
                 control = res["ours_copying"]
                 control.pop("views")
+                control.pop("released")
                 # every model here has >= 2 parameters with a gradient in every backward
                 assert min(control.pop("copies")[1:]) >= 2, f"{what}: control"
                 assert_close_tree(control, res["torch"], f"{what} copy path vs torch DDP", **tol)
@@ -277,3 +282,51 @@ def test_nccl_world_size_one():
         assert_close_tree(run[key], run[f"{key.split('/')[0]}/torch"], key)
     runs = run_distributed(ddp_cases.default_loop, 1, args=(1, 25.0), backend="nccl", timeout=300)
     check_default_loop(runs, 25.0)
+
+
+# ------------------------------------------------- gradient memory between steps (issue 30)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_forward_after_zero_grad_frees_the_buckets(world):
+    """After zero_grad() (every grad None) BucketedDDP's forward frees the kept buckets'
+    memory, so the activations can use it, and the backward gives the buckets buffers again;
+    grads zeroed in place (set_to_none=False) keep theirs."""
+    for rank, out in enumerate(run_distributed(ddp_cases.release_between_steps, world)):
+        assert out == {
+            "had_buffers": True,
+            "freed_by_forward": True,
+            "none_left": True,
+            "views_after_backward": True,
+            "zeroed_views_kept": True,
+        }, f"rank {rank}: {out}"
+
+
+@given(
+    world=st.integers(2, 3),
+    seed=SEEDS,
+    bucket_mb=st.sampled_from([None, 0, 0.0005, 25.0]),
+    patterns=st.lists(st.sampled_from(ddp_cases.LOOP_PATTERNS), min_size=4, max_size=6),
+)
+@ONE_RUN
+def test_loop_patterns_mixed_across_steps_match_torch_ddp(world, seed, bucket_mb, patterns):
+    """A different zero_grad placement, accumulation or hand-set grads at every step, so the
+    buckets move between shared storage, released buffers, buffers allocated during the
+    backward and buffers kept by views: equal to one process and to torch DDP throughout; the
+    forward finds the buffers released exactly when the step before ended with every grad None."""
+    runs = run_distributed(ddp_cases.mixed_loop, world, args=(seed, bucket_mb, patterns))
+    for rank, run in enumerate(runs):
+        for kind, res in run.items():
+            what = f"rank {rank} {kind} {patterns} bucket_size_mb={bucket_mb}"
+            ours = res["ours"]
+            ours.pop("copies")
+            views, released = ours.pop("views"), ours.pop("released")
+            assert views or patterns[-1] == "manual", f"{what}: param.grad is not a bucket view"
+            tol = {"rtol": 1e-5, "atol": 1e-6} if kind == "mixed" else {}
+            assert_close_tree(ours, res["torch"], f"{what} vs torch DDP", **tol)
+            assert_close_tree(ours, runs[0][kind]["single"], f"{what} vs single process", **tol)
+            # the step before left every grad None: default / no_sync end with zero_grad(), and
+            # "before" / "between" zero_grad() themselves before the forward of their step
+            for step in range(1, len(patterns)):
+                freed = patterns[step - 1] in ("default", "no_sync") or patterns[step] == "before"
+                assert released[step] == freed, f"{what}: step {step} released {released}"

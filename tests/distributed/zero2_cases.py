@@ -118,9 +118,9 @@ def train_zero2_case(rank: int, world: int, case: dict) -> dict:
                     same &= torch.allclose(p2.grad, p1.grad, rtol=1e-6, atol=1e-7)
         out["owned_equal"].append(same)
         out["released"].append(all(b.buffer is None for b in ddp2._reducer.buckets if not b.keeps))
-        out["kept"].append(sum(s.nbytes for s, _, _ in ddp2._reducer.storages))
-        # each kept bucket after the first of its storage may start up to 63 bytes further on
-        out["pad_bytes"] = 64 * sum(len(buckets) - 1 for _, buckets, _ in ddp2._reducer.storages)
+        out["kept"].append(sum(t.nbytes for t in ddp2._reducer.kept_buffers()))
+        # each kept bucket after the first of a shared storage may start up to 63 bytes further
+        out["pad_bytes"] = 64 * sum(b.keeps for b in ddp2._reducer.buckets)
         if case["clip"] is not None:
             norms = [
                 opt.clip_grad_norm_(MAX_NORM, case["clip"]).item() for _, opt in (zero2, zero1)

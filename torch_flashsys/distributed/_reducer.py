@@ -77,13 +77,13 @@ def _nonfinite(tensors: list[torch.Tensor], device: torch.device) -> torch.Tenso
 class BackwardState:
     """Per-backward state of a BucketedDDP, updated from its hooks."""
 
-    __slots__ = ("in_backward", "next_bucket", "remote_next", "syncing")
+    __slots__ = ("ahead_next", "in_backward", "next_bucket", "syncing")
 
     def __init__(self) -> None:
         self.in_backward = False  # a backward started (first hook) and has not ended
         self.syncing = False  # ... and it synchronizes (its forward ran outside no_sync)
         self.next_bucket = 0  # buckets launch in index order: the same order on every rank
-        self.remote_next = 0  # ZeRO-2: next of _remote to give a buffer ahead of its gradients
+        self.ahead_next = 0  # next of the reducer's _ahead to give a buffer before its gradients
 
 
 class GradientReducer:
@@ -207,6 +207,10 @@ class GradientReducer:
             index = torch.tensor(flag_index, dtype=torch.long, device=device)
             self.storages.append((storage, buckets, index))
         self._remote = [b for b, bucket in enumerate(self.buckets) if not bucket.keeps]
+        # After release_idle: the kept buckets, each with a buffer of its own (or none yet)
+        self._loose: list[Bucket] = []
+        # This backward: buckets without a buffer, given one shortly before their gradients
+        self._ahead: list[int] = []
         self._in_flight: collections.deque[int] = collections.deque()
         sparse = [i for i, flag in enumerate(self.is_sparse) if flag]
         self._sparse_keep = None if owners is None else [owners[i] == rank for i in sparse]
@@ -237,6 +241,8 @@ class GradientReducer:
             b, k = slot
             bucket = self.buckets[b]
             if not bw.syncing:
+                if self._ahead:
+                    self._allocate_ahead(b)
                 if bucket.buffer is not None:
                     bucket.adopt_grad(k)
                 return
@@ -247,7 +253,7 @@ class GradientReducer:
                     "backward (reentrant activation checkpointing, use_reentrant=True, is not "
                     "supported: use torch.utils.checkpoint.checkpoint(..., use_reentrant=False))"
                 )
-            if self._remote:
+            if self._ahead:
                 self._allocate_ahead(b)
             bucket.adopt_grad(k)
             if not bucket.ready[k]:
@@ -269,10 +275,18 @@ class GradientReducer:
         if bw.syncing:
             for bucket in self.buckets:
                 bucket.reset()
-            bw.next_bucket, bw.remote_next = 0, 0
+            bw.next_bucket = 0
+        # Buffers to give out during this backward: any bucket's when it synchronizes, else
+        # (no_sync) only those of kept buckets, so that accumulation adds into their views.
+        bw.ahead_next = 0
+        self._ahead = [
+            b
+            for b, bucket in enumerate(self.buckets)
+            if bucket.buffer is None and (bw.syncing or bucket.keeps)
+        ]
         if self.prepoint:
             self._prepare()
-            if bw.syncing and self._remote:
+            if self._ahead:
                 self._allocate_ahead(-1)
 
     def _check_comm_hooks(self) -> None:
@@ -290,6 +304,17 @@ class GradientReducer:
         self.comm_checked = True
 
     def _prepare(self) -> None:
+        for bucket in self._loose:  # kept buckets with buffers of their own (see release_idle)
+            if bucket.buffer is None:  # given one ahead of its gradients (_allocate_ahead)
+                continue
+            if bucket.holds_views():  # accumulated gradients: keep them
+                bucket.flags_set = False
+                bucket.point_grads(zeroed=False)
+            else:
+                bucket.buffer.zero_()
+                bucket.flags.fill_(1)
+                bucket.flags_set = True
+                bucket.point_grads(zeroed=True)
         for storage, buckets, flag_index in self.storages:
             holding = [bucket.holds_views() for bucket in buckets]
             if not any(holding):  # the default loop, after zero_grad(): one memset
@@ -310,17 +335,41 @@ class GradientReducer:
                     bucket.point_grads(zeroed=True)
 
     def _allocate_ahead(self, b: int) -> None:
-        """ZeRO-2: give other ranks' buckets up to ``_AHEAD`` past bucket ``b`` a buffer (and
-        bucket ``b`` itself if it is one of them and has none)."""
+        """Give the buckets of ``_ahead`` (without a buffer at the start of this backward: other
+        ranks' under ZeRO-2, and every bucket after :meth:`release_idle`) up to ``_AHEAD`` past
+        bucket ``b`` a zeroed buffer with the grads pointed at it, so that AccumulateGrad adds
+        in place (and bucket ``b`` itself if it is one of them and still has none)."""
         bucket = self.buckets[b] if b >= 0 else None
-        if bucket is not None and not bucket.keeps and bucket.buffer is None:
+        if bucket is not None and bucket.buffer is None and (self.bw.syncing or bucket.keeps):
             bucket.allocate(point=self.prepoint)
-        target = min(len(self._remote), bisect.bisect_right(self._remote, b) + _AHEAD)
-        while self.bw.remote_next < target:
-            ahead = self.buckets[self._remote[self.bw.remote_next]]
-            if ahead.buffer is None and not ahead.busy and self.prepoint:
-                ahead.allocate()
-            self.bw.remote_next += 1
+        ahead = self._ahead
+        target = min(len(ahead), bisect.bisect_right(ahead, b) + _AHEAD)
+        while self.bw.ahead_next < target:
+            nxt = self.buckets[ahead[self.bw.ahead_next]]
+            if nxt.buffer is None and not nxt.busy and self.prepoint:
+                nxt.allocate()
+            self.bw.ahead_next += 1
+
+    def release_idle(self) -> None:
+        """Between steps, when no parameter has a gradient (the default loop after
+        ``zero_grad()``, which sets them to ``None``): drop the buffers of the buckets this rank
+        keeps, so that the next forward's activations can use that memory. The next backward
+        gives each bucket a buffer again shortly before its first gradient
+        (:meth:`_allocate_ahead`), so gradient memory grows as activations are freed, as it
+        does without a wrapper. Called by BucketedDDP's forward; a gradient that is a view
+        (accumulation, ``zero_grad(set_to_none=False)``) keeps every buffer."""
+        with self.lock:
+            if self.bw.in_backward:
+                return
+            kept = [b for b in self.buckets if b.keeps and b.buffer is not None]
+            if not kept or any(b.busy for b in self.buckets):
+                return
+            if any(p.grad is not None for p in self.params):
+                return
+            for bucket in kept:
+                bucket.release()
+            self._loose = [b for b in self.buckets if b.keeps]
+            self.storages = []
 
     def _describe_bucket(self, b: int) -> str:
         bucket, n = self.buckets[b], len(self.buckets)
@@ -399,6 +448,13 @@ class GradientReducer:
         finally:
             self.bw.in_backward = False
 
+    def kept_buffers(self) -> list[torch.Tensor]:
+        """The memory holding this rank's kept gradients: one storage per (device, dtype), or
+        after :meth:`release_idle` each kept bucket's own buffer."""
+        if self.storages:
+            return [s for s, _, _ in self.storages]
+        return [b.buffer for b in self._loose if b.buffer is not None]
+
     def _share_nonfinite(self) -> None:
         """ZeRO-2, end of a synchronizing backward: a non-finite averaged gradient is seen only
         by its owner, so a GradScaler (or any inf check) would skip the step on that rank alone
@@ -410,7 +466,7 @@ class GradientReducer:
         where every rank holds every gradient)."""
         device = collective_device(self.process_group)
         owned_sparse = [] if self._sparse is None else self._owned_sparse_grads()
-        local = _nonfinite([s for s, _, _ in self.storages] + owned_sparse, device)
+        local = _nonfinite(self.kept_buffers() + owned_sparse, device)
         any_bad = local.any().float().reshape(1)
         what = "the all-reduce of the non-finite gradient flags (ZeRO-2)"
         self.guard(what, lambda: dist.all_reduce(any_bad, op=dist.ReduceOp.MAX, group=self.group))
@@ -481,7 +537,8 @@ class GradientReducer:
                 for p in self._sparse.params:
                     p.grad = None
             bw = self.bw
-            bw.in_backward, bw.syncing, bw.next_bucket, bw.remote_next = True, True, 0, 0
+            bw.in_backward, bw.syncing, bw.next_bucket, bw.ahead_next = True, True, 0, 0
+            self._ahead = []  # buffers come from Bucket.prepare as each bucket launches
             self.divisor = self.world  # zeros: any divisor
             self._finish_locked()
 

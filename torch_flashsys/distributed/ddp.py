@@ -326,6 +326,7 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
         reducer = self._reducer
         if reducer.bw.in_backward:
             reducer.unfinished_backward()
+        reducer.release_idle()  # every grad None: the buckets' memory goes to the activations
         if self._input_device is not None:  # device_ids given: torch DDP moves the inputs
             inputs, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(self._input_device), (inputs, kwargs)
