@@ -56,6 +56,10 @@ VARIANTS = {
     "ours-ddp-zero1": ("ours", "sharded1", "torch-ddp-zero"),
     "ours-ddp-zero2": ("ours", "sharded2", "torch-ddp-zero"),
     "ours-ddp-copy": ("ours-copy", "adamw", "torch-ddp"),  # BucketedDDP's copy path
+    # BucketedDDP keeping its gradient buffers between steps (as before issue 30)
+    "ours-ddp-keep": ("ours-keep", "adamw", "torch-ddp"),
+    "ours-ddp-zero1-keep": ("ours-keep", "sharded1", "torch-ddp-zero"),
+    "ours-ddp-zero2-keep": ("ours-keep", "sharded2", "torch-ddp-zero"),
     "torch-ddp-copy": ("ddp-copy", "adamw", None),  # gradient_as_bucket_view=False
     "torch-ddp-zero-view": ("ddp", "zero-view", None),
     "torch-ddp-sharded": ("ddp", "sharded1", "torch-ddp-zero"),
@@ -142,6 +146,8 @@ def _wrap(kind: str, model, args, device: torch.device):
     module = BucketedDDP(model, args.bucket_mb)
     if kind == "ours-copy":
         module._prepoint = False  # the copy path, for comparison
+    if kind == "ours-keep":
+        module._reducer.release_between_steps = False  # the buffers stay through the forward
     return module
 
 

@@ -113,6 +113,7 @@ ddp() {
   # would not fit (round 1 always runs: about 80 s on one H200 for the 11 variants).
   local bench=$(($(left 530) - 150)) v=plain,torch-ddp,torch-ddp-zero,torch-fsdp2,torch-fsdp2-noreshard
   v=$v,torch-fsdp2-bf16,torch-fsdp2-bf16-noreshard,ours-ddp,ours-ddp-copy,ours-ddp-zero1,ours-ddp-zero2
+  v=${BENCH_VARIANTS:-$v,ours-ddp-keep,ours-ddp-zero1-keep,ours-ddp-zero2-keep}
   [ "${SKIP_BENCH:-0}" != 1 ] && step ddp_bench $((bench + 90)) torchrun --standalone \
     --nproc_per_node="$n" benchmarks/ddp.py ${BENCH_ARGS:---preset 2.0B} --variants "$v" \
     --time-budget "$bench"

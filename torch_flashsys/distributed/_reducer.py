@@ -138,6 +138,7 @@ class GradientReducer:
         # rank, the last shadowed forward synchronized: what a ShardedOptimizer's join hook reads.
         self.join_config = _JoinConfig.construct_disabled_join_config()
         self.join_synced = True
+        self.release_between_steps = True  # release_idle (False: keep the buffers; benchmarks)
         self._build_buckets()
         self._register_hooks()
 
@@ -359,7 +360,7 @@ class GradientReducer:
         does without a wrapper. Called by BucketedDDP's forward; a gradient that is a view
         (accumulation, ``zero_grad(set_to_none=False)``) keeps every buffer."""
         with self.lock:
-            if self.bw.in_backward:
+            if self.bw.in_backward or not self.release_between_steps:
                 return
             kept = [b for b in self.buckets if b.keeps and b.buffer is not None]
             if not kept or any(b.busy for b in self.buckets):
