@@ -151,7 +151,9 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
     ``bucket_cap_mb_list`` raise ``NotImplementedError`` unless ``None``. Pass them by keyword
     (the second positional argument is ``bucket_size_mb``, torch's is ``device_ids``).
 
-    Each ``param.grad`` is a view into its bucket's flat buffer (no extra gradient memory). The
+    Each ``param.grad`` is a view into its bucket's flat buffer (no extra gradient memory); a
+    forward that finds every ``grad`` ``None`` (after ``zero_grad()``) frees those buffers for
+    the activations, and the backward allocates them again (docs/ddp.md). The
     wrapped module is ``.module``; its ``state_dict()`` keys are unchanged, and this wrapper's
     ``state_dict()`` prefixes them with ``module.`` exactly as torch DDP does.
 
