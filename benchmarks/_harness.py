@@ -318,18 +318,35 @@ def _in_group(fn, args, backend: str, timeout_s: float):
         dist.destroy_process_group()
 
 
-def line_plot(path: str, series: dict, xlabel: str, ylabel: str, title: str, log: str = "") -> None:
-    """Save one line per ``series`` entry (label -> [(x, y), ...]) as a PNG, axes in ``log`` on a
-    log scale ("x", "y", "xy"). Without matplotlib (``pip install torch-flashsys[bench]``) this
-    warns and writes nothing."""
+def _pyplot(what: str):
+    """matplotlib.pyplot on the Agg backend, or None (after a warning naming ``what``) without
+    matplotlib (``pip install torch-flashsys[bench]``)."""
     try:
         import matplotlib
     except ImportError:
-        print(f"--plot {path}: matplotlib is not installed; no plot written", file=sys.stderr)
-        return
+        print(f"{what}: matplotlib is not installed; no plot written", file=sys.stderr)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(plt, fig, ax, path: str, title: str) -> None:
+    """Title ``ax`` with ``title`` and this run's device, torch and date; write ``fig`` to ``path``."""
+    stamp = env_stamp()
+    ax.set_title(f"{title}\n{stamp['device']}, torch {stamp['torch']}, {stamp['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def line_plot(path: str, series: dict, xlabel: str, ylabel: str, title: str, log: str = "") -> None:
+    """Save one line per ``series`` entry (label -> [(x, y), ...]) as a PNG, axes in ``log`` on a
+    log scale ("x", "y", "xy"). Without matplotlib this warns and writes nothing."""
+    plt = _pyplot(f"--plot {path}")
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, points in series.items():
         if points:
@@ -337,27 +354,18 @@ def line_plot(path: str, series: dict, xlabel: str, ylabel: str, title: str, log
     ax.set(xlabel=xlabel, ylabel=ylabel, **{f"{axis}scale": "log" for axis in log})
     text_x = any(isinstance(x, str) for points in series.values() for x, _ in points)
     ax.tick_params(axis="x", rotation=60 if text_x else 0)
-    stamp = env_stamp()
-    ax.set_title(f"{title}\n{stamp['device']}, torch {stamp['torch']}, {stamp['date']}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, ax, path, title)
 
 
 def timeline_plot(path: str, timelines: dict, is_comm: Callable[[str], bool], title: str) -> None:
     """One row pair per ``timelines`` entry (label -> ``(name, start_us, end_us)`` kernels):
     computation above, communication below, milliseconds from the entry's first kernel. Without
     matplotlib this warns and writes nothing."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"{path}: matplotlib is not installed; no plot written", file=sys.stderr)
+    plt = _pyplot(path)
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     fig, ax = plt.subplots(figsize=(12, 0.9 * len(timelines) + 1.5))
     labels = []
     for row, (label, kernels) in enumerate(timelines.items()):
@@ -370,9 +378,5 @@ def timeline_plot(path: str, timelines: dict, is_comm: Callable[[str], bool], ti
             labels.append((y + 0.5, f"{label} {'comm' if comm else 'compute'}"))
     ax.set_yticks([y for y, _ in labels], [text for _, text in labels], fontsize=7)
     ax.set_xlabel("ms from the first profiled kernel")
-    stamp = env_stamp()
-    ax.set_title(f"{title}\n{stamp['device']}, torch {stamp['torch']}, {stamp['date']}", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, ax, path, title)
