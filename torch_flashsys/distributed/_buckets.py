@@ -194,6 +194,19 @@ class Bucket:
         """Whether some parameter's ``grad`` is its view (holds data a memset would destroy)."""
         return any(_holds(p.grad, v) for p, v in zip(self.params, self.views, strict=True))
 
+    def start_backward(self, holds: bool) -> None:
+        """At a backward's first hook: keep the gradients the views hold (``holds``: accumulated
+        under no_sync, zeroed in place, set by hand), else zero the buffer, set the flags to 1
+        and point every ``None`` grad at its zeroed view."""
+        if holds:
+            self.flags_set = False
+            self.point_grads(zeroed=False)
+        else:
+            self.buffer.zero_()
+            self.flags.fill_(1)
+            self.flags_set = True
+            self.point_grads(zeroed=True)
+
     def point_grads(self, zeroed: bool) -> None:
         """Point every ``None`` grad at its view (zeroing it unless ``zeroed``): AccumulateGrad
         then adds in place instead of handing over a fresh tensor that would need copying."""

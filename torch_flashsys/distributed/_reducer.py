@@ -306,16 +306,8 @@ class GradientReducer:
 
     def _prepare(self) -> None:
         for bucket in self._loose:  # kept buckets with buffers of their own (see release_idle)
-            if bucket.buffer is None:  # given one ahead of its gradients (_allocate_ahead)
-                continue
-            if bucket.holds_views():  # accumulated gradients: keep them
-                bucket.flags_set = False
-                bucket.point_grads(zeroed=False)
-            else:
-                bucket.buffer.zero_()
-                bucket.flags.fill_(1)
-                bucket.flags_set = True
-                bucket.point_grads(zeroed=True)
+            if bucket.buffer is not None:  # (else given one ahead of its gradients)
+                bucket.start_backward(bucket.holds_views())
         for storage, buckets, flag_index in self.storages:
             holding = [bucket.holds_views() for bucket in buckets]
             if not any(holding):  # the default loop, after zero_grad(): one memset
@@ -326,14 +318,7 @@ class GradientReducer:
                     bucket.point_grads(zeroed=True)
                 continue
             for bucket, holds in zip(buckets, holding, strict=True):
-                if holds:  # accumulated gradients (no_sync, set_to_none=False): keep them
-                    bucket.flags_set = False
-                    bucket.point_grads(zeroed=False)
-                else:
-                    bucket.buffer.zero_()
-                    bucket.flags.fill_(1)
-                    bucket.flags_set = True
-                    bucket.point_grads(zeroed=True)
+                bucket.start_backward(holds)
 
     def _allocate_ahead(self, b: int) -> None:
         """Give the buckets of ``_ahead`` (without a buffer at the start of this backward: other
