@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed.common import Batches, Wrap
-from torch_flashsys.distributed import BucketedDDP, _buckets
+from torch_flashsys.distributed import BucketedDDP, _buckets, _release
 
 F64 = torch.float64
 
@@ -704,6 +705,12 @@ def release_between_steps(rank: int, world: int) -> dict[str, Any]:
     before = [weakref.ref(t) for t in reducer.kept_buffers()]
     out["had_buffers"] = len(before) > 0
     y = ddp(x)
+    # A finished collective's alias of a buffer (_release.alias) lives until the backend's thread
+    # destroys its Work, which under gloo may be just after the wait returned: give it that time
+    # (bounded); then nothing may hold the old buffers any more.
+    deadline = time.monotonic() + 5.0
+    while _release._held() and time.monotonic() < deadline:
+        time.sleep(0.001)
     out["freed_by_forward"] = all(ref() is None for ref in before)
     out["none_left"] = not reducer.kept_buffers()
     y.sum().backward()
