@@ -347,9 +347,15 @@ def _deterministic_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     """Where the fused kernel with ordered dQ sums (DETERMINISTIC) runs under
     ``torch.use_deterministic_algorithms(True)``: the query and key lengths in
     DETERMINISTIC_SEQ_Q for the problem's kind."""
+    return _in_rule(DETERMINISTIC_SEQ_Q, q, k, ex)
+
+
+def _in_rule(rule: dict, q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
+    """Whether a causal or plain problem's query and key lengths are both in ``rule``'s range
+    for its kind ((causal, GQA) -> (lo, hi); a kind not in ``rule``: never)."""
     if not (ex is CAUSAL or ex is PLAIN):
         return False
-    lo, hi = DETERMINISTIC_SEQ_Q.get((ex is CAUSAL, q.shape[1] > k.shape[1]), (1, 0))
+    lo, hi = rule.get((ex is CAUSAL, q.shape[1] > k.shape[1]), (1, 0))
     return lo <= q.shape[2] <= hi and lo <= k.shape[2] <= hi
 
 
@@ -360,18 +366,14 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     backward took 0.72-0.80x the portable one's time with causal GQA 4:1 at 2048-16384 (1024:
     host-bound, 0.73x and 1.32x here, 0.81-0.83x in earlier runs), 0.82-0.94x causal without GQA
     at 4096-16384 (1.29-1.34x slower at 1024-2048, where a key tile has few query tiles; with
-    one head's key tiles in turn, KEYS_FASTEST, its kernel took 0.77-0.82x the portable kernels'
+    one head's key tiles in turn, KEYS_FIRST, its kernel took 0.77-0.82x the portable kernels'
     time there, ``gpu_checks/order_ab.py``), 0.75-0.88x without a causal mask at 2048-8192, and
     (one run, with the load warp's LSE/D rows) 0.78-0.81x at 16384 (1024: host-bound, no clear
     winner). Only self-attention was measured (as many keys as query rows), so the keys must be
     in the range too: with few keys (cross-attention) the kernel has few programs, each looping
     over every query tile. Head dim 128 (the split kernel): the lengths in SPLIT_SEQ_Q, from one
     ``--rule --head-dim 128`` run (docs/benchmarks.md)."""
-    if not (ex is CAUSAL or ex is PLAIN):
-        return False
-    rule = SPLIT_SEQ_Q if q.shape[-1] in SPLIT_HEAD_DIMS else FUSED_SEQ_Q
-    lo, hi = rule.get((ex is CAUSAL, q.shape[1] > k.shape[1]), (1, 0))
-    return lo <= q.shape[2] <= hi and lo <= k.shape[2] <= hi
+    return _in_rule(SPLIT_SEQ_Q if q.shape[-1] in SPLIT_HEAD_DIMS else FUSED_SEQ_Q, q, k, ex)
 
 
 _launch_prep = LaunchCache(attn_bwd_prep, n_tensors=6)
