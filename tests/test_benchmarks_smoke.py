@@ -97,6 +97,7 @@ MODES = [
     ("ddp.py", ["--profile", "PROFILE_DIR", "--variants", "plain,ours-ddp"]),
     ("context_parallel.py", ["--parts", "attention"]),
     ("model.py", ["--preset", "e2e"]),
+    ("sm90_fwd.py", ["--timeline"]),
 ]
 
 

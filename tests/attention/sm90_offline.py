@@ -53,15 +53,16 @@ def _problem(d: int, dtype: torch.dtype, seq: int, heads: int):
     return q, k, torch.zeros(1, heads, seq)
 
 
-def _warmup(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8):
+def _warmup(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8, **extra):
     """Compile (or find compiled) the kernel for a ``(1, heads, seq, d)`` problem, GQA 2:1, with
-    the launch arguments the library builds (:func:`_sm90.launch_args`)."""
+    the launch arguments the library builds (:func:`_sm90.launch_args`); ``extra``: constexprs
+    other than the library's (variants, probes)."""
     from torch_flashsys.attention import _sm90
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
 
     q, k, lse = _problem(d, dtype, seq, heads)
     return attn_fwd_sm90.warmup(
-        *_sm90.launch_args(q, k, k, q, lse, 0.125), **_sm90.constexprs(d, causal),
+        *_sm90.launch_args(q, k, k, q, lse, 0.125), **{**_sm90.constexprs(d, causal), **extra},
         num_warps=_sm90.NUM_WARPS, maxnreg=_sm90.MAX_REGS, grid=(1,),
     )  # fmt: skip
 
@@ -101,14 +102,16 @@ def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int
 
 
 def compile_variants(variants) -> list[str]:
-    """Compile ``(head_dim, causal, dtype)`` variants; one report line each (shared memory,
-    registers at launch). Raises on the first that fails."""
+    """Compile ``(head_dim, causal, dtype[, extra constexprs])`` variants; one report line each
+    (shared memory). Raises on the first that fails."""
     lines = []
-    for d, causal, dtype in variants:
-        kernel = _warmup(d, causal, dtype, 256)
+    for d, causal, dtype, *extra in variants:
+        extra = extra[0] if extra else {}
+        kernel = _warmup(d, causal, dtype, 256, **extra)
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, "not the warp-specialized kernel"
-        lines.append(f"d={d} causal={causal} {dtype}: shared memory {kernel.metadata.shared} bytes")
+        lines.append(f"d={d} causal={causal} {dtype} {extra or ''}: shared memory "
+                     f"{kernel.metadata.shared} bytes")  # fmt: skip
     return lines
 
 
@@ -153,7 +156,10 @@ if __name__ == "__main__":
         together, after = backward_compiles()
         print(f"backward kernels compiled together, after: {together}, {after}")
         sys.exit(0)
-    for line in compile_variants([(64, True, torch.float16), (128, False, torch.bfloat16)]):
+    for line in compile_variants([(64, True, torch.float16), (128, False, torch.bfloat16),
+                                  (64, False, torch.bfloat16, {"KV_SPLIT": True}),
+                                  (128, True, torch.bfloat16, {"KV_SPLIT": True}),
+                                  (128, True, torch.float16, {"PROBE": 3})]):  # fmt: skip
         print(line)
     for d, causal, dtype, pipeline in [(64, True, torch.float16, True),
                                        (128, False, torch.bfloat16, False)]:  # fmt: skip

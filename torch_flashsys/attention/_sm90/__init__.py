@@ -58,6 +58,9 @@ LOG2E = 1.4426950408889634  # log2(e): the kernel's softmax is base 2
 BLOCK_M = 64  # query rows per consumer warpgroup (two per program)
 BLOCK_N = 128  # key rows per tile
 STAGES = {64: 3, 128: 2}  # key/value ring depth per head dim (shared memory: 131 / 197 KB)
+# Key tiles released once their S is computed, value tiles once their P V is (FA3's separate
+# pipelines), instead of both when P V is: the next key tile's load then has a whole step to land.
+FWD_KV_SPLIT = False
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel adds 4 + 1 worker warps
 MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the register file
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -215,9 +218,11 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
             heads // k.shape[1], seq_q, seq_k, scale * LOG2E, group_heads)  # fmt: skip
 
 
-def constexprs(d: int, causal: bool) -> dict:
-    """The kernel's compile-time arguments."""
-    return {"CAUSAL": causal, "STAGES": STAGES[d]}
+def constexprs(d: int, causal: bool, kv_split: bool | None = None, probe: int = 0) -> dict:
+    """The kernel's compile-time arguments (``kv_split``: FWD_KV_SPLIT unless given; ``probe``
+    3: the cycle timeline, measurement only, no logsumexp)."""
+    return {"CAUSAL": causal, "STAGES": STAGES[d],
+            "KV_SPLIT": FWD_KV_SPLIT if kv_split is None else kv_split, "PROBE": probe}
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -234,18 +239,23 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
            index, persistent)  # fmt: skip
 
     def plan() -> tuple[tuple, dict]:
-        n_tiles = triton_cdiv(seq_q, 2 * BLOCK_M) * batch * heads
-        long = persistent is False or (persistent is None and causal
-                                       and seq_q > PERSISTENT_CAUSAL_MAX)  # fmt: skip
-        # Persistent (one program per SM) for full attention and short causal sequences (the
-        # next tile's loads overlap this one's epilogue); longer causal tiles differ in cost,
-        # so one program per tile and the hardware's scheduler balances them (H100
-        # measurements: docs/benchmarks.md).
-        grid = (n_tiles if long else min(n_tiles, _sm_count(index)), 1, 1)
-        return grid, {**constexprs(d, causal), "num_warps": NUM_WARPS, "maxnreg": MAX_REGS}
+        return forward_grid(q, causal, persistent), {**constexprs(d, causal),
+                                                     "num_warps": NUM_WARPS, "maxnreg": MAX_REGS}
 
     _launch_planned(attn_fwd_sm90, _PLANS, key, index, args, plan)
     return out, lse
+
+
+def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None) -> tuple:
+    """The forward's grid. Persistent (one program per SM) for full attention and short causal
+    sequences (the next tile's loads overlap this one's epilogue); longer causal tiles differ in
+    cost, so one program per tile and the hardware's scheduler balances them (H100 measurements:
+    docs/benchmarks.md). ``persistent`` True/False forces either."""
+    batch, heads, seq_q, _ = q.shape
+    n_tiles = triton_cdiv(seq_q, 2 * BLOCK_M) * batch * heads
+    long = persistent is False or (persistent is None and causal
+                                   and seq_q > PERSISTENT_CAUSAL_MAX)  # fmt: skip
+    return (n_tiles if long else min(n_tiles, _sm_count(q.get_device())), 1, 1)
 
 
 def _launch_planned(kernel, plans: dict, key: tuple, index: int, args: tuple, plan) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from torch_flashsys.attention._sm90._gluon import (
     AVAILABLE,
+    clock64,
     fence_async_shared,
     gl,
     gluon,
@@ -227,13 +228,6 @@ if AVAILABLE:
         if CAUSAL:
             turn = (gl.minimum((m0 + BLOCK_M - 1) // BLOCK_N2, nb_end) - nb) // CHAINS
         return turn
-
-    @gluon.jit
-    def _clock(x):
-        """%clock64, for the ``PROBE == 3`` timeline; ``x`` any scalar (a dependence that keeps
-        the read in place)."""
-        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=gl.int64,
-                                         is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
     def _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs):
@@ -488,7 +482,7 @@ if AVAILABLE:
             c4 = c0
             c5 = c0
             c6 = c0
-            t = _clock(n_steps)
+            t = clock64(n_steps)
         for step in range(n_steps):
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
             st = step % STAGES
@@ -498,7 +492,7 @@ if AVAILABLE:
             lse2 = stats.index(2 * st).load(col_layout)  # (LSE * log2 e)
             delta = stats.index(2 * st + 1).load(col_layout)
             if PROBE == 3:
-                t1 = _clock(step)
+                t1 = clock64(step)
                 c0 += t1 - t
                 t = t1
             if KV_RS:
@@ -512,13 +506,13 @@ if AVAILABLE:
                                      is_async=True)  # fmt: skip
                 s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
             if PROBE == 3:
-                t1 = _clock(step)
+                t1 = clock64(step)
                 c1 += t1 - t
                 t = t1
             p_t = _masked_probs(s_w, lse2, n0w, m0, seq_k, qk_scale, CAUSAL)
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
             if PROBE == 3:
-                t1 = _clock(step)
+                t1 = clock64(step)
                 c2 += t1 - t
                 t = t1
             if KV_RS:
@@ -528,7 +522,7 @@ if AVAILABLE:
             dv = warpgroup_mma(pa, do, dv, is_async=True)
             ds_t = (p_t * (dp_w - delta[None, :])).to(dtype)
             if PROBE == 3:
-                t1 = _clock(step)
+                t1 = clock64(step)
                 c3 += t1 - t
                 t = t1
             # Hand dS^T over: the buffer is free once the dQ warpgroup's product read it.
@@ -536,12 +530,12 @@ if AVAILABLE:
             ds_buf = ds_smem.index(2 * buf + WG)
             mbarrier.wait(ds_empty.index(buf), ((step // NBUF) & 1) ^ 1)  # fresh: parity 1 passes
             if PROBE == 3:
-                t1 = _clock(step)
+                t1 = clock64(step)
                 c4 += t1 - t
                 t = t1
             _publish(ds_buf, ds_t, ds_ready.index(buf))
             if PROBE == 3:
-                t1 = _clock(step)
+                t1 = clock64(step)
                 c5 += t1 - t
                 t = t1
             if DK_RS:
@@ -553,7 +547,7 @@ if AVAILABLE:
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, ds_buf, q, do))[:2]
             mbarrier.arrive(empty.index(st), count=1)  # both warpgroups release a stage
             if PROBE == 3:
-                t1 = _clock(step)
+                t1 = clock64(step)
                 c6 += t1 - t
                 t = t1
         _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
@@ -655,7 +649,7 @@ if AVAILABLE:
             c3 = c0
             c4 = c0
             c5 = c0
-            t = _clock(n_steps)
+            t = clock64(n_steps)
         for step in range(n_steps):
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
@@ -664,7 +658,7 @@ if AVAILABLE:
             ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
             mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
             if PROBE == 3:
-                t1 = _clock(step)
+                t1 = clock64(step)
                 c0 += t1 - t
                 t = t1
             if PROBE == 2:  # measurement only: no dQ work at all
@@ -675,7 +669,7 @@ if AVAILABLE:
                 dq = warpgroup_mma_wait(0, deps=(dq, ds0, ds1, k0, k1))[0]
                 mbarrier.arrive(ds_empty.index(buf), count=1)
                 if PROBE == 3:
-                    t1 = _clock(step)
+                    t1 = clock64(step)
                     c1 += t1 - t
                     t = t1
                 if DQ_TMA:
@@ -684,7 +678,7 @@ if AVAILABLE:
                     tma.store_wait(1)
                     thread_barrier()
                     if PROBE == 3:
-                        t1 = _clock(step)
+                        t1 = clock64(step)
                         c2 += t1 - t
                         t = t1
                     tile.reshape([BLOCK_M, HEAD_DIM]).store(dq * sm_scale)
@@ -692,13 +686,13 @@ if AVAILABLE:
                     thread_barrier()
                     if DETERMINISTIC:
                         if PROBE == 3:
-                            t1 = _clock(step)
+                            t1 = clock64(step)
                             c3 += t1 - t
                             t = t1
                         # the sync warp saw this tile's turn come
                         mbarrier.wait(turn_ok.index(step % NSYNC), (step // NSYNC) & 1)
                         if PROBE == 3:
-                            t1 = _clock(step)
+                            t1 = clock64(step)
                             c4 += t1 - t
                             t = t1
                     tma_reduce_add(dq_desc, [dq_b, hk * group + g, m0, 0], tile)  # rows past
@@ -711,11 +705,11 @@ if AVAILABLE:
                             done = step - SIGNAL_LAG
                             mbarrier.arrive(landed.index(done % NSYNC), count=1)
                         if PROBE == 3:
-                            t1 = _clock(step)
+                            t1 = clock64(step)
                             c5 += t1 - t
                             t = t1
                     if PROBE == 3:
-                        t1 = _clock(step)
+                        t1 = clock64(step)
                         c3 += t1 - t
                         t = t1
                 else:

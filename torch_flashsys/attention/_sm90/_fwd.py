@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from torch_flashsys.attention._sm90._gluon import (
     AVAILABLE,
+    clock64,
     fence_async_shared,
     gl,
     gluon,
@@ -37,6 +38,11 @@ from torch_flashsys.attention._sm90._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+# Phases of a consumer's key-tile step that ``PROBE == 3`` times (``benchmarks/sm90_fwd.py``),
+# and the per-tile rest (the first key tile, the last P V, the epilogue).
+PROBE_PHASES = ("wait K/V loaded", "wait turn", "issue S, P V", "wait S", "softmax",
+                "wait P V, release", "rescale O, convert P", "per tile (first, last, epilogue)")
 
 _INTEGER_ARGS = [
     "stride_lb",
@@ -133,12 +139,17 @@ if AVAILABLE:
         mbarrier.arrive(turns.index(1 - WG), count=1)
 
     @gluon.jit
-    def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
+                 PROBE: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: rows [m0 + WG * BLOCK_M, + BLOCK_M) of each of this program's
-        tiles over their key tiles, then O (q's dtype, a TMA store) and the natural logsumexp."""
+        tiles over their key tiles, then O (q's dtype, a TMA store) and the natural logsumexp.
+        ``KV_SPLIT``: a key tile is released once its S is computed, a value tile once its P V
+        is (else both when P V is). ``PROBE == 3``: cycles per phase (:data:`PROBE_PHASES`),
+        summed over the key tiles, stored in LSE's first ``32 * programs`` floats instead of
+        the logsumexp (measurement only)."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
-        q_ready, q_empty, k_ready, v_ready, kv_empty, turns = bars
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
         LSE, stride_lb, stride_lh = out
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
@@ -158,7 +169,19 @@ if AVAILABLE:
         it = 0  # key tiles consumed so far (the ring's position)
         n_done = 0  # query tiles done so far (the query buffer's phase)
         k_turn = 0  # rounds of matrix products issued so far (the turn barriers' phase)
-        for r in range(_rounds(n_m * n_bh)):
+        n_tiles = _rounds(n_m * n_bh)
+        if PROBE == 3:  # cycles per phase, summed over the key tiles
+            c0 = n_tiles.to(gl.int64) * 0
+            c1 = c0
+            c2 = c0
+            c3 = c0
+            c4 = c0
+            c5 = c0
+            c6 = c0
+            c7 = c0
+            n_steps = c0
+            t = clock64(n_tiles)
+        for r in range(n_tiles):
             b, h, hk, m0, n_kv = _tile(_entry(r), sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
             r0 = m0 + WG * BLOCK_M
             if CAUSAL:  # key tiles every row of this warpgroup sees whole
@@ -179,8 +202,14 @@ if AVAILABLE:
             _pass_turn(turns, WG)
             k_turn += 1
             s = warpgroup_mma_wait(0, deps=(s, q, k))[0]
+            if KV_SPLIT:
+                mbarrier.arrive(k_empty.index(st), count=1)  # both warpgroups release a key tile
             p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL)
             pa = gl.convert_layout(p.to(q.dtype), p_layout)
+            if PROBE == 3:
+                t1 = clock64(r)
+                c7 += t1 - t
+                t = t1
             # Tile j: issue S_j and P_{j-1} V_{j-1} in this warpgroup's turn; the softmax of S_j
             # runs while P V and the other warpgroup's products use the tensor cores.
             for j in range(1, n_kv):
@@ -190,19 +219,50 @@ if AVAILABLE:
                 sp = (it + j - 1) % STAGES
                 v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
+                if PROBE == 3:
+                    t1 = clock64(j)
+                    c0 += t1 - t
+                    t = t1
                 _my_turn(turns, k_turn, WG)
+                if PROBE == 3:
+                    t1 = clock64(j)
+                    c1 += t1 - t
+                    t = t1
                 s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
                 acc = warpgroup_mma(pa, v, acc, is_async=True)
                 _pass_turn(turns, WG)
                 k_turn += 1
+                if PROBE == 3:
+                    t1 = clock64(j)
+                    c2 += t1 - t
+                    t = t1
                 s = warpgroup_mma_wait(1, deps=(s, q, k))[0]  # S_j done; P V may still run
+                if KV_SPLIT:
+                    mbarrier.arrive(k_empty.index(st), count=1)
+                if PROBE == 3:
+                    t1 = clock64(j)
+                    c3 += t1 - t
+                    t = t1
                 p, alpha, m_i, l_i = _softmax_tile(
                     s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL
                 )  # fmt: skip
+                if PROBE == 3:
+                    t1 = clock64(j)
+                    c4 += t1 - t
+                    t = t1
                 acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
-                mbarrier.arrive(kv_empty.index(sp), count=1)  # both warpgroups release a stage
+                _release_kv(k_empty, v_empty, sp, KV_SPLIT)  # both warpgroups release them
+                if PROBE == 3:
+                    t1 = clock64(j)
+                    c5 += t1 - t
+                    t = t1
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 pa = gl.convert_layout(p.to(q.dtype), p_layout)
+                if PROBE == 3:
+                    t1 = clock64(j)
+                    c6 += t1 - t
+                    t = t1
+                    n_steps += 1
             mbarrier.arrive(q_empty.index(WG), count=1)  # every S of this tile is done
             sp = (it + n_kv - 1) % STAGES
             v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
@@ -212,7 +272,7 @@ if AVAILABLE:
             _pass_turn(turns, WG)
             k_turn += 1
             acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
-            mbarrier.arrive(kv_empty.index(sp), count=1)
+            _release_kv(k_empty, v_empty, sp, KV_SPLIT)
             it += n_kv
             n_done += 1
             # Epilogue: O = acc / l through shared memory and a TMA store (rows past seq_q are
@@ -225,24 +285,51 @@ if AVAILABLE:
             rows_s = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             lse = (m_i + gl.log2(l_i)) * LN2
             l_base = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-            gl.store(l_base + rows_s, lse, mask=rows_s < seq_q)
+            if PROBE != 3:
+                gl.store(l_base + rows_s, lse, mask=rows_s < seq_q)
+            else:
+                t1 = clock64(r)
+                c7 += t1 - t
+                t = t1
         tma.store_wait(0)
+        if PROBE == 3:  # cycles per phase, summed over key tiles, into LSE (no logsumexp)
+            base = LSE + gl.program_id(0).to(gl.int64) * 32 + WG * 16
+            gl.store(base + 0, c0.to(gl.float32))
+            gl.store(base + 1, c1.to(gl.float32))
+            gl.store(base + 2, c2.to(gl.float32))
+            gl.store(base + 3, c3.to(gl.float32))
+            gl.store(base + 4, c4.to(gl.float32))
+            gl.store(base + 5, c5.to(gl.float32))
+            gl.store(base + 6, c6.to(gl.float32))
+            gl.store(base + 7, c7.to(gl.float32))
+            gl.store(base + 8, n_steps.to(gl.float32))
+            gl.store(base + 9, n_tiles.to(gl.float32))
 
     @gluon.jit
-    def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr):
-        _consume(descs, bufs, bars, sched, out, CAUSAL, 0)
+    def _release_kv(k_empty, v_empty, st, KV_SPLIT: gl.constexpr):
+        """A consumer's P V of stage ``st`` is done: release its value tile (and, without
+        KV_SPLIT, the key tile beside it: both wait on ``v_empty``)."""
+        mbarrier.arrive(v_empty.index(st), count=1)
 
     @gluon.jit
-    def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr):
-        _consume(descs, bufs, bars, sched, out, CAUSAL, 1)
+    def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
+                   PROBE: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, 0)
 
     @gluon.jit
-    def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr):
+    def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
+                   PROBE: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, 1)
+
+    @gluon.jit
+    def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
+              PROBE: gl.constexpr):  # fmt: skip
         """Load warp: per tile, both query halves once their buffers are free, then the
-        key/value ring."""
+        key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
+        the stage's value tile's)."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
-        q_ready, q_empty, k_ready, v_ready, kv_empty, turns = bars
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
         n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -257,9 +344,15 @@ if AVAILABLE:
                 tma_load(q_desc, [b, h, m0 + i * BLOCK_M, 0], q_ready.index(i), q_smem.index(i))
             for j in range(n_kv):
                 st = (it + j) % STAGES
-                mbarrier.wait(kv_empty.index(st), (((it + j) // STAGES) & 1) ^ 1)
+                free = (((it + j) // STAGES) & 1) ^ 1  # fresh barriers: parity 1 passes
+                if KV_SPLIT:
+                    mbarrier.wait(k_empty.index(st), free)
+                else:
+                    mbarrier.wait(v_empty.index(st), free)
                 mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
                 tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
+                if KV_SPLIT:
+                    mbarrier.wait(v_empty.index(st), free)
                 mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
                 tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
             it += n_kv
@@ -273,6 +366,7 @@ if AVAILABLE:
     def attn_fwd_sm90(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, n_bh, n_heads, group, seq_q,
         seq_k, qk_scale, group_heads, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+        KV_SPLIT: gl.constexpr, PROBE: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -288,7 +382,8 @@ if AVAILABLE:
         q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
@@ -296,18 +391,19 @@ if AVAILABLE:
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(v_empty.index(i), count=2)
         n_m = gl.cdiv(seq_q, 2 * BLOCK_M)
         descs = (q_desc, k_desc, v_desc, o_desc)
         bufs = (q_smem, k_smem, v_smem, o_smem)
-        bars = (q_ready, q_empty, k_ready, v_ready, kv_empty, turns)
+        bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns)
         sched = (n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads)
         out = (LSE, stride_lb, stride_lh)
         gl.warp_specialize(
             [
-                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL)),
-                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL)),
-                (_load, (descs, bufs, bars, sched, out, CAUSAL)),
+                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE)),
+                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE)),
+                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE)),
             ],
             [4, 1],
             [240, 24],

@@ -42,9 +42,17 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
             _semantic.builder.create_async_tma_reduce(_ADD, tensor_desc.handle, coord, src.handle)
 
     AVAILABLE = hasattr(gl, "warp_specialize") and hasattr(gl, "NVMMADistributedLayout")
+
+    @gluon.jit
+    def clock64(x):
+        """%clock64, for the kernels' ``PROBE == 3`` timelines; ``x`` any scalar (a dependence
+        that keeps the read in place)."""
+        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=gl.int64,
+                                         is_pure=False, pack=1)  # fmt: skip
+
 except Exception:  # ImportError, or an API whose import itself fails
     gluon = gl = fence_async_shared = mbarrier = tma = tma_load = tma_store = None
-    thread_barrier = tma_reduce_add = None
+    thread_barrier = tma_reduce_add = clock64 = None
     warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     AVAILABLE = False
 
@@ -61,6 +69,7 @@ __all__ = [
     "AVAILABLE",
     "VERIFIED",
     "TensorDescriptor",
+    "clock64",
     "fence_async_shared",
     "gl",
     "gluon",

@@ -1,0 +1,155 @@
+"""The Hopper forward kernel's compile-time variants and its cycle timeline, SDPA's cuDNN forward
+in the same run (H100/H200).
+
+    python3 benchmarks/sm90_fwd.py [--shapes 1x16/16x16384x128c,...] [--out sm90_fwd_h100.csv]
+    python3 benchmarks/sm90_fwd.py --timeline [--shapes ...]
+
+Default: per shape (bf16), the kernel alone (``do_bench`` medians of the direct launch the library
+makes, on the library's grid) for each variant in :data:`VARIANTS`, whether its output equals the
+library's default bit for bit, and cuDNN's forward (``sdpa_kernel`` pinned, no grad) beside it.
+``--timeline``: the ``PROBE == 3`` build's %clock64 cycles per key-tile step and phase of each
+consumer warpgroup (summed over programs, divided by their steps), per variant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks._harness import parser, report
+from benchmarks._peers import sdpa_call
+from benchmarks.sm90_bwd import _shapes
+from torch_flashsys.attention import _sm90
+from torch_flashsys.attention._tensors import empty_like_layout
+
+SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
+    (1, 16, 16, 16384, 128, True),
+    (1, 16, 16, 16384, 128, False),
+    (4, 16, 16, 4096, 128, True),
+    (8, 16, 16, 2048, 128, True),
+    (1, 16, 16, 16384, 64, True),
+    (4, 16, 16, 4096, 64, False),
+    (16, 16, 16, 1024, 64, True),
+]
+VARIANTS = {  # name: constexprs over the library's
+    "shared release": {"KV_SPLIT": False},
+    "kv split": {"KV_SPLIT": True},
+}
+N_PROBES = 32  # floats per program the probe build stores (16 per consumer warpgroup)
+
+
+def _problem(shape):
+    b, h, hk, n, d, causal = shape
+    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hk, n, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    label = f"{b}x{h}/{hk}x{n}x{d}{' causal' if causal else ''}"
+    return q, k, v, causal, label
+
+
+def _launcher(q, k, v, causal: bool, extra: dict):
+    """``(launch, out, lse, grid)``: the forward kernel with constexprs ``extra`` over the
+    library's, launched the library's way (compiled on the first call, then directly)."""
+    from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
+
+    d = q.shape[-1]
+    out = empty_like_layout(q, d)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    args = _sm90.launch_args(q, k, v, out, lse, d**-0.5)
+    grid = _sm90.forward_grid(q, causal)
+    meta = {**_sm90.constexprs(d, causal), **extra, "num_warps": _sm90.NUM_WARPS,
+            "maxnreg": _sm90.MAX_REGS}  # fmt: skip
+    plans: dict = {}
+
+    def launch():
+        _sm90._launch_planned(attn_fwd_sm90, plans, "variant", q.get_device(), args,
+                              lambda: (grid, meta))  # fmt: skip
+
+    return launch, out, lse, grid
+
+
+def variant_rows(shape) -> list[dict]:
+    from triton.testing import do_bench
+
+    b, h, hk, n, d, causal = shape
+    q, k, v, causal, label = _problem(shape)
+    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    ref, ref_lse = _sm90.forward(q, k, v, d**-0.5, causal)
+    rows = []
+    for name, extra in VARIANTS.items():
+        launch, out, lse, _ = _launcher(q, k, v, causal, extra)
+        launch()
+        same = torch.equal(out, ref) and torch.equal(lse, ref_lse)
+        ms = do_bench(launch, warmup=25, rep=200)
+        rows.append({"shape": label, "impl": name, "ms": ms, "tflops": flops / ms / 1e9,
+                     "equal_to_default": same})  # fmt: skip
+    cudnn = sdpa_call("CUDNN_ATTENTION", is_causal=causal, enable_gqa=h != hk)
+    with torch.no_grad():
+        ms = do_bench(lambda: cudnn(q, k, v), warmup=25, rep=200)
+    rows.append({"shape": label, "impl": "sdpa cudnn", "ms": ms, "tflops": flops / ms / 1e9})
+    return rows
+
+
+def timeline_rows(shape) -> list[dict]:
+    from torch_flashsys.attention._sm90._fwd import PROBE_PHASES
+
+    q, k, v, causal, label = _problem(shape)
+    rows = []
+    for name, extra in VARIANTS.items():
+        launch, _, lse, grid = _launcher(q, k, v, causal, {**extra, "PROBE": 3})
+        assert lse.numel() >= N_PROBES * grid[0], "lse too small for the probes"
+        launch()
+        torch.cuda.synchronize()
+        t = lse.reshape(-1)[: grid[0] * N_PROBES].reshape(grid[0], 2, 16).double()
+        for wg in range(2):
+            steps, tiles = t[:, wg, 8].sum().item(), t[:, wg, 9].sum().item()
+            per = [steps] * (len(PROBE_PHASES) - 1) + [tiles]  # the last phase: per tile
+            cycles = [t[:, wg, j].sum().item() / max(n, 1) for j, n in enumerate(per)]
+            for phase, value in zip(PROBE_PHASES, cycles, strict=True):
+                rows.append({"shape": label, "variant": name, "consumer": wg, "phase": phase,
+                             "cycles": value})  # fmt: skip
+            rows.append({"shape": label, "variant": name, "consumer": wg,
+                         "phase": "step (the key-tile phases)", "cycles": sum(cycles[:-1])})  # fmt: skip
+    return rows
+
+
+def cpu_rows() -> list[dict]:
+    """Without a Hopper GPU (--smoke): the PyTorch backend's forward of one tiny problem, so the
+    script's table and --out still work."""
+    from benchmarks._harness import bench
+    from torch_flashsys import flash_attention
+
+    q, k, v = (torch.randn(1, 2, 96, 64) for _ in range(3))
+    with torch.no_grad():
+        res = bench(lambda: flash_attention(q, k, v, is_causal=True, backend="torch"), "cpu")
+    return [{"shape": "1x2/2x96x64 causal", "impl": "flash_attention (torch backend, CPU)",
+             "ms": res["median_ms"]}]  # fmt: skip
+
+
+def main() -> None:
+    p = parser(__doc__, smoke="(no CPU mode: the Hopper kernels need an sm90 GPU)")
+    p.add_argument("--shapes", type=_shapes,
+                   help="these problems instead, e.g. 1x16/16x16384x128c (c: causal)")  # fmt: skip
+    p.add_argument("--timeline", action="store_true",
+                   help="cycles per key-tile step and phase of each consumer (PROBE == 3)")  # fmt: skip
+    args = p.parse_args()
+    if args.smoke or not (torch.cuda.is_available() and _sm90.enabled()):
+        report("Hopper forward: no Hopper GPU here (the PyTorch backend's forward instead)",
+               cpu_rows(), ("shape", "impl", "ms"), args.out)  # fmt: skip
+        return
+    shapes = args.shapes or SHAPES
+    if args.timeline:
+        rows = [r for shape in shapes for r in timeline_rows(shape)]
+        report("Hopper forward: %clock64 cycles per key-tile step and phase", rows,
+               ("shape", "variant", "consumer", "phase", "cycles"), args.out)  # fmt: skip
+        return
+    rows = [r for shape in shapes for r in variant_rows(shape)]
+    report("Hopper forward: compile-time variants (kernel only) and cuDNN", rows,
+           ("shape", "impl", "ms", "tflops", "equal_to_default"), args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
