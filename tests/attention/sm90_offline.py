@@ -172,10 +172,10 @@ if __name__ == "__main__":
         kernel = _warmup_fused(d, causal, dtype, 256)
         assert "cp.reduce.async.bulk.tensor" in kernel.asm["ptx"], "dQ not summed by TMA"
         print(f"fused d={d} causal={causal} {dtype}: shared memory {kernel.metadata.shared} bytes")
-    for causal in (True, False):  # ordered dQ sums: each waits for its turn, then completes
-        ptx = _warmup_fused(64, causal, torch.bfloat16, 256, deterministic=True).asm["ptx"]
+    for d, causal in [(64, True), (64, False), (128, True), (128, False)]:  # ordered dQ sums
+        ptx = _warmup_fused(d, causal, torch.bfloat16, 256, deterministic=True).asm["ptx"]
         assert "cp.async.bulk.wait_group 0;" in ptx and "red.release.gpu" in ptx, "not ordered"
-        print(f"fused deterministic d=64 causal={causal}: compiled")
+        print(f"fused deterministic d={d} causal={causal}: compiled")
     print(
         f"{kernels_for_lengths(64, True, torch.float16, LENGTHS)} kernel(s) for lengths {LENGTHS}"
     )

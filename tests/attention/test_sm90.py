@@ -546,15 +546,18 @@ def test_fused_backward_matches_float64(case, dtype):
 @needs_sm90
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=15, deadline=None)
-@given(case=cases(max_seq=700, head_dims=(64,), max_batch=3))
+@given(case=cases(max_seq=700, head_dims=(64, 128), max_batch=3))
 @example(case=Case(8, 8, 1, 1100, 1100, 64, True, None, False, False, seed=11))
+@example(case=Case(8, 8, 1, 1100, 1100, 128, True, None, False, False, seed=14))
+@example(case=Case(2, 2, 3, 300, 1000, 128, True, None, False, True, seed=15))
 @example(case=Case(8, 4, 2, 1100, 1100, 64, False, None, False, True, seed=12))
 @example(case=Case(6, 16, 1, 700, 700, 64, True, None, False, False, seed=13))
 @example(case=Case(1, 2, 3, 300, 1000, 64, True, None, False, False, seed=3))
 @example(case=Case(3, 8, 1, 1500, 700, 64, False, 0.3, False, False, seed=2))
 def test_deterministic_fused_backward_matches_float64(case, dtype):
-    """Under deterministic algorithms the head-dim-64 fused kernel adds dQ's sums in a fixed
-    order (counted: it runs) and matches float64 as the portable backward must. The first three
+    """Under deterministic algorithms the fused kernels (head dim 64; the split kernel at 128)
+    add dQ's sums in a fixed order (counted: they run) and match float64 as the portable
+    backward must. The first three
     examples have more programs than the GPU has SMs (576, 288 and 576 key tiles of 128): a
     tile waits for its predecessors in the sums' order, which must have started (else the
     kernel hangs); the others: keys beyond the queries (key tiles that see no query, causal)
@@ -567,15 +570,16 @@ def test_deterministic_fused_backward_matches_float64(case, dtype):
 
 @gpu
 @needs_sm90
-@pytest.mark.parametrize(("causal", "kv_heads", "seq", "seq_k"),
-                         [(True, 2, 3000, 3000), (False, 8, 2500, 2500), (True, 8, 700, 2100),
-                          (False, 2, 1000, 300)])  # fmt: skip
-def test_deterministic_fused_backward_is_bitwise_reproducible(causal, kv_heads, seq, seq_k):
-    """Under ``torch.use_deterministic_algorithms(True)`` the fused kernel runs (head dim 64,
-    counted) and two passes give the same bits; without it, the unordered sums agree with them
-    up to summation order."""
-    q = torch.randn(2, 8, seq, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(2, kv_heads, seq_k, 64, device="cuda", dtype=torch.bfloat16,
+@pytest.mark.parametrize(("causal", "kv_heads", "seq", "seq_k", "d"),
+                         [(True, 2, 3000, 3000, 64), (False, 8, 2500, 2500, 64),
+                          (True, 8, 700, 2100, 64), (False, 2, 1000, 300, 64),
+                          (True, 8, 3000, 3000, 128), (False, 2, 2500, 2500, 128)])  # fmt: skip
+def test_deterministic_fused_backward_is_bitwise_reproducible(causal, kv_heads, seq, seq_k, d):
+    """Under ``torch.use_deterministic_algorithms(True)`` the fused kernels run (counted) and
+    three passes give the same bits; without it, the unordered sums agree with them up to
+    summation order."""
+    q = torch.randn(2, 8, seq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, kv_heads, seq_k, d, device="cuda", dtype=torch.bfloat16,
                     requires_grad=True)  # fmt: skip
     v = torch.randn_like(k, requires_grad=True)
     dout = torch.randn_like(q)
@@ -593,24 +597,6 @@ def test_deterministic_fused_backward_is_bitwise_reproducible(causal, kv_heads, 
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))
     for a, b in zip(unordered, runs[0], strict=True):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
-
-
-@gpu
-@needs_sm90
-def test_head_dim_128_backward_is_the_portable_one_under_deterministic_algorithms():
-    """The split kernel (head dim 128) has no ordered dQ sums: deterministic mode gets the
-    portable backward there, reproducible bit for bit."""
-    q = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
-    dout = torch.randn_like(q)
-    with _fused_backward() as spy, _deterministic_algorithms():
-        runs = []
-        for _ in range(2):
-            out = flash_attention(q, k, v, is_causal=True, enable_gqa=True)
-            runs.append(torch.autograd.grad(out, (q, k, v), dout))
-    assert spy.call_count == 0
-    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 @gpu

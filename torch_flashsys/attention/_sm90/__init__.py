@@ -136,6 +136,8 @@ DETERMINISTIC_SEQ_Q = {  # (causal, GQA) -> the lengths where the ordered fused 
     # for the one before it: 1.36x the unordered kernel (two copies), no faster than the
     # portable backward; it keeps the portable one.
 }
+# Head dim 128 (the split kernel with the same ordered sums): not yet measured, so none.
+DETERMINISTIC_SPLIT_SEQ_Q: dict[tuple[bool, bool], tuple[int, int]] = {}
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
 FUSED_NBUF = 4  # dS^T buffers between the consumers and the dQ warpgroup (shared memory 199 KB)
@@ -340,12 +342,13 @@ def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
                 scale: float, ex: Extras) -> bool:  # fmt: skip
     """Whether the backward of this 4-D problem runs on the fused Hopper kernel: the forward's
     rule, the switch, a head dim it has a configuration for, a problem where it is the faster
-    backward (or FUSED_ALL), and dO a TMA operand of q's shape. Under deterministic algorithms,
-    only head dim 64 (the kernel with ordered dQ sums) where DETERMINISTIC_SEQ_Q says."""
+    backward (or FUSED_ALL), and dO a TMA operand of q's shape. Under deterministic algorithms
+    the kernels run with ordered dQ sums, where DETERMINISTIC_SEQ_Q (head dim 64) and
+    DETERMINISTIC_SPLIT_SEQ_Q (128) say."""
     if not (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES):
         return False
     if torch.are_deterministic_algorithms_enabled():
-        if q.shape[-1] in SPLIT_HEAD_DIMS or not (FUSED_ALL or _deterministic_wins(q, k, ex)):
+        if not (FUSED_ALL or _deterministic_wins(q, k, ex)):
             return False
     elif not (FUSED_ALL or _fused_wins(q, k, ex)):
         return False
@@ -356,8 +359,9 @@ def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
 def _deterministic_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     """Where the fused kernel with ordered dQ sums (DETERMINISTIC) runs under
     ``torch.use_deterministic_algorithms(True)``: the query and key lengths in
-    DETERMINISTIC_SEQ_Q for the problem's kind."""
-    return _in_rule(DETERMINISTIC_SEQ_Q, q, k, ex)
+    DETERMINISTIC_SEQ_Q (head dim 128: DETERMINISTIC_SPLIT_SEQ_Q) for the problem's kind."""
+    rule = DETERMINISTIC_SPLIT_SEQ_Q if q.shape[-1] in SPLIT_HEAD_DIMS else DETERMINISTIC_SEQ_Q
+    return _in_rule(rule, q, k, ex)
 
 
 def _in_rule(rule: dict, q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
@@ -439,14 +443,12 @@ def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
                       dq_acc: torch.Tensor, scale: float,
                       sem: torch.Tensor | None = None) -> tuple:  # fmt: skip
     """The fused kernel's runtime arguments: the dK/dV kernel's, with the dQ buffer (contiguous
-    float32 (B, H, L, d)) inserted, and for attn_bwd_sm90 the deterministic sums' counters
-    (``sem`` from :func:`backward_prep`; unused, the dQ buffer stands in)."""
+    float32 (B, H, L, d)) inserted, and the deterministic sums' counters (``sem`` from
+    :func:`backward_prep`; unused, the dQ buffer stands in)."""
     args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
-    d = q.shape[-1]
-    if d in SPLIT_HEAD_DIMS:  # each consumer adds half of a dQ row
-        return (*args[:16], dq_acc, _descriptor(dq_acc, BWD_BLOCK, d // 2), *args[16:])
-    return (*args[:16], dq_acc, _descriptor(dq_acc, BWD_BLOCK), dq_acc if sem is None else sem,
-            *args[16:])  # fmt: skip
+    d = q.shape[-1]  # the split kernel: each consumer adds half of a dQ row
+    dq_desc = _descriptor(dq_acc, BWD_BLOCK, d // 2 if d in SPLIT_HEAD_DIMS else d)
+    return (*args[:16], dq_acc, dq_desc, dq_acc if sem is None else sem, *args[16:])
 
 
 def fused_kernel(d: int):
@@ -465,10 +467,14 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1,
     ``deterministic`` (head dim 64: ordered dQ sums), causal: DETERMINISTIC_CAUSAL_ORDER."""
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
+    ordered = {"DETERMINISTIC": deterministic,
+               "CHAINS": DETERMINISTIC_CHAINS if deterministic else 1,
+               "SIGNAL_LAG": DETERMINISTIC_SIGNAL_LAG if deterministic else 0}  # fmt: skip
     if d in SPLIT_HEAD_DIMS:
+        order = DETERMINISTIC_CAUSAL_ORDER if deterministic and causal else SPLIT_ORDER
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
-                "DQ_BUFS": SPLIT_DQ_BUFS, "ORDER": SPLIT_ORDER, "num_warps": NUM_WARPS,
+                "DQ_BUFS": SPLIT_DQ_BUFS, "ORDER": order, **ordered, "num_warps": NUM_WARPS,
                 "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
     order = KEYS_FIRST if not causal or group == 1 else HEADS_FIRST
     if deterministic and causal:
@@ -476,9 +482,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1,
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA or deterministic,
-            "ORDER": order, "DETERMINISTIC": deterministic,
-            "CHAINS": DETERMINISTIC_CHAINS if deterministic else 1,
-            "SIGNAL_LAG": DETERMINISTIC_SIGNAL_LAG if deterministic else 0, "num_warps": NUM_WARPS,
+            "ORDER": order, **ordered, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 

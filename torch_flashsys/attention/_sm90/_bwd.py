@@ -219,6 +219,17 @@ if AVAILABLE:
         return nb, nb_end, dq_b, SEM + (dq_b * n_kv_heads + hk).to(gl.int64) * group * n_m
 
     @gluon.jit
+    def _sync_rings(LANDED_ARRIVALS: gl.constexpr):
+        """The ordered dQ sums' two rings of four mbarriers (``turn_ok``: one arrival, the sync
+        warp's; ``landed``: LANDED_ARRIVALS, the warpgroups that add dQ)."""
+        turn_ok = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        landed = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(turn_ok.index(i), count=1)
+            mbarrier.init(landed.index(i), count=LANDED_ARRIVALS)
+        return turn_ok, landed
+
+    @gluon.jit
     def _turn(m0, nb, nb_end, CAUSAL: gl.constexpr, CHAINS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N2: gl.constexpr):  # fmt: skip
         """The count key tile ``nb`` waits for before adding into query tile ``m0``'s dQ (its
@@ -830,12 +841,7 @@ if AVAILABLE:
         # its constexpr members.)
         if DETERMINISTIC:  # the sync warp's rings: turn come, sums landed (4 > SIGNAL_LAG)
             gl.static_assert(SIGNAL_LAG < 4, "the rings hold 4 steps")
-            turn_ok = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-            landed = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(4):
-                mbarrier.init(turn_ok.index(i), count=1)
-                mbarrier.init(landed.index(i), count=1)
-            syncs = (turn_ok, landed)
+            syncs = _sync_rings(1)  # (the dQ warpgroup adds dQ)
             gl.warp_specialize(
                 [
                     (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
@@ -874,9 +880,12 @@ if AVAILABLE:
     # stores to shared memory and adds into the float32 dQ buffer by a TMA bulk reduction.
     @gluon.jit
     def _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                       ORDER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                       ORDER: gl.constexpr, WG: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
+                       CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs):  # fmt: skip
         """Consumer warpgroup WG of the head-dim-128 fused kernel: keys [n0 + WG * BLOCK_N,
-        + BLOCK_N) for dK and dV (as :func:`_fused_consume`), dQ columns [WG * HALF, + HALF)."""
+        + BLOCK_N) for dK and dV (as :func:`_fused_consume`), dQ columns [WG * HALF, + HALF).
+        ``DETERMINISTIC``: its dQ reductions in the sums' fixed order, as :func:`_fused_dq`'s
+        (the sync warp's ``turn_ok`` before each, ``landed`` from both consumers)."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
@@ -913,6 +922,14 @@ if AVAILABLE:
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
         mbarrier.wait(kv_ready, 0)
         n_steps = group * (n_m - m_lo)
+        dq_b = b  # the dQ copy's batch row
+        if DETERMINISTIC:
+            gl.static_assert(((ORDER & LIGHTEST_FIRST) != 0) == CAUSAL,
+                             "ordered dQ sums: LIGHTEST_FIRST exactly when causal")  # fmt: skip
+            turn_ok, landed = syncs
+            NSYNC: gl.constexpr = turn_ok.type.shape[0]
+            dq_b = _ordered_setup(n0, b, hk, n_bhk, n_kv_heads, group, seq_k, n_m, SEM, CHAINS,
+                                  2 * BLOCK_N)[2]  # fmt: skip
         for step in range(n_steps):
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
@@ -954,30 +971,48 @@ if AVAILABLE:
             tile.reshape([BLOCK_M, HALF]).store(dq * sm_scale)
             fence_async_shared()
             thread_barrier()
-            tma_reduce_add(dq_desc, [b, hk * group + g, m0, WG * HALF], tile)  # rows past
+            if DETERMINISTIC:  # the sync warp saw this tile's turn come
+                mbarrier.wait(turn_ok.index(step % NSYNC), (step // NSYNC) & 1)
+            tma_reduce_add(dq_desc, [dq_b, hk * group + g, m0, WG * HALF], tile)  # rows past
             # seq_q fall outside the descriptor and are dropped
+            if DETERMINISTIC:  # the sums of SIGNAL_LAG steps before landed
+                _bulk_wait(step, SIGNAL_LAG)
+                thread_barrier()
+                if step >= SIGNAL_LAG:
+                    done = step - SIGNAL_LAG
+                    mbarrier.arrive(landed.index(done % NSYNC), count=1)
         tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
+        if DETERMINISTIC and SIGNAL_LAG > 0:  # the last steps' sums landed
+            _bulk_wait(n_steps, 0)
+            thread_barrier()
+            for done in range(gl.maximum(n_steps - SIGNAL_LAG, 0), n_steps):
+                mbarrier.arrive(landed.index(done % NSYNC), count=1)
         _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
 
     @gluon.jit
     def _split_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                         ORDER: gl.constexpr):  # fmt: skip
-        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 0)
+                         ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
+                         CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs):  # fmt: skip
+        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 0, SEM, DETERMINISTIC,
+                       CHAINS, SIGNAL_LAG, syncs)  # fmt: skip
 
     @gluon.jit
     def _split_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                         ORDER: gl.constexpr):  # fmt: skip
-        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 1)
+                         ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
+                         CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs):  # fmt: skip
+        _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 1, SEM, DETERMINISTIC,
+                       CHAINS, SIGNAL_LAG, syncs)  # fmt: skip
 
     # The same sums as attn_bwd_sm90 for head dim 128 (dq_desc's blocks are half a row wide).
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
     def attn_bwd_split_sm90(
         q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,
-        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc,
+        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc, SEM,
         n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LOAD_REGS: gl.constexpr, NBUF: gl.constexpr = 2, DQ_BUFS: gl.constexpr = 1,
-        ORDER: gl.constexpr = 0,
+        ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False, CHAINS: gl.constexpr = 1,
+        SIGNAL_LAG: gl.constexpr = 0,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -1018,13 +1053,32 @@ if AVAILABLE:
                 stride_vb, stride_vh, stride_vn)  # fmt: skip
         dqs = (ds_smem, ds_ready, ds_empty, DQ, dq_desc, dq_smem, stats)
         # fmt: off
-        gl.warp_specialize(
-            [
-                (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
-                (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
-                (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, LOAD_REGS],
-        )
+        if DETERMINISTIC:  # the sync warp's rings (4 > SIGNAL_LAG), both consumers add dQ
+            gl.static_assert(SIGNAL_LAG < 4, "the rings hold 4 steps")
+            syncs = _sync_rings(2)
+            gl.warp_specialize(
+                [
+                    (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs)),
+                    (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs)),
+                    (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
+                    (_fused_sync, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                   CHAINS, SIGNAL_LAG, syncs)),
+                ],
+                [4, 1, 1],
+                [CONSUMER_REGS, LOAD_REGS, 24],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None)),
+                    (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None)),
+                    (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, LOAD_REGS],
+            )
         # fmt: on
