@@ -171,6 +171,18 @@ deterministic() {  # the ordered (deterministic) fused backward: its GPU tests, 
   shows det_tests:4 det_bench:60
 }
 
+forward() {  # the Hopper forward: its GPU tests (test_sm90.py), compile-time variants beside cuDNN
+  # (FWD_SHAPES, e.g. "1x16/16x16384x128c,..."; default: sm90_fwd.py's SHAPES), the cycle timeline
+  HYPOTHESIS_PROFILE=gpu step sm90_tests "${SM90_TEST_TIMEOUT:-240}" python3 -m pytest -q -rf \
+    -p no:cacheprovider -m gpu -n 4 tests/attention/test_sm90.py
+  step fwd_variants "${FWD_TIMEOUT:-200}" python3 benchmarks/sm90_fwd.py \
+    ${FWD_SHAPES:+--shapes "$FWD_SHAPES"} --out "$OUT/sm90_fwd.csv"
+  step fwd_timeline 150 python3 benchmarks/sm90_fwd.py --timeline --shapes \
+    "${TIMELINE_SHAPES:-1x16/16x16384x128c,1x16/16x16384x128,1x16/16x16384x64c}" \
+    --out "$OUT/sm90_fwd_timeline.csv"
+  shows sm90_tests:4 fwd_variants:24 fwd_timeline:40
+}
+
 context_parallel() {
   local n=${NPROC:-$(ngpus 2)} marker=gpu modes=ring
   [ "$n" -ge 2 ] && marker="gpu or multigpu" && modes=ring,ulysses
@@ -190,7 +202,7 @@ echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: \
 $(git status --porcelain 2>/dev/null | wc -l))" | tee -a "$OUT/env.txt"
 for section in "${@:-tests}"; do
   case $section in
-    tests | attention | features | startup | tune | harness | ddp | sharded | e2e | context_parallel | sm90bwd | deterministic) "$section" ;;
+    tests | attention | features | startup | tune | harness | ddp | sharded | e2e | context_parallel | sm90bwd | deterministic | forward) "$section" ;;
     *) echo "unknown section $section (see docs/benchmarking.md)" >&2 && exit 2 ;;
   esac
 done

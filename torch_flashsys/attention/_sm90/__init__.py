@@ -224,7 +224,7 @@ def constexprs(d: int, causal: bool, kv_split: bool | None = None, probe: int = 
     """The kernel's compile-time arguments (``kv_split``: FWD_KV_SPLIT unless given; ``probe``
     3: the cycle timeline, measurement only, no logsumexp)."""
     return {"CAUSAL": causal, "STAGES": STAGES[d],
-            "KV_SPLIT": FWD_KV_SPLIT if kv_split is None else kv_split, "PROBE": probe}
+            "KV_SPLIT": FWD_KV_SPLIT if kv_split is None else kv_split, "PROBE": probe}  # fmt: skip
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -242,7 +242,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
     def plan() -> tuple[tuple, dict]:
         return forward_grid(q, causal, persistent), {**constexprs(d, causal),
-                                                     "num_warps": NUM_WARPS, "maxnreg": MAX_REGS}
+                                                     "num_warps": NUM_WARPS, "maxnreg": MAX_REGS}  # fmt: skip
 
     _launch_planned(attn_fwd_sm90, _PLANS, key, index, args, plan)
     return out, lse

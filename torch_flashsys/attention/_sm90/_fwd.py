@@ -42,7 +42,7 @@ from torch_flashsys.attention._sm90._gluon import (
 # Phases of a consumer's key-tile step that ``PROBE == 3`` times (``benchmarks/sm90_fwd.py``),
 # and the per-tile rest (the first key tile, the last P V, the epilogue).
 PROBE_PHASES = ("wait K/V loaded", "wait turn", "issue S, P V", "wait S", "softmax",
-                "wait P V, release", "rescale O, convert P", "per tile (first, last, epilogue)")
+                "wait P V, release", "rescale O, convert P", "per tile (first, last, epilogue)")  # fmt: skip
 
 _INTEGER_ARGS = [
     "stride_lb",
