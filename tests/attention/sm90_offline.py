@@ -157,8 +157,8 @@ if __name__ == "__main__":
         print(f"backward kernels compiled together, after: {together}, {after}")
         sys.exit(0)
     for line in compile_variants([(64, True, torch.float16), (128, False, torch.bfloat16),
-                                  (64, False, torch.bfloat16, {"KV_SPLIT": True}),
-                                  (128, True, torch.bfloat16, {"KV_SPLIT": True}),
+                                  (64, False, torch.bfloat16, {"KV_SPLIT": False}),
+                                  (128, True, torch.bfloat16, {"KV_SPLIT": False}),
                                   (128, True, torch.float16, {"PROBE": 3})]):  # fmt: skip
         print(line)
     for d, causal, dtype, pipeline in [(64, True, torch.float16, True),

@@ -284,7 +284,10 @@ def test_the_split_backward_runs_by_default_where_it_measured_faster(heads, kv_h
      (16, 16, 2048, 64, True, False), (16, 4, 16384, 64, True, False),
      (16, 4, 1024, 64, True, False), (16, 16, 32768, 64, True, False),
      (16, 16, 4096, 64, False, False), (16, 4, 4096, 64, False, False),
-     (16, 16, 4096, 128, True, False)],
+     (16, 16, 4096, 128, True, False), (16, 16, 8192, 128, True, True),
+     (16, 16, 16384, 128, True, True), (16, 4, 8192, 128, True, False),
+     (16, 16, 2048, 128, False, False), (16, 16, 4096, 128, False, True),
+     (16, 16, 8192, 128, False, True), (16, 16, 16384, 128, False, False)],
 )  # fmt: skip
 def test_the_deterministic_backward_takes_the_ordered_kernel_where_it_measured_faster(
     heads, kv_heads, seq, d, causal, fused
@@ -292,8 +295,9 @@ def test_the_deterministic_backward_takes_the_ordered_kernel_where_it_measured_f
     """Under deterministic algorithms (H100, ``benchmarks/sm90_bwd.py --deterministic``,
     docs/benchmarks.md): the ordered fused kernel for causal head-dim-64 problems without GQA
     of 4096-16384 rows (0.85-0.98x the portable backward's time; 1.16-1.35x at 1024-2048); with
-    GQA (1.02-1.04x), without a causal mask (its key tiles wait for each other) and at head dim
-    128 (no ordered split kernel), the portable backward."""
+    GQA (1.02-1.04x) and without a causal mask (its key tiles wait for each other), the portable
+    backward. Head dim 128 (the ordered split kernel): causal without GQA at 8192-16384, without
+    a causal mask at 4096-8192 (0.84-0.93x); elsewhere the portable backward."""
     with _deterministic_algorithms():
         assert _fused_by_default(heads, kv_heads, seq, seq, d, causal) is fused
 
@@ -385,8 +389,9 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    # two forwards, two dK/dV kernels, four fused backwards (head dims 64 and 128, TMA dQ sums)
-    assert done.stdout.count("shared memory") == 8, done.stdout
+    # five forwards (two defaults, two with key and value tiles released together, the cycle
+    # probe), two dK/dV kernels, four fused backwards (head dims 64 and 128, TMA dQ sums)
+    assert done.stdout.count("shared memory") == 11, done.stdout
     # A new sequence length compiles nothing: no integer argument is specialized (the first
     # call at a new length took 2-3 s on an H100 when they were).
     assert "\n1 kernel(s) for lengths" in done.stdout, done.stdout

@@ -20,9 +20,10 @@ measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at 
 ``FUSED_SEQ_Q`` (causal 1024-16384, without a causal mask 2048-16384); head dim 128,
 ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (1024-16384, causal without GQA from
 2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed order, so it is not
-bitwise reproducible; when ``torch.are_deterministic_algorithms_enabled()``, the head-dim-64
-kernel runs with its dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in
-``DETERMINISTIC_SEQ_Q`` (causal without GQA, 4096-16384), and every other problem takes the
+bitwise reproducible; when ``torch.are_deterministic_algorithms_enabled()``, the same kernels run
+with their dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in ``DETERMINISTIC_SEQ_Q``
+(head dim 64: causal without GQA, 4096-16384) and ``DETERMINISTIC_SPLIT_SEQ_Q`` (128: causal
+without GQA 8192-16384, without a causal mask 4096-8192), and every other problem takes the
 portable backward. Every other backward is the portable one (deterministic; it reads the same
 ``out`` and ``lse``).
 The switches are below.
@@ -60,7 +61,10 @@ BLOCK_N = 128  # key rows per tile
 STAGES = {64: 3, 128: 2}  # key/value ring depth per head dim (shared memory: 131 / 197 KB)
 # Key tiles released once their S is computed, value tiles once their P V is (FA3's separate
 # pipelines), instead of both when P V is: the next key tile's load then has a whole step to land.
-FWD_KV_SPLIT = False
+# H100 (``benchmarks/sm90_fwd.py``, docs/benchmarks.md): 0.90-0.92x the kernel time at head dim
+# 128 (the ring has two stages there; the %clock64 timeline showed each step waiting ~1500 cycles
+# for its key tile), 0.97-1.00x at 64 (three stages); the same bits.
+FWD_KV_SPLIT = True
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel adds 4 + 1 worker warps
 MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the register file
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -82,9 +86,9 @@ ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFI
 # on an H100 (query lengths in FUSED_SEQ_Q per kind of problem; docs/benchmarks.md), the portable
 # backward the rest. ``TORCH_FLASHSYS_SM90_BWD=fused``: the fused kernel for every problem it can
 # run (FUSED_ALL); ``=1``: the deterministic dK/dV kernel after the portable dQ kernel; ``=0``:
-# neither. Under torch.use_deterministic_algorithms(True) the head-dim-64 fused kernel runs with
-# ordered dQ sums (at DETERMINISTIC_SEQ_Q's lengths, or everywhere with FUSED_ALL), the split
-# kernel never.
+# neither. Under torch.use_deterministic_algorithms(True) the fused kernels run with ordered dQ
+# sums (at DETERMINISTIC_SEQ_Q's and DETERMINISTIC_SPLIT_SEQ_Q's lengths, or everywhere with
+# FUSED_ALL).
 _BWD_MODE = os.environ.get("TORCH_FLASHSYS_SM90_BWD", "")
 BWD_ENABLED = ENABLED and _BWD_MODE == "1"
 FUSED_DEFAULT = True
@@ -136,8 +140,16 @@ DETERMINISTIC_SEQ_Q = {  # (causal, GQA) -> the lengths where the ordered fused 
     # for the one before it: 1.36x the unordered kernel (two copies), no faster than the
     # portable backward; it keeps the portable one.
 }
-# Head dim 128 (the split kernel with the same ordered sums): not yet measured, so none.
-DETERMINISTIC_SPLIT_SEQ_Q: dict[tuple[bool, bool], tuple[int, int]] = {}
+# Head dim 128: the split kernel with the same ordered sums (two copies, a lag of one step). H100,
+# ``sm90_bwd.py --deterministic`` (docs/benchmarks.md), its backward against the portable one's
+# under deterministic algorithms: causal without GQA 0.91x at 8192 and 16384 (fwd+bwd 1.01x and
+# 0.92x), 0.97x at 4096 (the same kernel time), 1.14x at 2048; GQA 4:1 1.19x at 4096 (the
+# portable backward); without a causal mask 0.93x at 4096, 0.84x at 8192 (fwd+bwd 0.93x, 0.85x),
+# 1.03x at 2048, and at 16384 0.80x but fwd+bwd 1.08x (not understood: kept portable).
+DETERMINISTIC_SPLIT_SEQ_Q = {
+    (True, False): (8192, 16384),
+    (False, False): (4096, 8192),
+}
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
 FUSED_NBUF = 4  # dS^T buffers between the consumers and the dQ warpgroup (shared memory 199 KB)
