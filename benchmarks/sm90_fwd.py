@@ -37,6 +37,7 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
 VARIANTS = {  # name: constexprs over the library's
     "shared release": {"KV_SPLIT": False},
     "kv split": {"KV_SPLIT": True},
+    "kv split, dynamic": {"KV_SPLIT": True, "DYNAMIC": True},
 }
 N_PROBES = 32  # floats per program the probe build stores (16 per consumer warpgroup)
 
@@ -52,19 +53,25 @@ def _problem(shape):
 
 def _launcher(q, k, v, causal: bool, extra: dict):
     """``(launch, out, lse, grid)``: the forward kernel with constexprs ``extra`` over the
-    library's, launched the library's way (compiled on the first call, then directly)."""
+    library's, launched the library's way (compiled on the first call, then directly); with
+    ``DYNAMIC`` on the persistent grid, its counter zeroed before every launch (as the library
+    allocates a zeroed one per call)."""
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
 
     d = q.shape[-1]
     out = empty_like_layout(q, d)
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    args = _sm90.launch_args(q, k, v, out, lse, d**-0.5)
-    grid = _sm90.forward_grid(q, causal)
-    meta = {**_sm90.constexprs(d, causal), **extra, "num_warps": _sm90.NUM_WARPS,
-            "maxnreg": _sm90.MAX_REGS}  # fmt: skip
+    dynamic = extra.get("DYNAMIC", False)
+    counter = q.new_zeros(1, dtype=torch.int32) if dynamic else None
+    args = _sm90.launch_args(q, k, v, out, lse, d**-0.5, counter)
+    grid = _sm90.forward_grid(q, causal, dynamic=dynamic)
+    meta = {**_sm90.constexprs(d, causal, dynamic=dynamic), **extra,
+            "num_warps": _sm90.NUM_WARPS, "maxnreg": _sm90.MAX_REGS}  # fmt: skip
     plans: dict = {}
 
     def launch():
+        if counter is not None:
+            counter.zero_()
         _sm90._launch_planned(attn_fwd_sm90, plans, "variant", q.get_device(), args,
                               lambda: (grid, meta))  # fmt: skip
 

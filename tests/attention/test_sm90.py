@@ -389,9 +389,10 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    # five forwards (two defaults, two with key and value tiles released together, the cycle
-    # probe), two dK/dV kernels, four fused backwards (head dims 64 and 128, TMA dQ sums)
-    assert done.stdout.count("shared memory") == 11, done.stdout
+    # seven forwards (two defaults, two with key and value tiles released together, the cycle
+    # probe, two with the dynamic schedule), two dK/dV kernels, four fused backwards (head dims
+    # 64 and 128, TMA dQ sums)
+    assert done.stdout.count("shared memory") == 13, done.stdout
     # A new sequence length compiles nothing: no integer argument is specialized (the first
     # call at a new length took 2-3 s on an H100 when they were).
     assert "\n1 kernel(s) for lengths" in done.stdout, done.stdout
@@ -421,6 +422,31 @@ def test_hopper_path_matches_float64(case, dtype):
     with _counting_sm90_calls() as spy:
         check_against_reference(case, dtype, _run(case), device="cuda")
     assert spy.call_count == 1
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "case",
+    [Case(2, 4, 4, 2100, 2100, 128, True, None, False, True, seed=3),  # 544 tiles, GQA 4:1
+     Case(3, 8, 1, 1500, 1400, 64, True, 0.3, False, False, seed=4),  # fewer keys than rows
+     Case(1, 2, 1, 1025, 1025, 64, True, None, False, False, seed=5)],  # fewer tiles than SMs
+)  # fmt: skip
+def test_dynamic_schedule_matches_float64_and_the_static_grid(case, dtype):
+    """Causal problems longer than PERSISTENT_CAUSAL_MAX with the tiles taken from a counter
+    (FWD_DYNAMIC) match float64 and give the bits of the one-program-per-tile grid (a tile's
+    work is the same wherever it runs); two calls in a row (each zeroes its own counter)."""
+    q, k, v = case.make(dtype, "cuda", requires_grad=False)
+    static = {}
+    for dynamic in (False, True):
+        with mock.patch.object(_sm90, "FWD_DYNAMIC", dynamic):
+            assert _sm90.dynamic_schedule(q, True) is dynamic
+            check_against_reference(case, dtype, _run(case), device="cuda", grads=False)
+            runs = [_run(case)(q, k, v) for _ in range(2)]
+        static = static or {"out": runs[0][0], "lse": runs[0][1]}
+        for out, lse in runs:
+            assert torch.equal(out, static["out"]) and torch.equal(lse, static["lse"])
 
 
 @gpu

@@ -65,6 +65,10 @@ STAGES = {64: 3, 128: 2}  # key/value ring depth per head dim (shared memory: 13
 # 128 (the ring has two stages there; the %clock64 timeline showed each step waiting ~1500 cycles
 # for its key tile), 0.97-1.00x at 64 (three stages); the same bits.
 FWD_KV_SPLIT = True
+# Causal problems longer than PERSISTENT_CAUSAL_MAX on a persistent grid whose programs take the
+# heaviest tile left from a global counter (FA3's dynamic scheduler), instead of one program per
+# tile (the hardware's scheduler balancing them): not yet measured, so off.
+FWD_DYNAMIC = False
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel adds 4 + 1 worker warps
 MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the register file
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -221,22 +225,27 @@ _PLANS: dict[tuple, tuple] = {}  # launch key -> (launcher, function, metadata, 
 
 
 def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor, scale: float) -> tuple:  # fmt: skip
-    """The kernel's runtime arguments (descriptors, strides, sizes) for a 4-D problem."""
+                lse: torch.Tensor, scale: float,
+                counter: torch.Tensor | None = None) -> tuple:  # fmt: skip
+    """The kernel's runtime arguments (descriptors, strides, sizes) for a 4-D problem;
+    ``counter``: the dynamic schedule's zeroed int32 (else unused: lse stands in)."""
     batch, heads, seq_q, d = q.shape
     seq_k = k.shape[2]
     # Causal: heads grouped so that a group's keys and values fit in L2 (L2_BUDGET).
     group_heads = max(1, L2_BUDGET // (2 * seq_k * d * q.element_size()))
     return (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
             _descriptor(out, BLOCK_M), lse, lse.stride(0), lse.stride(1), batch * heads, heads,
-            heads // k.shape[1], seq_q, seq_k, scale * LOG2E, group_heads)  # fmt: skip
+            heads // k.shape[1], seq_q, seq_k, scale * LOG2E, group_heads,
+            lse if counter is None else counter)  # fmt: skip
 
 
-def constexprs(d: int, causal: bool, kv_split: bool | None = None, probe: int = 0) -> dict:
+def constexprs(d: int, causal: bool, kv_split: bool | None = None, probe: int = 0,
+               dynamic: bool = False) -> dict:  # fmt: skip
     """The kernel's compile-time arguments (``kv_split``: FWD_KV_SPLIT unless given; ``probe``
-    3: the cycle timeline, measurement only, no logsumexp)."""
+    3: the cycle timeline, measurement only, no logsumexp; ``dynamic``: tiles from a counter)."""
     return {"CAUSAL": causal, "STAGES": STAGES[d],
-            "KV_SPLIT": FWD_KV_SPLIT if kv_split is None else kv_split, "PROBE": probe}  # fmt: skip
+            "KV_SPLIT": FWD_KV_SPLIT if kv_split is None else kv_split, "PROBE": probe,
+            "DYNAMIC": dynamic}  # fmt: skip
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -248,27 +257,38 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     out = empty_like_layout(q, d)
     lse = q.new_empty((batch, heads, seq_q), dtype=torch.float32)
     index = q.get_device()
-    args = launch_args(q, k, v, out, lse, scale)
+    dynamic = dynamic_schedule(q, causal, persistent)
+    counter = q.new_zeros(1, dtype=torch.int32) if dynamic else None
+    args = launch_args(q, k, v, out, lse, scale, counter)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, causal,
-           index, persistent)  # fmt: skip
+           index, persistent, dynamic)  # fmt: skip
 
     def plan() -> tuple[tuple, dict]:
-        return forward_grid(q, causal, persistent), {**constexprs(d, causal),
-                                                     "num_warps": NUM_WARPS, "maxnreg": MAX_REGS}  # fmt: skip
+        return forward_grid(q, causal, persistent, dynamic), {
+            **constexprs(d, causal, dynamic=dynamic), "num_warps": NUM_WARPS,
+            "maxnreg": MAX_REGS}  # fmt: skip
 
     _launch_planned(attn_fwd_sm90, _PLANS, key, index, args, plan)
     return out, lse
 
 
-def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None) -> tuple:
+def dynamic_schedule(q: torch.Tensor, causal: bool, persistent: bool | None = None) -> bool:
+    """Whether the forward takes its tiles from a counter (FWD_DYNAMIC: causal, longer than
+    PERSISTENT_CAUSAL_MAX, the grid not forced)."""
+    return FWD_DYNAMIC and causal and persistent is None and q.shape[2] > PERSISTENT_CAUSAL_MAX
+
+
+def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None,
+                 dynamic: bool = False) -> tuple:  # fmt: skip
     """The forward's grid. Persistent (one program per SM) for full attention and short causal
     sequences (the next tile's loads overlap this one's epilogue); longer causal tiles differ in
     cost, so one program per tile and the hardware's scheduler balances them (H100 measurements:
-    docs/benchmarks.md). ``persistent`` True/False forces either."""
+    docs/benchmarks.md), or with ``dynamic`` persistent again, each program taking the heaviest
+    tile left when it is free. ``persistent`` True/False forces either static grid."""
     batch, heads, seq_q, _ = q.shape
     n_tiles = triton_cdiv(seq_q, 2 * BLOCK_M) * batch * heads
-    long = persistent is False or (persistent is None and causal
-                                   and seq_q > PERSISTENT_CAUSAL_MAX)  # fmt: skip
+    long = not dynamic and (persistent is False or (persistent is None and causal
+                                                    and seq_q > PERSISTENT_CAUSAL_MAX))  # fmt: skip
     return (n_tiles if long else min(n_tiles, _sm_count(q.get_device())), 1, 1)
 
 

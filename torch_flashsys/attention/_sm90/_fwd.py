@@ -32,6 +32,7 @@ from torch_flashsys.attention._sm90._gluon import (
     gl,
     gluon,
     mbarrier,
+    thread_barrier,
     tma,
     tma_load,
     tma_store,
@@ -79,6 +80,60 @@ if AVAILABLE:
         pid = gl.program_id(0)
         odd = r % 2
         return r * nprog + pid + odd * (nprog - 1 - 2 * pid)
+
+    @gluon.jit
+    def _static_tile(r, total):
+        """The schedule entry a program takes in round ``r`` of the static schedule, ``total``
+        once it has none left."""
+        t = total
+        if r < _rounds(total):
+            t = _entry(r)
+        return t
+
+    @gluon.jit
+    def _fetch_add(counter):
+        """Lane 0 adds one to the int32 at ``counter`` (relaxed, GPU scope); every lane gets the
+        value before (a one-warp partition's call: one addition)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t, v;\n"
+            "mov.u32 t, %laneid; setp.eq.u32 p, t, 0;\n"
+            "mov.u32 v, 0;\n"
+            "@p atom.relaxed.gpu.global.add.u32 v, [$1], 1;\n"
+            "shfl.sync.idx.b32 $0, v, 0, 31, -1; }",
+            "=r,l", [counter.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _publish(tiles, tid, r):
+        """Load warp (DYNAMIC): schedule entry ``tid`` into the consumers' slot of round ``r``
+        once both have released it (``total`` or more: no tile left)."""
+        slots, ready, empty = tiles
+        NT: gl.constexpr = slots.type.shape[0]
+        slot = r % NT
+        mbarrier.wait(empty.index(slot), ((r // NT) & 1) ^ 1)  # fresh: parity 1 passes
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        slots.index(slot).store(gl.full([1], tid, gl.int32, one))
+        thread_barrier()
+        mbarrier.arrive(ready.index(slot), count=1)
+
+    @gluon.jit
+    def _next_tile(r, total, tiles, DYNAMIC: gl.constexpr):
+        """A consumer's schedule entry of round ``r``: the static schedule's, or (DYNAMIC) the
+        one the load warp published (after releasing round ``r - 1``'s slot: every warp of the
+        warpgroup read it before that tile's epilogue)."""
+        if DYNAMIC:
+            slots, ready, empty = tiles
+            NT: gl.constexpr = slots.type.shape[0]
+            if r > 0:
+                mbarrier.arrive(empty.index((r - 1) % NT), count=1)
+            slot = r % NT
+            mbarrier.wait(ready.index(slot), (r // NT) & 1)
+            wg: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            t = gl.max(slots.index(slot).load(wg), axis=0)
+        else:
+            t = _static_tile(r, total)
+        return t
 
     @gluon.jit
     def _tile(t, sched, BLOCK_M2: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -140,18 +195,18 @@ if AVAILABLE:
 
     @gluon.jit
     def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                 PROBE: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                 PROBE: gl.constexpr, DYNAMIC: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: rows [m0 + WG * BLOCK_M, + BLOCK_M) of each of this program's
         tiles over their key tiles, then O (q's dtype, a TMA store) and the natural logsumexp.
         ``KV_SPLIT``: a key tile is released once its S is computed, a value tile once its P V
         is (else both when P V is). ``PROBE == 3``: cycles per phase (:data:`PROBE_PHASES`),
         summed over the key tiles, stored in LSE's first ``32 * programs`` floats instead of
-        the logsumexp (measurement only)."""
+        the logsumexp (measurement only). ``DYNAMIC``: the tiles the load warp hands over."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
-        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
         n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
-        LSE, stride_lb, stride_lh = out
+        LSE, stride_lb, stride_lh, COUNTER = out
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -169,9 +224,11 @@ if AVAILABLE:
         it = 0  # key tiles consumed so far (the ring's position)
         n_done = 0  # query tiles done so far (the query buffer's phase)
         k_turn = 0  # rounds of matrix products issued so far (the turn barriers' phase)
-        n_tiles = _rounds(n_m * n_bh)
+        total = n_m * n_bh
+        r = 0  # query tiles taken so far
+        tid = _next_tile(r, total, tiles, DYNAMIC)
         if PROBE == 3:  # cycles per phase, summed over the key tiles
-            c0 = n_tiles.to(gl.int64) * 0
+            c0 = total.to(gl.int64) * 0
             c1 = c0
             c2 = c0
             c3 = c0
@@ -180,9 +237,9 @@ if AVAILABLE:
             c6 = c0
             c7 = c0
             n_steps = c0
-            t = clock64(n_tiles)
-        for r in range(n_tiles):
-            b, h, hk, m0, n_kv = _tile(_entry(r), sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+            t = clock64(total)
+        while tid < total:
+            b, h, hk, m0, n_kv = _tile(tid, sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
             r0 = m0 + WG * BLOCK_M
             if CAUSAL:  # key tiles every row of this warpgroup sees whole
                 n_full = gl.minimum(r0 + 1, seq_k) // BLOCK_N
@@ -291,6 +348,8 @@ if AVAILABLE:
                 t1 = clock64(r)
                 c7 += t1 - t
                 t = t1
+            r += 1
+            tid = _next_tile(r, total, tiles, DYNAMIC)
         tma.store_wait(0)
         if PROBE == 3:  # cycles per phase, summed over key tiles, into LSE (no logsumexp)
             base = LSE + gl.program_id(0).to(gl.int64) * 32 + WG * 16
@@ -303,7 +362,7 @@ if AVAILABLE:
             gl.store(base + 6, c6.to(gl.float32))
             gl.store(base + 7, c7.to(gl.float32))
             gl.store(base + 8, n_steps.to(gl.float32))
-            gl.store(base + 9, n_tiles.to(gl.float32))
+            gl.store(base + 9, r.to(gl.float32))
 
     @gluon.jit
     def _release_kv(k_empty, v_empty, st, KV_SPLIT: gl.constexpr):
@@ -313,31 +372,43 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, 0)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 0)
 
     @gluon.jit
     def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, 1)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 1)
 
     @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-              PROBE: gl.constexpr):  # fmt: skip
+              PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
         """Load warp: per tile, both query halves once their buffers are free, then the
         key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
-        the stage's value tile's)."""
+        the stage's value tile's). ``DYNAMIC``: a program's first tile is its id, the next the
+        number of programs plus a global counter's value before this warp adds one to it (the
+        heaviest tiles left go to whichever program is free first), each handed to the
+        consumers through ``tiles``; the counter starts at zero."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
-        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns = bars
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
         n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
+        LSE, stride_lb, stride_lh, COUNTER = out
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = k_smem.type.shape[0]
         it = 0
         n_done = 0
-        for r in range(_rounds(n_m * n_bh)):
-            b, h, hk, m0, n_kv = _tile(_entry(r), sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+        total = n_m * n_bh
+        r = 0
+        if DYNAMIC:
+            tid = gl.program_id(0)
+        else:
+            tid = _static_tile(r, total)
+        while tid < total:
+            if DYNAMIC:
+                _publish(tiles, tid, r)
+            b, h, hk, m0, n_kv = _tile(tid, sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
             for i in gl.static_range(2):
                 mbarrier.wait(q_empty.index(i), (n_done & 1) ^ 1)  # fresh: parity 1 passes
                 mbarrier.expect(q_ready.index(i), q_desc.block_type.nbytes)
@@ -357,6 +428,13 @@ if AVAILABLE:
                 tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
             it += n_kv
             n_done += 1
+            r += 1
+            if DYNAMIC:
+                tid = gl.num_programs(0) + _fetch_add(COUNTER)
+            else:
+                tid = _static_tile(r, total)
+        if DYNAMIC:
+            _publish(tiles, tid, r)  # past the end: the consumers stop
 
     # O = softmax(Q K^T * scale) V;  LSE = logsumexp(Q K^T * scale, dim=-1)
     # (persistent: each program walks query tiles of 2 * BLOCK_M rows of one (batch, head)).
@@ -365,8 +443,8 @@ if AVAILABLE:
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
     def attn_fwd_sm90(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, n_bh, n_heads, group, seq_q,
-        seq_k, qk_scale, group_heads, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-        KV_SPLIT: gl.constexpr, PROBE: gl.constexpr,
+        seq_k, qk_scale, group_heads, COUNTER, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+        KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -384,7 +462,13 @@ if AVAILABLE:
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # DYNAMIC: tile ids from the load warp to the consumers, two slots
+        slots = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
+            mbarrier.init(tile_ready.index(i), count=1)
+            mbarrier.init(tile_empty.index(i), count=2)  # one arrival per consumer warpgroup
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
             mbarrier.init(turns.index(i), count=1)
@@ -396,14 +480,15 @@ if AVAILABLE:
         n_m = gl.cdiv(seq_q, 2 * BLOCK_M)
         descs = (q_desc, k_desc, v_desc, o_desc)
         bufs = (q_smem, k_smem, v_smem, o_smem)
-        bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns)
+        tiles = (slots, tile_ready, tile_empty)
+        bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles)
         sched = (n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads)
-        out = (LSE, stride_lb, stride_lh)
+        out = (LSE, stride_lb, stride_lh, COUNTER)
         gl.warp_specialize(
             [
-                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE)),
-                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE)),
-                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE)),
+                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
+                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
+                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
             ],
             [4, 1],
             [240, 24],
