@@ -1,14 +1,19 @@
 """FlashAttention forward for Hopper (sm90) in Gluon: warp-specialized, TMA loads, async wgmma.
 
 Programs walk the query tiles of ``2 * BLOCK_M`` rows of every (batch, head) in schedule order
-(:func:`_tile`), in rounds of ``num_programs`` that alternate direction. The host launches one
-program per SM (persistent: the next tile's loads overlap this one's epilogue) for full
-attention, and one program per tile for causal attention, whose tiles differ in cost: the
-hardware then hands the next tile to whichever SM is free. Each program runs three partitions:
+(:func:`_tile`): the host launches one program per SM (persistent: the next tile's loads overlap
+this one's epilogue), which takes its tiles in rounds of ``num_programs`` that alternate
+direction (full attention, short causal sequences) or, ``DYNAMIC`` (longer causal sequences,
+whose tiles differ in cost), one after another from a global counter, so the heaviest tile left
+goes to whichever program is free first (``PERSISTENT_CAUSAL_MAX`` and ``FWD_DYNAMIC`` in
+``_sm90``; a grid of one program per tile is the alternative). Each program runs three
+partitions:
 
 - a **load** warp issues TMA copies: both query halves of a tile (once their buffers are free),
-  then its key and value tiles into a ring of ``STAGES`` shared-memory buffers, each guarded by a
-  ready barrier (TMA byte count) and an empty barrier (both consumers release it);
+  then its key and value tiles into rings of ``STAGES`` shared-memory buffers, each guarded by a
+  ready barrier (TMA byte count) and an empty barrier (both consumers release it: a key tile
+  once its S is computed, a value tile once its P V is, with ``KV_SPLIT``); with ``DYNAMIC`` it
+  also takes the tiles from the counter and hands them to the consumers;
 - two **consumer** warpgroups, each owning ``BLOCK_M`` (64) query rows of the tile, run the FA2
   loop on the tensor cores: ``S = Q K^T`` (both operands in shared memory), the online softmax in
   base 2 with the scale inside the exponent, ``O += P V`` (P from registers). Within a warpgroup
