@@ -56,6 +56,7 @@ def rows_for(shape, round_: int) -> list[dict]:
         saved = _sm90.FWD_DYNAMIC
         _sm90.FWD_DYNAMIC = bool(dynamic)
         try:
+
             def call(fn=fn):
                 return fn(q, k, v, is_causal=True) if fn is flash_attention else fn(q, k, v)
 
