@@ -72,9 +72,6 @@ FWD_KV_SPLIT = True
 # against 0.116 ms), but 1.02x at (4, 16, 4096, 128). Shorter causal problems keep the static
 # persistent grid (the counter's zeroing costs a launch, and there the host time per call counts).
 FWD_DYNAMIC = True
-# Of every four neighbouring softmax exponentials, how many the forward computes with a cubic
-# polynomial on the FMA units instead of the special-function units (0, 1 or 2): not measured yet.
-FWD_POLY = 0
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel adds 4 + 1 worker warps
 MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the register file
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -251,7 +248,7 @@ def constexprs(d: int, causal: bool, kv_split: bool | None = None, probe: int = 
     3: the cycle timeline, measurement only, no logsumexp; ``dynamic``: tiles from a counter)."""
     return {"CAUSAL": causal, "STAGES": STAGES[d],
             "KV_SPLIT": FWD_KV_SPLIT if kv_split is None else kv_split, "PROBE": probe,
-            "DYNAMIC": dynamic, "POLY": FWD_POLY}  # fmt: skip
+            "DYNAMIC": dynamic}  # fmt: skip
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,

@@ -167,49 +167,8 @@ if AVAILABLE:
             hi = gl.minimum(seq_k, m0 + BLOCK_M2)
         return b, h, h // group, m0, gl.cdiv(hi, BLOCK_N)
 
-    # 2^x for x <= 0 (or -inf) on the FMA units: 2^floor(x) into the exponent bits of 2^f, f in
-    # [0, 1) as 1 + f (C1 + f (C2 + f C3)) (relative error below 9e-5, against bfloat16's 4e-3
-    # rounding of P); below -125 (and -inf), 0. Constants as float32 hex; {x} in, {out} out.
-    _POLY = (
-        "{{ .reg .f32 xc, t, xi, f, p; .reg .b32 pb, nb; .reg .pred lo;\n"
-        "max.ftz.f32 xc, {x}, 0fC2FA0000;\n"
-        "add.rm.f32 t, xc, 0f4B400000;\n"  # 1.5 * 2^23 + floor(xc): floor in t's low bits
-        "sub.f32 xi, t, 0f4B400000;\n"
-        "sub.f32 f, xc, xi;\n"
-        "fma.rn.f32 p, 0f3D9DD45C, f, 0f3E691C4B;\n"
-        "fma.rn.f32 p, p, f, 0f3F31F325;\n"
-        "fma.rn.f32 p, p, f, 0f3F800000;\n"
-        "mov.b32 pb, p; mov.b32 nb, t; shl.b32 nb, nb, 23; add.s32 pb, pb, nb;\n"
-        "setp.lt.f32 lo, {x}, 0fC2FA0000; selp.b32 {out}, 0, pb, lo; }}\n"
-    )
-    # Four neighbouring elements ($4-$7 in, $0-$3 out): one or two by the polynomial.
-    EXP2_ONE_POLY = gl.constexpr(
-        "ex2.approx.ftz.f32 $0, $4;\n ex2.approx.ftz.f32 $1, $5;\n ex2.approx.ftz.f32 $2, $6;\n"
-        + _POLY.format(x="$7", out="$3")
-    )
-    EXP2_TWO_POLY = gl.constexpr(
-        "ex2.approx.ftz.f32 $0, $4;\n ex2.approx.ftz.f32 $2, $6;\n"
-        + _POLY.format(x="$5", out="$1")
-        + _POLY.format(x="$7", out="$3")
-    )
-
     @gluon.jit
-    def _exp2_mixed(x, POLY: gl.constexpr):
-        """2^x (x <= 0 or -inf) of groups of four neighbouring elements: POLY of each four by a
-        cubic polynomial on the FMA units (FA4's trick), the rest by ``ex2.approx`` on the
-        special-function units, which the two consumer warpgroups' softmaxes otherwise share."""
-        gl.static_assert(POLY == 1 or POLY == 2, "one or two of every four by the polynomial")
-        if POLY == 1:
-            y = gl.inline_asm_elementwise(EXP2_ONE_POLY, "=r,=r,=r,=r,r,r,r,r", [x],
-                                          dtype=gl.float32, is_pure=True, pack=4)  # fmt: skip
-        else:
-            y = gl.inline_asm_elementwise(EXP2_TWO_POLY, "=r,=r,=r,=r,r,r,r,r", [x],
-                                          dtype=gl.float32, is_pure=True, pack=4)  # fmt: skip
-        return y
-
-    @gluon.jit
-    def _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL: gl.constexpr,
-                      POLY: gl.constexpr = 0):  # fmt: skip
+    def _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL: gl.constexpr):
         """Online softmax (base 2, scale in the exponent's FMA) of score tile j of rows r0.. :
         ``(p, alpha, m_new, l_new)``. Tiles from n_full on may cross the causal diagonal or the
         end of the keys and are masked (qk_scale > 0: max(s) * qk_scale is the scaled max)."""
@@ -224,10 +183,7 @@ if AVAILABLE:
                 keep = keep & (cols[None, :] <= rows[:, None])
             s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        if POLY == 0:
-            p = gl.exp2(s * qk_scale - m_new[:, None])
-        else:
-            p = _exp2_mixed(s * qk_scale - m_new[:, None], POLY)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
@@ -244,8 +200,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                 PROBE: gl.constexpr, DYNAMIC: gl.constexpr, POLY: gl.constexpr,
-                 WG: gl.constexpr):  # fmt: skip
+                 PROBE: gl.constexpr, DYNAMIC: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: rows [m0 + WG * BLOCK_M, + BLOCK_M) of each of this program's
         tiles over their key tiles, then O (q's dtype, a TMA store) and the natural logsumexp.
         ``KV_SPLIT``: a key tile is released once its S is computed, a value tile once its P V
@@ -311,8 +266,7 @@ if AVAILABLE:
             s = warpgroup_mma_wait(0, deps=(s, q, k))[0]
             if KV_SPLIT:
                 mbarrier.arrive(k_empty.index(st), count=1)  # both warpgroups release a key tile
-            p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL,
-                                               POLY)  # fmt: skip
+            p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL)
             pa = gl.convert_layout(p.to(q.dtype), p_layout)
             if PROBE == 3:
                 t1 = clock64(r)
@@ -352,7 +306,7 @@ if AVAILABLE:
                     c3 += t1 - t
                     t = t1
                 p, alpha, m_i, l_i = _softmax_tile(
-                    s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL, POLY
+                    s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL
                 )  # fmt: skip
                 if PROBE == 3:
                     t1 = clock64(j)
@@ -423,17 +377,17 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, POLY: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, POLY, 0)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 0)
 
     @gluon.jit
     def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, POLY: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, POLY, 1)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 1)
 
     @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-              PROBE: gl.constexpr, DYNAMIC: gl.constexpr, POLY: gl.constexpr):  # fmt: skip
+              PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
         """Load warp: per tile, both query halves once their buffers are free, then the
         key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
         the stage's value tile's). ``DYNAMIC``: a program's first tile is its id, the next the
@@ -495,7 +449,7 @@ if AVAILABLE:
     def attn_fwd_sm90(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, n_bh, n_heads, group, seq_q,
         seq_k, qk_scale, group_heads, COUNTER, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-        KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr, POLY: gl.constexpr,
+        KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -537,15 +491,9 @@ if AVAILABLE:
         out = (LSE, stride_lb, stride_lh, COUNTER)
         gl.warp_specialize(
             [
-                (
-                    _consumer0,
-                    (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, POLY),
-                ),
-                (
-                    _consumer1,
-                    (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, POLY),
-                ),
-                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, POLY)),
+                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
+                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
+                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
             ],
             [4, 1],
             [240, 24],
