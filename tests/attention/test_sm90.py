@@ -40,6 +40,22 @@ def _counting_sm90_calls():
         yield spy
 
 
+@pytest.mark.parametrize(
+    ("seq", "d", "causal", "persistent", "dynamic"),
+    [(1024, 64, True, None, False), (1025, 64, True, None, True), (16384, 64, True, None, True),
+     (2048, 128, True, None, True), (4096, 128, True, None, False), (2048, 64, False, None, False),
+     (2048, 64, True, True, False), (2048, 128, True, False, False)],
+)  # fmt: skip
+def test_the_forward_takes_its_tiles_from_a_counter_where_it_measured_faster(seq, d, causal,
+                                                                               persistent,
+                                                                               dynamic):  # fmt: skip
+    """The dynamic schedule (H100, ``benchmarks/sm90_fwd.py``, docs/benchmarks.md): causal
+    problems over PERSISTENT_CAUSAL_MAX rows, at head dim 128 only up to 2048 (1.02-1.06x the
+    time of one program per tile at 4096); never when the caller forces a grid."""
+    q = torch.empty(1, 2, seq, d, device="meta")
+    assert _sm90.dynamic_schedule(q, causal, persistent) is dynamic
+
+
 def test_only_plain_and_causal_problems_of_two_byte_dtypes_qualify():
     """The rule's problem part, with the switch on and a Hopper device stood in: plain and causal
     16-bit problems of head dim 64/128 qualify; other score modifications, dtypes, head dims and
@@ -440,7 +456,8 @@ def test_dynamic_schedule_matches_float64_and_the_static_grid(case, dtype):
     q, k, v = case.make(dtype, "cuda", requires_grad=False)
     static = {}
     for dynamic in (False, True):
-        with mock.patch.object(_sm90, "FWD_DYNAMIC", dynamic):
+        with (mock.patch.object(_sm90, "FWD_DYNAMIC", dynamic),
+              mock.patch.dict(_sm90.FWD_DYNAMIC_MAX, {64: 1 << 30, 128: 1 << 30})):  # fmt: skip
             assert _sm90.dynamic_schedule(q, True) is dynamic
             check_against_reference(case, dtype, _run(case), device="cuda", grads=False)
             runs = [_run(case)(q, k, v) for _ in range(2)]
