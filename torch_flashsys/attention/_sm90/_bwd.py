@@ -38,6 +38,7 @@ from torch_flashsys.attention._sm90._gluon import (
     gl,
     gluon,
     mbarrier,
+    store_probes,
     thread_barrier,
     tma,
     tma_load,
@@ -564,14 +565,7 @@ if AVAILABLE:
         _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
         if PROBE == 3:  # cycles per phase, summed over steps, into Delta (wrong gradients)
             base = Delta + gl.program_id(0).to(gl.int64) * 48 + WG * 16
-            gl.store(base + 0, c0.to(gl.float32))
-            gl.store(base + 1, c1.to(gl.float32))
-            gl.store(base + 2, c2.to(gl.float32))
-            gl.store(base + 3, c3.to(gl.float32))
-            gl.store(base + 4, c4.to(gl.float32))
-            gl.store(base + 5, c5.to(gl.float32))
-            gl.store(base + 6, c6.to(gl.float32))
-            gl.store(base + 7, n_steps.to(gl.float32))
+            store_probes(base, (c0, c1, c2, c3, c4, c5, c6, n_steps))
 
     @gluon.jit
     def _fused_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
@@ -741,12 +735,7 @@ if AVAILABLE:
         if PROBE == 3:
             Delta = outs[1]
             base = Delta + gl.program_id(0).to(gl.int64) * 48 + 32
-            gl.store(base + 0, c0.to(gl.float32))
-            gl.store(base + 1, c1.to(gl.float32))
-            gl.store(base + 2, c2.to(gl.float32))
-            gl.store(base + 3, c3.to(gl.float32))
-            gl.store(base + 4, c4.to(gl.float32))
-            gl.store(base + 5, c5.to(gl.float32))
+            store_probes(base, (c0, c1, c2, c3, c4, c5))
             gl.store(base + 7, n_steps.to(gl.float32))
 
     @gluon.jit

@@ -37,6 +37,7 @@ from torch_flashsys.attention._sm90._gluon import (
     gl,
     gluon,
     mbarrier,
+    store_probes,
     thread_barrier,
     tma,
     tma_load,
@@ -358,16 +359,7 @@ if AVAILABLE:
         tma.store_wait(0)
         if PROBE == 3:  # cycles per phase, summed over key tiles, into LSE (no logsumexp)
             base = LSE + gl.program_id(0).to(gl.int64) * 32 + WG * 16
-            gl.store(base + 0, c0.to(gl.float32))
-            gl.store(base + 1, c1.to(gl.float32))
-            gl.store(base + 2, c2.to(gl.float32))
-            gl.store(base + 3, c3.to(gl.float32))
-            gl.store(base + 4, c4.to(gl.float32))
-            gl.store(base + 5, c5.to(gl.float32))
-            gl.store(base + 6, c6.to(gl.float32))
-            gl.store(base + 7, c7.to(gl.float32))
-            gl.store(base + 8, n_steps.to(gl.float32))
-            gl.store(base + 9, r.to(gl.float32))
+            store_probes(base, (c0, c1, c2, c3, c4, c5, c6, c7, n_steps, r))
 
     @gluon.jit
     def _release_kv(k_empty, v_empty, st, KV_SPLIT: gl.constexpr):

@@ -50,9 +50,15 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
         return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=gl.int64,
                                          is_pure=False, pack=1)  # fmt: skip
 
+    @gluon.jit
+    def store_probes(base, values):
+        """The ``PROBE == 3`` timelines' scalars, as float32 at ``base``, ``base + 1``, ..."""
+        for i in gl.static_range(len(values)):
+            gl.store(base + i, values[i].to(gl.float32))
+
 except Exception:  # ImportError, or an API whose import itself fails
     gluon = gl = fence_async_shared = mbarrier = tma = tma_load = tma_store = None
-    thread_barrier = tma_reduce_add = clock64 = None
+    thread_barrier = tma_reduce_add = clock64 = store_probes = None
     warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     AVAILABLE = False
 
@@ -74,6 +80,7 @@ __all__ = [
     "gl",
     "gluon",
     "mbarrier",
+    "store_probes",
     "thread_barrier",
     "tma",
     "tma_load",
