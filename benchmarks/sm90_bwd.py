@@ -197,7 +197,11 @@ FUSED_VARIANTS = {
 VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
                   (4, 32, 8, 2048, 64, True)]  # fmt: skip
 SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
-                  "heads first": {"ORDER": _sm90.HEADS_FIRST}}  # fmt: skip
+                  "heads first": {"ORDER": _sm90.HEADS_FIRST},
+                  # one dS^T buffer pair, so that two float32 dQ tiles fit (214 KB; 128 bytes
+                  # spilled): a step's reduction no longer waits for the last one to be read
+                  "1 dS pair": {"NBUF": 1},
+                  "1 dS pair, 2 dQ tiles": {"NBUF": 1, "DQ_BUFS": 2}}  # fmt: skip
 
 
 def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
