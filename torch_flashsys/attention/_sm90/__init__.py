@@ -245,12 +245,10 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
             lse if counter is None else counter)  # fmt: skip
 
 
-def constexprs(d: int, causal: bool, kv_split: bool | None = None, probe: int = 0,
-               dynamic: bool = False) -> dict:  # fmt: skip
-    """The kernel's compile-time arguments (``kv_split``: FWD_KV_SPLIT unless given; ``probe``
-    3: the cycle timeline, measurement only, no logsumexp; ``dynamic``: tiles from a counter)."""
-    return {"CAUSAL": causal, "STAGES": STAGES[d],
-            "KV_SPLIT": FWD_KV_SPLIT if kv_split is None else kv_split, "PROBE": probe,
+def constexprs(d: int, causal: bool, dynamic: bool = False) -> dict:
+    """The kernel's compile-time arguments (``dynamic``: tiles from a counter; the variants and
+    the ``PROBE`` timeline: ``benchmarks/sm90_fwd.py`` overrides them)."""
+    return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
             "DYNAMIC": dynamic}  # fmt: skip
 
 
