@@ -37,6 +37,7 @@ from torch_flashsys.attention._sm90._gluon import (
     fence_async_shared,
     gl,
     gluon,
+    lap,
     mbarrier,
     store_probes,
     thread_barrier,
@@ -504,9 +505,7 @@ if AVAILABLE:
             lse2 = stats.index(2 * st).load(col_layout)  # (LSE * log2 e)
             delta = stats.index(2 * st + 1).load(col_layout)
             if PROBE == 3:
-                t1 = clock64(step)
-                c0 += t1 - t
-                t = t1
+                c0, t = lap(c0, t, step)
             if KV_RS:
                 s_t = warpgroup_mma(ka, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 dp_t = warpgroup_mma(va, do.permute((1, 0)), zero_s, use_acc=False,
@@ -518,15 +517,11 @@ if AVAILABLE:
                                      is_async=True)  # fmt: skip
                 s_w = warpgroup_mma_wait(1, deps=(s_t, k, q))[0]
             if PROBE == 3:
-                t1 = clock64(step)
-                c1 += t1 - t
-                t = t1
+                c1, t = lap(c1, t, step)
             p_t = _masked_probs(s_w, lse2, n0w, m0, seq_k, qk_scale, CAUSAL)
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
             if PROBE == 3:
-                t1 = clock64(step)
-                c2 += t1 - t
-                t = t1
+                c2, t = lap(c2, t, step)
             if KV_RS:
                 dp_w = warpgroup_mma_wait(0, deps=(dp_t, va, do))[0]
             else:
@@ -534,22 +529,16 @@ if AVAILABLE:
             dv = warpgroup_mma(pa, do, dv, is_async=True)
             ds_t = (p_t * (dp_w - delta[None, :])).to(dtype)
             if PROBE == 3:
-                t1 = clock64(step)
-                c3 += t1 - t
-                t = t1
+                c3, t = lap(c3, t, step)
             # Hand dS^T over: the buffer is free once the dQ warpgroup's product read it.
             buf = step % NBUF
             ds_buf = ds_smem.index(2 * buf + WG)
             mbarrier.wait(ds_empty.index(buf), ((step // NBUF) & 1) ^ 1)  # fresh: parity 1 passes
             if PROBE == 3:
-                t1 = clock64(step)
-                c4 += t1 - t
-                t = t1
+                c4, t = lap(c4, t, step)
             _publish(ds_buf, ds_t, ds_ready.index(buf))
             if PROBE == 3:
-                t1 = clock64(step)
-                c5 += t1 - t
-                t = t1
+                c5, t = lap(c5, t, step)
             if DK_RS:
                 dsa = gl.convert_layout(ds_t, a_layout)
                 dk = warpgroup_mma(dsa, q, dk, is_async=True)
@@ -559,9 +548,7 @@ if AVAILABLE:
                 dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, ds_buf, q, do))[:2]
             mbarrier.arrive(empty.index(st), count=1)  # both warpgroups release a stage
             if PROBE == 3:
-                t1 = clock64(step)
-                c6 += t1 - t
-                t = t1
+                c6, t = lap(c6, t, step)
         _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
         if PROBE == 3:  # cycles per phase, summed over steps, into Delta (wrong gradients)
             base = Delta + gl.program_id(0).to(gl.int64) * 48 + WG * 16
@@ -663,9 +650,7 @@ if AVAILABLE:
             ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
             mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
             if PROBE == 3:
-                t1 = clock64(step)
-                c0 += t1 - t
-                t = t1
+                c0, t = lap(c0, t, step)
             if PROBE == 2:  # measurement only: no dQ work at all
                 mbarrier.arrive(ds_empty.index(buf), count=1)
             else:
@@ -674,32 +659,24 @@ if AVAILABLE:
                 dq = warpgroup_mma_wait(0, deps=(dq, ds0, ds1, k0, k1))[0]
                 mbarrier.arrive(ds_empty.index(buf), count=1)
                 if PROBE == 3:
-                    t1 = clock64(step)
-                    c1 += t1 - t
-                    t = t1
+                    c1, t = lap(c1, t, step)
                 if DQ_TMA:
                     # Tile step % 2 is free once the reduction issued two steps ago read it.
                     tile = dq_smem.index(step % 2)
                     tma.store_wait(1)
                     thread_barrier()
                     if PROBE == 3:
-                        t1 = clock64(step)
-                        c2 += t1 - t
-                        t = t1
+                        c2, t = lap(c2, t, step)
                     tile.reshape([BLOCK_M, HEAD_DIM]).store(dq * sm_scale)
                     fence_async_shared()
                     thread_barrier()
                     if DETERMINISTIC:
                         if PROBE == 3:
-                            t1 = clock64(step)
-                            c3 += t1 - t
-                            t = t1
+                            c3, t = lap(c3, t, step)
                         # the sync warp saw this tile's turn come
                         mbarrier.wait(turn_ok.index(step % NSYNC), (step // NSYNC) & 1)
                         if PROBE == 3:
-                            t1 = clock64(step)
-                            c4 += t1 - t
-                            t = t1
+                            c4, t = lap(c4, t, step)
                     tma_reduce_add(dq_desc, [dq_b, hk * group + g, m0, 0], tile)  # rows past
                     # seq_q fall outside the descriptor and are dropped
                     if DETERMINISTIC:
@@ -710,13 +687,9 @@ if AVAILABLE:
                             done = step - SIGNAL_LAG
                             mbarrier.arrive(landed.index(done % NSYNC), count=1)
                         if PROBE == 3:
-                            t1 = clock64(step)
-                            c5 += t1 - t
-                            t = t1
+                            c5, t = lap(c5, t, step)
                     if PROBE == 3:
-                        t1 = clock64(step)
-                        c3 += t1 - t
-                        t = t1
+                        c3, t = lap(c3, t, step)
                 else:
                     # Rows of HEAD_DIM floats from a multiple of HEAD_DIM: vectorized atomics.
                     row0 = ((b * n_kv_heads + hk) * group + g).to(gl.int64) * seq_q + m0

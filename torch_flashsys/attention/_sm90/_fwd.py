@@ -36,6 +36,7 @@ from torch_flashsys.attention._sm90._gluon import (
     fence_async_shared,
     gl,
     gluon,
+    lap,
     mbarrier,
     store_probes,
     thread_barrier,
@@ -270,9 +271,7 @@ if AVAILABLE:
             p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL)
             pa = gl.convert_layout(p.to(q.dtype), p_layout)
             if PROBE == 3:
-                t1 = clock64(r)
-                c7 += t1 - t
-                t = t1
+                c7, t = lap(c7, t, r)
             # Tile j: issue S_j and P_{j-1} V_{j-1} in this warpgroup's turn; the softmax of S_j
             # runs while P V and the other warpgroup's products use the tensor cores.
             for j in range(1, n_kv):
@@ -283,48 +282,34 @@ if AVAILABLE:
                 v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
                 if PROBE == 3:
-                    t1 = clock64(j)
-                    c0 += t1 - t
-                    t = t1
+                    c0, t = lap(c0, t, j)
                 _my_turn(turns, k_turn, WG)
                 if PROBE == 3:
-                    t1 = clock64(j)
-                    c1 += t1 - t
-                    t = t1
+                    c1, t = lap(c1, t, j)
                 s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
                 acc = warpgroup_mma(pa, v, acc, is_async=True)
                 _pass_turn(turns, WG)
                 k_turn += 1
                 if PROBE == 3:
-                    t1 = clock64(j)
-                    c2 += t1 - t
-                    t = t1
+                    c2, t = lap(c2, t, j)
                 s = warpgroup_mma_wait(1, deps=(s, q, k))[0]  # S_j done; P V may still run
                 if KV_SPLIT:
                     mbarrier.arrive(k_empty.index(st), count=1)
                 if PROBE == 3:
-                    t1 = clock64(j)
-                    c3 += t1 - t
-                    t = t1
+                    c3, t = lap(c3, t, j)
                 p, alpha, m_i, l_i = _softmax_tile(
                     s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL
                 )  # fmt: skip
                 if PROBE == 3:
-                    t1 = clock64(j)
-                    c4 += t1 - t
-                    t = t1
+                    c4, t = lap(c4, t, j)
                 acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
                 _release_kv(k_empty, v_empty, sp, KV_SPLIT)  # both warpgroups release them
                 if PROBE == 3:
-                    t1 = clock64(j)
-                    c5 += t1 - t
-                    t = t1
+                    c5, t = lap(c5, t, j)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
                 pa = gl.convert_layout(p.to(q.dtype), p_layout)
                 if PROBE == 3:
-                    t1 = clock64(j)
-                    c6 += t1 - t
-                    t = t1
+                    c6, t = lap(c6, t, j)
                     n_steps += 1
             mbarrier.arrive(q_empty.index(WG), count=1)  # every S of this tile is done
             sp = (it + n_kv - 1) % STAGES
@@ -351,9 +336,7 @@ if AVAILABLE:
             if PROBE != 3:
                 gl.store(l_base + rows_s, lse, mask=rows_s < seq_q)
             else:
-                t1 = clock64(r)
-                c7 += t1 - t
-                t = t1
+                c7, t = lap(c7, t, r)
             r += 1
             tid = _next_tile(r, total, tiles, DYNAMIC)
         tma.store_wait(0)

@@ -51,6 +51,13 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
                                          is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
+    def lap(total, since, x):
+        """One phase of a ``PROBE == 3`` timeline: ``(total + the cycles since since, now)``;
+        ``x`` any scalar (a dependence that keeps the clock read in place)."""
+        now = clock64(x)
+        return total + (now - since), now
+
+    @gluon.jit
     def store_probes(base, values):
         """The ``PROBE == 3`` timelines' scalars, as float32 at ``base``, ``base + 1``, ..."""
         for i in gl.static_range(len(values)):
@@ -58,7 +65,7 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
 
 except Exception:  # ImportError, or an API whose import itself fails
     gluon = gl = fence_async_shared = mbarrier = tma = tma_load = tma_store = None
-    thread_barrier = tma_reduce_add = clock64 = store_probes = None
+    thread_barrier = tma_reduce_add = clock64 = lap = store_probes = None
     warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     AVAILABLE = False
 
@@ -79,6 +86,7 @@ __all__ = [
     "fence_async_shared",
     "gl",
     "gluon",
+    "lap",
     "mbarrier",
     "store_probes",
     "thread_barrier",
