@@ -45,6 +45,7 @@ from torch_flashsys.attention._launch import (
 )
 from torch_flashsys.attention._sm90._gluon import AVAILABLE, VERIFIED, TensorDescriptor, gl
 from torch_flashsys.attention._sm90._prep import attn_bwd_dq_sum, attn_bwd_prep
+from torch_flashsys.attention._sm90._rawlaunch import RawLaunch
 from torch_flashsys.attention._tensors import empty_like_layout
 
 if AVAILABLE:
@@ -75,6 +76,9 @@ FWD_KV_SPLIT = True
 # counter's zeroing costs a launch, and there the host time per call counts).
 FWD_DYNAMIC = True
 FWD_DYNAMIC_MAX = {64: 1 << 30, 128: 2048}
+# Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
+# address) instead of Triton's launcher object (``_rawlaunch``; host time per call below).
+RAW_LAUNCH = True
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel adds 4 + 1 worker warps
 MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the register file
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -301,23 +305,29 @@ def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None,
 def _launch_planned(kernel, plans: dict, key: tuple, index: int, args: tuple, plan) -> None:
     """Launch a Gluon ``kernel`` on ``args`` (runtime arguments in parameter order). After the
     key's first call on the current device the compiled kernel is launched directly from
-    ``plans[key]``; else ``plan()`` gives ``(grid, meta)`` (every constexpr, and launch options),
-    the JIT launches (compiling once), and the plan is remembered, its constexprs in parameter
-    order (the direct launch passes every parameter, defaults included)."""
+    ``plans[key]`` (by :class:`RawLaunch` where RAW_LAUNCH and the launcher's layout allow,
+    else by Triton's launcher); else ``plan()`` gives ``(grid, meta)`` (every constexpr, and
+    launch options), the JIT launches (compiling once), and the plan is remembered, its
+    constexprs in parameter order (the direct launch passes every parameter, defaults
+    included)."""
     entry = plans.get(key)
     current = index == torch.cuda.current_device()
     if entry is not None and current and not launch_hooks_set():
-        run, function, packed, (g0, g1, g2), tail = entry
-        run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(index), function, packed, None, None,
-            None, *args, *tail)  # fmt: skip
+        raw, run, function, packed, (g0, g1, g2), tail = entry
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        if raw is not None:
+            raw(stream, function, args)
+        else:
+            run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
         return
     grid, meta = plan()
     with torch.cuda.device(index):
         compiled = kernel[grid](*args, **meta)
     if fast_launch_allowed() and current:
         tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
-        remember(plans, key, (compiled.run, compiled.function, compiled.packed_metadata, grid,
-                              tail))  # fmt: skip
+        raw = RawLaunch.build(compiled, grid, args, tail) if RAW_LAUNCH else None
+        remember(plans, key, (raw, compiled.run, compiled.function, compiled.packed_metadata,
+                              grid, tail))  # fmt: skip
 
 
 def triton_cdiv(a: int, b: int) -> int:
