@@ -414,6 +414,69 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     assert "\n1 kernel(s) for lengths" in done.stdout, done.stdout
 
 
+def _triton_launcher_of(raw, signature: dict, metas: list):
+    """A stand-in for a compiled kernel whose launcher is this Triton's own descriptor-expanding
+    wrapper (``wrap_handle_tensordesc``) around ``raw`` (the C entry point's stand-in)."""
+    from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+    launcher = mock.Mock(launch=wrap_handle_tensordesc(raw, signature, metas),
+                         global_scratch_size=0, profile_scratch_size=0, num_ctas=1,
+                         launch_cooperative_grid=False, launch_pdl=False)  # fmt: skip
+    return mock.Mock(run=launcher, packed_metadata=(4, 1, 1000))
+
+
+@pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+def test_raw_launch_passes_what_tritons_launcher_passes():
+    """RawLaunch (``_sm90._rawlaunch``) hands the launcher's C entry point the arguments Triton's
+    own wrapper would (tensors as their addresses, each descriptor as its map, shape and
+    strides), encoding a slot's map once per address; on a Triton whose launcher has another
+    layout it declines (None), and the kernels keep Triton's launcher."""
+    from torch_flashsys.attention._sm90._rawlaunch import RawLaunch
+
+    calls, encoded = [], []
+    raw = lambda *a: calls.append(a)
+
+    def encode(*a):
+        encoded.append(a)
+        return ("map", *a[:2])
+
+    q = torch.randn(2, 100, 3, 64, dtype=torch.bfloat16).transpose(1, 2)  # (B, L, H, D) strides
+    k = torch.randn(2, 3, 100, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 3, 100)
+    signature = {0: "tensordesc<bf16[1, 1, 64, 64]>", 1: "*fp32", 2: "i32",
+                 3: "tensordesc<bf16[1, 1, 128, 64]>", 4: "fp32", 5: "constexpr", 6: "constexpr"}  # fmt: skip
+    metas = [{"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [1, 1, 64, 64],
+              "fp4_padded": False},
+             {"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [1, 1, 128, 64],
+              "fp4_padded": False}]  # fmt: skip
+    compiled = _triton_launcher_of(raw, signature, metas)
+    args = (_sm90._descriptor(q, 64), lse, 7, _sm90._descriptor(k, 128), 0.5)
+    tail = (True, 3)
+    launch = RawLaunch.build(compiled, (5, 1, 1), args, tail, encode=encode)
+    cells = compiled.run.launch.__code__.co_freevars
+    if launch is None:  # another Triton's launcher: declined, as it must be
+        assert "tensordesc_indices" not in cells
+        return
+    from triton.runtime import driver
+
+    with mock.patch.object(driver, "_active", mock.Mock()):
+        driver.active.utils.fill_tma_descriptor = encode
+        compiled.run.launch(5, 1, 1, 11, 22, False, False, None, None, (4, 1, 1000), None, None,
+                            None, *args, *tail)  # fmt: skip
+    expected = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in calls.pop())
+    encoded.clear()
+    for _ in range(2):
+        launch(11, 22, args)
+        assert calls.pop() == expected
+    assert len(encoded) == 2  # one map per slot, kept for the second launch
+    other = torch.randn_like(q)
+    launch(11, 22, (_sm90._descriptor(other, 64), *args[1:]))
+    assert calls.pop()[13] == ("map", other.data_ptr(), 3) and len(encoded) == 3
+    with pytest.raises(RuntimeError, match="shape"):
+        launch(11, 22, (_sm90._descriptor(torch.randn(2, 3, 99, 64, dtype=torch.bfloat16), 64),
+                        *args[1:]))  # fmt: skip
+
+
 gpu = pytest.mark.gpu
 needs_sm90 = pytest.mark.skipif(
     not _on_sm90(), reason="needs an sm90 GPU with the Hopper path on (Gluon's Hopper API)"

@@ -38,9 +38,11 @@ class RawLaunch:
         self._tail = tail
 
     @classmethod
-    def build(cls, compiled: Any, grid: tuple, args: tuple, tail: tuple) -> RawLaunch | None:
+    def build(cls, compiled: Any, grid: tuple, args: tuple, tail: tuple,
+              encode: Any = None) -> RawLaunch | None:  # fmt: skip
         """The raw launch of ``compiled`` (a Triton ``CompiledKernel``) for ``args`` like these,
-        or None where its launcher is not the layout this module knows."""
+        or None where its launcher is not the layout this module knows. ``encode``: the map
+        encoder (default the driver's ``fill_tma_descriptor``; tests pass a stand-in)."""
         try:
             launcher = compiled.run
             inner = launcher.launch
@@ -54,7 +56,7 @@ class RawLaunch:
             from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
             from triton.runtime import driver
 
-            encode = driver.active.utils.fill_tma_descriptor
+            encode = encode or driver.active.utils.fill_tma_descriptor
             slots = []
             for position, meta in zip(sorted(indices), metas, strict=True):
                 desc = args[position]
