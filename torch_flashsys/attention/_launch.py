@@ -95,17 +95,21 @@ class LaunchCache:
             if index == torch.cuda.current_device():
                 # The device (function handles are per device) and each pointer's 16-byte
                 # alignment (Triton specializes on it) complete the caller's key.
-                tensors = args[: self.n_tensors]
+                n = self.n_tensors
+                ptrs = [a.data_ptr() for a in args[:n]]
                 bits = 0
-                for a in tensors:  # the common case, all aligned, in one cheap pass
-                    bits |= a.data_ptr()
-                aligned = not bits & 15 or tuple(a.data_ptr() % 16 == 0 for a in tensors)
+                for p in ptrs:  # the common case, all aligned, in one cheap pass
+                    bits |= p
+                aligned = not bits & 15 or tuple(p % 16 == 0 for p in ptrs)
                 key = (key, index, aligned)
                 entry = self._entries.get(key)
                 if entry is not None and not launch_hooks_set():
                     run, function, packed, (g0, g1, g2), tail = entry
                     stream = torch._C._cuda_getCurrentRawStream(index)
-                    run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
+                    # the tensors as their addresses: the launcher's C code takes an integer
+                    # as is (a tensor costs it a data_ptr() call and a cuPointerGetAttribute)
+                    run(g0, g1, g2, stream, function, packed, None, None, None, *ptrs, *args[n:],
+                        *tail)  # fmt: skip
                     self.hits += 1
                     return
                 compiled = self.kernel[grid](*args, **constexprs)
