@@ -63,7 +63,8 @@ def _launcher(q, k, v, causal: bool, extra: dict):
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     dynamic = extra.get("DYNAMIC", _sm90.dynamic_schedule(q, causal))  # else the library's
     counter = q.new_zeros(1, dtype=torch.int32) if dynamic else None
-    args = _sm90.launch_args(q, k, v, out, lse, d**-0.5, counter)
+    args = lambda descriptors: _sm90.launch_args(q, k, v, out, lse, d**-0.5, counter,
+                                                 descriptors)  # fmt: skip
     grid = _sm90.forward_grid(q, causal, dynamic=dynamic)
     meta = {**_sm90.constexprs(d, causal, dynamic=dynamic), **extra,
             "num_warps": _sm90.NUM_WARPS, "maxnreg": _sm90.MAX_REGS}  # fmt: skip

@@ -44,8 +44,9 @@ def pieces(shape, causal: bool, raw: bool) -> dict:
     out, lse = sm.forward(qd, kd, vd, scale, causal)
     delta, dq_acc, sem = sm.backward_prep(out, dout, lse, None)
     dk, dv = torch.empty_like(kd), torch.empty_like(vd)
-    fargs = sm.launch_args(qd, kd, vd, out, lse, scale)
-    bargs = sm.fused_launch_args(qd, kd, vd, dout, lse, delta, dk, dv, dq_acc, scale, sem)
+    fargs = lambda desc: sm.launch_args(qd, kd, vd, out, lse, scale, None, desc)
+    bargs = lambda desc: sm.fused_launch_args(qd, kd, vd, dout, lse, delta, dk, dv, dq_acc, scale,
+                                              sem, desc)  # fmt: skip
     fkey, bkey = next(iter(sm._PLANS)), None
     sm.backward(dout, qd, kd, vd, out, lse, None, scale, causal)
     bkey = next(iter(sm._FUSED_PLANS))

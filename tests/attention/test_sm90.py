@@ -427,10 +427,11 @@ def _triton_launcher_of(raw, signature: dict, metas: list):
 
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
 def test_raw_launch_passes_what_tritons_launcher_passes():
-    """RawLaunch (``_sm90._rawlaunch``) hands the launcher's C entry point the arguments Triton's
-    own wrapper would (tensors as their addresses, each descriptor as its map, shape and
-    strides), encoding a slot's map once per address; on a Triton whose launcher has another
-    layout it declines (None), and the kernels keep Triton's launcher."""
+    """RawLaunch (``_sm90._rawlaunch``), given the tensors in the descriptors' places, hands the
+    launcher's C entry point the arguments Triton's own wrapper would for the descriptors
+    (tensors as their addresses, each descriptor as its map, shape and strides), encoding a
+    slot's map once per address; on a Triton whose launcher has another layout it declines
+    (None), and the kernels keep Triton's launcher."""
     from torch_flashsys.attention._sm90._rawlaunch import RawLaunch
 
     calls, encoded = [], []
@@ -465,16 +466,18 @@ def test_raw_launch_passes_what_tritons_launcher_passes():
                             None, *args, *tail)  # fmt: skip
     expected = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in calls.pop())
     encoded.clear()
+    bare = (q, lse, 7, k, 0.5)  # what the library passes a RawLaunch: no descriptors built
     for _ in range(2):
-        launch(11, 22, args)
+        launch(11, 22, bare)
         assert calls.pop() == expected
     assert len(encoded) == 2  # one map per slot, kept for the second launch
     other = torch.randn_like(q)
-    launch(11, 22, (_sm90._descriptor(other, 64), *args[1:]))
+    launch(11, 22, (other, *bare[1:]))
     assert calls.pop()[13] == ("map", other.data_ptr(), 3) and len(encoded) == 3
     with pytest.raises(RuntimeError, match="shape"):
-        launch(11, 22, (_sm90._descriptor(torch.randn(2, 3, 99, 64, dtype=torch.bfloat16), 64),
-                        *args[1:]))  # fmt: skip
+        launch(11, 22, (torch.randn(2, 3, 99, 64, dtype=torch.bfloat16), *bare[1:]))
+    with pytest.raises(RuntimeError, match="shape"):  # q's shape, k's (B, H, L, D) strides
+        launch(11, 22, (torch.randn(2, 3, 100, 64, dtype=torch.bfloat16), *bare[1:]))
 
 
 gpu = pytest.mark.gpu

@@ -32,6 +32,7 @@ The switches are below.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -190,10 +191,10 @@ def _is_sm90(index: int) -> bool:
 
 def _tma_ok(t: torch.Tensor) -> bool:
     """16-byte aligned data and strides (but the last, which must be 1): a TMA descriptor."""
-    if t.stride(-1) != 1 or t.data_ptr() % 16:
+    strides = t.stride()
+    if strides[-1] != 1 or t.data_ptr() % 16:
         return False
-    step = 16 // t.element_size()
-    return all(s % step == 0 for s in t.stride()[:-1])
+    return math.gcd(*strides[:-1]) % (16 // t.element_size()) == 0  # gcd(0, ..., 0) = 0
 
 
 def forward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -219,10 +220,14 @@ def _layout(rows: int, d: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], getattr(gl, name))
 
 
-def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> TensorDescriptor:
+def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
+                descriptors: bool = True) -> TensorDescriptor | torch.Tensor:  # fmt: skip
     """A host TMA descriptor of ``t`` (4-D) with ``(1, 1, rows, cols)`` blocks (``cols``: the head
     dim unless given). Built without the dataclass's checks (a few microseconds each):
-    :func:`_tma_ok` made them once per call."""
+    :func:`_tma_ok` made them once per call. ``descriptors`` False: ``t`` itself (what a
+    :class:`RawLaunch` takes in a descriptor's place)."""
+    if not descriptors:
+        return t
     d = t.shape[-1] if cols is None else cols
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=t, shape=list(t.shape), strides=list(t.stride()),
@@ -235,17 +240,20 @@ _PLANS: dict[tuple, tuple] = {}  # launch key -> (launcher, function, metadata, 
 
 
 def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                lse: torch.Tensor, scale: float,
-                counter: torch.Tensor | None = None) -> tuple:  # fmt: skip
+                lse: torch.Tensor, scale: float, counter: torch.Tensor | None = None,
+                descriptors: bool = True) -> tuple:  # fmt: skip
     """The kernel's runtime arguments (descriptors, strides, sizes) for a 4-D problem;
-    ``counter``: the dynamic schedule's zeroed int32 (else unused: lse stands in)."""
+    ``counter``: the dynamic schedule's zeroed int32 (else unused: lse stands in);
+    ``descriptors`` False: the tensors in the descriptors' places (:class:`RawLaunch`)."""
     batch, heads, seq_q, d = q.shape
     seq_k = k.shape[2]
     # Causal: heads grouped so that a group's keys and values fit in L2 (L2_BUDGET).
     group_heads = max(1, L2_BUDGET // (2 * seq_k * d * q.element_size()))
-    return (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N),
-            _descriptor(out, BLOCK_M), lse, lse.stride(0), lse.stride(1), batch * heads, heads,
-            heads // k.shape[1], seq_q, seq_k, scale * LOG2E, group_heads,
+    desc = descriptors
+    return (_descriptor(q, BLOCK_M, None, desc), _descriptor(k, BLOCK_N, None, desc),
+            _descriptor(v, BLOCK_N, None, desc), _descriptor(out, BLOCK_M, None, desc), lse,
+            lse.stride(0), lse.stride(1), batch * heads, heads, heads // k.shape[1], seq_q,
+            seq_k, scale * LOG2E, group_heads,
             lse if counter is None else counter)  # fmt: skip
 
 
@@ -267,7 +275,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     index = q.get_device()
     dynamic = dynamic_schedule(q, causal, persistent)
     counter = q.new_zeros(1, dtype=torch.int32) if dynamic else None
-    args = launch_args(q, k, v, out, lse, scale, counter)
+    args = functools.partial(launch_args, q, k, v, out, lse, scale, counter)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, causal,
            index, persistent, dynamic)  # fmt: skip
 
@@ -302,30 +310,32 @@ def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None,
     return (n_tiles if long else min(n_tiles, _sm_count(q.get_device())), 1, 1)
 
 
-def _launch_planned(kernel, plans: dict, key: tuple, index: int, args: tuple, plan) -> None:
-    """Launch a Gluon ``kernel`` on ``args`` (runtime arguments in parameter order). After the
-    key's first call on the current device the compiled kernel is launched directly from
-    ``plans[key]`` (by :class:`RawLaunch` where RAW_LAUNCH and the launcher's layout allow,
-    else by Triton's launcher); else ``plan()`` gives ``(grid, meta)`` (every constexpr, and
-    launch options), the JIT launches (compiling once), and the plan is remembered, its
-    constexprs in parameter order (the direct launch passes every parameter, defaults
-    included)."""
+def _launch_planned(kernel, plans: dict, key: tuple, index: int, args, plan) -> None:
+    """Launch a Gluon ``kernel`` on ``args(descriptors)`` (its runtime arguments in parameter
+    order, with host TMA descriptors, or with their tensors in their places when False). After
+    the key's first call on the current device the compiled kernel is launched directly from
+    ``plans[key]``: by :class:`RawLaunch` (the tensors, no descriptors built) where RAW_LAUNCH
+    and the launcher's layout allow, else by Triton's launcher. Otherwise ``plan()`` gives
+    ``(grid, meta)`` (every constexpr, and launch options), the JIT launches (compiling once),
+    and the plan is remembered, its constexprs in parameter order (the direct launch passes
+    every parameter, defaults included)."""
     entry = plans.get(key)
     current = index == torch.cuda.current_device()
     if entry is not None and current and not launch_hooks_set():
         raw, run, function, packed, (g0, g1, g2), tail = entry
         stream = torch._C._cuda_getCurrentRawStream(index)
         if raw is not None:
-            raw(stream, function, args)
+            raw(stream, function, args(False))
         else:
-            run(g0, g1, g2, stream, function, packed, None, None, None, *args, *tail)
+            run(g0, g1, g2, stream, function, packed, None, None, None, *args(True), *tail)
         return
     grid, meta = plan()
+    full = args(True)
     with torch.cuda.device(index):
-        compiled = kernel[grid](*args, **meta)
+        compiled = kernel[grid](*full, **meta)
     if fast_launch_allowed() and current:
-        tail = tuple(meta[name] for name in kernel.arg_names[len(args) :])
-        raw = RawLaunch.build(compiled, grid, args, tail) if RAW_LAUNCH else None
+        tail = tuple(meta[name] for name in kernel.arg_names[len(full) :])
+        raw = RawLaunch.build(compiled, grid, full, tail) if RAW_LAUNCH else None
         remember(plans, key, (raw, compiled.run, compiled.function, compiled.packed_metadata,
                               grid, tail))  # fmt: skip
 
@@ -354,15 +364,18 @@ _BWD_PLANS: dict[tuple, tuple] = {}
 
 def backward_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                          lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor,
-                         dv: torch.Tensor, scale: float) -> tuple:  # fmt: skip
-    """The dK/dV kernel's runtime arguments (descriptors, strides, sizes) for a 4-D problem."""
+                         dv: torch.Tensor, scale: float,
+                         descriptors: bool = True) -> tuple:  # fmt: skip
+    """The dK/dV kernel's runtime arguments (descriptors, strides, sizes) for a 4-D problem
+    (``descriptors`` False: the tensors in their places)."""
     batch, heads, seq_q, _ = q.shape
     n_kv, seq_k = k.shape[1], k.shape[2]
-    return (_descriptor(q, BWD_BLOCK), _descriptor(k, BWD_BLOCK), _descriptor(v, BWD_BLOCK),
-            _descriptor(dout, BWD_BLOCK), lse, delta, lse.stride(0), lse.stride(1),
-            dk, dk.stride(0), dk.stride(1), dk.stride(2), dv, dv.stride(0), dv.stride(1),
-            dv.stride(2), batch * n_kv, n_kv, heads // n_kv, seq_q, seq_k, scale * LOG2E,
-            scale)  # fmt: skip
+    desc = descriptors
+    return (_descriptor(q, BWD_BLOCK, None, desc), _descriptor(k, BWD_BLOCK, None, desc),
+            _descriptor(v, BWD_BLOCK, None, desc), _descriptor(dout, BWD_BLOCK, None, desc), lse,
+            delta, lse.stride(0), lse.stride(1), dk, dk.stride(0), dk.stride(1), dk.stride(2),
+            dv, dv.stride(0), dv.stride(1), dv.stride(2), batch * n_kv, n_kv, heads // n_kv,
+            seq_q, seq_k, scale * LOG2E, scale)  # fmt: skip
 
 
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -373,7 +386,7 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
     one layout; delta as the portable dQ kernel stores it)."""
     d = k.shape[-1]
     pipeline = BWD_PIPELINE if pipeline is None else pipeline
-    args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
+    args = functools.partial(backward_launch_args, q, k, v, dout, lse, delta, dk, dv, scale)
     index = q.get_device()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
            dv.stride(), q.dtype, causal, index, pipeline)  # fmt: skip
@@ -488,14 +501,14 @@ _FUSED_PLANS: dict[tuple, tuple] = {}
 
 def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                       lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                      dq_acc: torch.Tensor, scale: float,
-                      sem: torch.Tensor | None = None) -> tuple:  # fmt: skip
+                      dq_acc: torch.Tensor, scale: float, sem: torch.Tensor | None = None,
+                      descriptors: bool = True) -> tuple:  # fmt: skip
     """The fused kernel's runtime arguments: the dK/dV kernel's, with the dQ buffer (contiguous
     float32 (B, H, L, d)) inserted, and the deterministic sums' counters (``sem`` from
     :func:`backward_prep`; unused, the dQ buffer stands in)."""
-    args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale)
+    args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale, descriptors)
     d = q.shape[-1]  # the split kernel: each consumer adds half of a dQ row
-    dq_desc = _descriptor(dq_acc, BWD_BLOCK, d // 2 if d in SPLIT_HEAD_DIMS else d)
+    dq_desc = _descriptor(dq_acc, BWD_BLOCK, d // 2 if d in SPLIT_HEAD_DIMS else d, descriptors)
     return (*args[:16], dq_acc, dq_desc, dq_acc if sem is None else sem, *args[16:])
 
 
@@ -543,7 +556,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     copies = DETERMINISTIC_CHAINS if deterministic else 1
     delta, dq_acc, sem = backward_prep(out, dout, lse, dlse, deterministic, copies)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    args = fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale, sem)
+    args = functools.partial(fused_launch_args, q, k, v, dout, lse, delta, dk, dv, dq_acc, scale,
+                             sem)  # fmt: skip
     index = q.get_device()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
            dv.stride(), q.dtype, causal, index, deterministic)  # fmt: skip

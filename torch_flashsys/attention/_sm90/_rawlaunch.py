@@ -26,8 +26,9 @@ MAX_MAPS = 64  # kept maps per descriptor slot (addresses); beyond that the slot
 class RawLaunch:
     """A compiled kernel's launch from its launcher's C entry point (see the module docstring).
 
-    ``args``: the kernel's runtime arguments in parameter order (host ``TensorDescriptor`` at the
-    descriptor parameters, tensors, scalars); ``tail``: its constexprs (fixed per launch key).
+    Calls take the kernel's runtime arguments in parameter order with each descriptor's tensor in
+    its place (the descriptor's shape, strides, block and swizzle are the key's, taken from the
+    descriptors :meth:`build` saw); ``tail``: its constexprs (fixed per launch key).
     """
 
     def __init__(self, raw, grid, head: tuple, slots: list, tail: tuple) -> None:
@@ -83,10 +84,10 @@ class RawLaunch:
             if i != position:
                 flat.append(a.data_ptr() if a.__class__ is torch.Tensor else a)
                 continue
-            ptr = a.base.data_ptr()
+            ptr = a.data_ptr()
             tensor_map = maps.get(ptr)
             if tensor_map is None:
-                if list(a.shape) != enc[4] or list(a.strides) != enc[5]:
+                if list(a.shape) != enc[4] or list(a.stride()) != enc[5]:
                     raise RuntimeError("RawLaunch: a descriptor's shape differs from its key's")
                 if len(maps) >= MAX_MAPS:
                     maps.clear()
