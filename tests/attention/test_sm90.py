@@ -516,9 +516,9 @@ def test_hopper_path_matches_float64(case, dtype):
      Case(1, 2, 1, 1025, 1025, 64, True, None, False, False, seed=5)],  # fewer tiles than SMs
 )  # fmt: skip
 def test_dynamic_schedule_matches_float64_and_the_static_grid(case, dtype):
-    """Causal problems longer than PERSISTENT_CAUSAL_MAX with the tiles taken from a counter
-    (FWD_DYNAMIC) match float64 and give the bits of the one-program-per-tile grid (a tile's
-    work is the same wherever it runs); two calls in a row (each zeroes its own counter)."""
+    """Causal problems with the tiles taken from a counter (FWD_DYNAMIC) match float64 and give
+    the bits of the one-program-per-tile grid (a tile's work is the same wherever it runs); two
+    calls in a row on one stream share its counter (each launch leaves it at zero)."""
     q, k, v = case.make(dtype, "cuda", requires_grad=False)
     static = {}
     for dynamic in (False, True):
@@ -530,6 +530,44 @@ def test_dynamic_schedule_matches_float64_and_the_static_grid(case, dtype):
         static = static or {"out": runs[0][0], "lse": runs[0][1]}
         for out, lse in runs:
             assert torch.equal(out, static["out"]) and torch.equal(lse, static["lse"])
+
+
+@gpu
+@needs_sm90
+def test_the_dynamic_schedules_counter_is_left_at_zero_per_stream():
+    """Each launch of the dynamic schedule leaves its stream's counter at zero (the launch's last
+    addition stores zero back), so the next launch on the stream, or on another stream with its
+    own counter, takes every tile once: equal outputs whatever ran before; a call captured in a
+    CUDA graph gets a counter of its own and replays correctly."""
+    q, k, v = (torch.randn(3, 4, 1500, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with mock.patch.object(_sm90, "FWD_DYNAMIC", True):
+        assert _sm90.dynamic_schedule(q, True)
+        ref = _sm90.forward(q, k, v, 0.125, True)
+        counter = _sm90._COUNTERS[(q.get_device(), torch.cuda.current_stream().cuda_stream)]
+        for _ in range(3):
+            again = _sm90.forward(q, k, v, 0.125, True)
+            assert torch.equal(again[0], ref[0]) and torch.equal(again[1], ref[1])
+        torch.cuda.synchronize()
+        assert counter.item() == 0
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            outs = [_sm90.forward(q, k, v, 0.125, True) for _ in range(2)]
+        torch.cuda.synchronize()
+        assert _sm90._COUNTERS[(q.get_device(), side.cuda_stream)] is not counter
+        for out, lse in outs:
+            assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            _sm90.forward(q, k, v, 0.125, True)  # warm up on the side stream
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            captured = _sm90.forward(q, k, v, 0.125, True)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured[0], ref[0]) and torch.equal(captured[1], ref[1])
+        assert counter.item() == 0
 
 
 @gpu

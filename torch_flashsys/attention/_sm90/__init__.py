@@ -274,7 +274,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     lse = q.new_empty((batch, heads, seq_q), dtype=torch.float32)
     index = q.get_device()
     dynamic = dynamic_schedule(q, causal, persistent)
-    counter = q.new_zeros(1, dtype=torch.int32) if dynamic else None
+    counter = schedule_counter(q, index) if dynamic else None
     args = functools.partial(launch_args, q, k, v, out, lse, scale, counter)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, causal,
            index, persistent, dynamic)  # fmt: skip
@@ -286,6 +286,24 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
     _launch_planned(attn_fwd_sm90, _PLANS, key, index, args, plan)
     return out, lse
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> the schedule's int32
+
+
+def schedule_counter(q: torch.Tensor, index: int) -> torch.Tensor:
+    """The dynamic schedule's counter for a launch on the current stream: zero when the kernel
+    starts, and the kernel leaves it at zero (its final addition stores zero back), so one
+    int32 per (device, stream), zeroed once, serves every launch on that stream in turn
+    (launches on one stream run one after another; each stream has its own). While the stream
+    is being captured into a CUDA graph, a fresh zeroed one per call (the graph keeps it)."""
+    if torch.cuda.is_current_stream_capturing():
+        return q.new_zeros(1, dtype=torch.int32)
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = q.new_zeros(1, dtype=torch.int32)
+    return counter
 
 
 def dynamic_schedule(q: torch.Tensor, causal: bool, persistent: bool | None = None) -> bool:

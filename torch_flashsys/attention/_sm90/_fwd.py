@@ -98,17 +98,22 @@ if AVAILABLE:
         return t
 
     @gluon.jit
-    def _fetch_add(counter):
+    def _fetch_add(counter, last):
         """Lane 0 adds one to the int32 at ``counter`` (relaxed, GPU scope); every lane gets the
-        value before (a one-warp partition's call: one addition)."""
+        value before (a one-warp partition's call: one addition). The addition that got
+        ``last`` (the launch's final one: every program stops after its first value past the
+        tiles, so a launch makes exactly ``last + 1`` of them) stores zero back, so the counter
+        is zero again for the next launch on the stream."""
         return gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t, v;\n"
+            "{ .reg .pred p, q; .reg .b32 t, v, z;\n"
             "mov.u32 t, %laneid; setp.eq.u32 p, t, 0;\n"
-            "mov.u32 v, 0;\n"
+            "mov.u32 v, 0; mov.u32 z, 0;\n"
             "@p atom.relaxed.gpu.global.add.u32 v, [$1], 1;\n"
+            "setp.eq.and.u32 q, v, $2, p;\n"
+            "@q st.relaxed.gpu.global.u32 [$1], z;\n"
             "shfl.sync.idx.b32 $0, v, 0, 31, -1; }",
-            "=r,l", [counter.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False,
-            pack=1,
+            "=r,l,r", [counter.to(gl.int64, bitcast=True), last], dtype=gl.int32,
+            is_pure=False, pack=1,
         )  # fmt: skip
 
     @gluon.jit
@@ -368,7 +373,7 @@ if AVAILABLE:
         the stage's value tile's). ``DYNAMIC``: a program's first tile is its id, the next the
         number of programs plus a global counter's value before this warp adds one to it (the
         heaviest tiles left go to whichever program is free first), each handed to the
-        consumers through ``tiles``; the counter starts at zero."""
+        consumers through ``tiles``; the counter starts at zero and is left at zero."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
@@ -410,7 +415,7 @@ if AVAILABLE:
             n_done += 1
             r += 1
             if DYNAMIC:
-                tid = gl.num_programs(0) + _fetch_add(COUNTER)
+                tid = gl.num_programs(0) + _fetch_add(COUNTER, total - 1)
             else:
                 tid = _static_tile(r, total)
         if DYNAMIC:
