@@ -54,8 +54,8 @@ def _problem(shape):
 def _launcher(q, k, v, causal: bool, extra: dict):
     """``(launch, out, lse, grid)``: the forward kernel with constexprs ``extra`` over the
     library's, launched the library's way (compiled on the first call, then directly); with
-    ``DYNAMIC`` on the persistent grid, its counter zeroed before every launch (as the library
-    allocates a zeroed one per call)."""
+    ``DYNAMIC`` on the persistent grid, its counter zeroed once (each launch leaves it at zero,
+    as the library's per-stream counter)."""
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
 
     d = q.shape[-1]
@@ -71,8 +71,6 @@ def _launcher(q, k, v, causal: bool, extra: dict):
     plans: dict = {}
 
     def launch():
-        if counter is not None:
-            counter.zero_()
         _sm90._launch_planned(attn_fwd_sm90, plans, "variant", q.get_device(), args,
                               lambda: (grid, meta))  # fmt: skip
 
