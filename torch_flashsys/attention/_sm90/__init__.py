@@ -67,14 +67,17 @@ STAGES = {64: 3, 128: 2}  # key/value ring depth per head dim (shared memory: 13
 # 128 (the ring has two stages there; the %clock64 timeline showed each step waiting ~1500 cycles
 # for its key tile), 0.97-1.00x at 64 (three stages); the same bits.
 FWD_KV_SPLIT = True
-# Causal problems longer than PERSISTENT_CAUSAL_MAX (and at most FWD_DYNAMIC_MAX[head dim] rows)
-# on a persistent grid whose programs take the heaviest tile left from a global counter (FA3's
-# dynamic scheduler), instead of one program per tile (the hardware's scheduler balancing them).
-# H100, two runs (``benchmarks/sm90_fwd.py``, same bits), its kernel time against one program per
-# tile: head dim 64 0.87-0.88x at (4, 16, 2048), 0.93x at (4, 16, 4096), 0.98-1.00x at
-# (1, 16, 16384); head dim 128 0.92-0.93x at 2048 rows, but 1.02-1.06x at (4, 16, 4096) and
-# 0.99-1.01x at (1, 16, 16384). Shorter causal problems keep the static persistent grid (the
-# counter's zeroing costs a launch, and there the host time per call counts).
+# Causal problems of at most FWD_DYNAMIC_MAX[head dim] rows run on a persistent grid whose
+# programs take the heaviest tile left from a global counter (FA3's dynamic scheduler), instead of
+# one program per tile (the hardware's scheduler balancing them; longer than
+# PERSISTENT_CAUSAL_MAX) or a static round-robin of the tiles (shorter). H100, two runs
+# (``benchmarks/sm90_fwd.py``, same bits), its kernel time against one program per tile: head
+# dim 64 0.87-0.88x at (4, 16, 2048), 0.93x at (4, 16, 4096), 0.98-1.00x at (1, 16, 16384); head
+# dim 128 0.92-0.93x at 2048 rows, but 1.02-1.06x at (4, 16, 4096) and 0.99-1.01x at
+# (1, 16, 16384). Against the static persistent grid at 512 and 1024 rows (eighth session, one
+# run, batch 2-16 x 16 heads): 0.92-1.01x at head dim 64, 0.85-1.02x at 128 (16 x 16 x 512:
+# 1.06x). The counter costs no launch: one per (device, stream), left at zero by each launch
+# (:func:`schedule_counter`).
 FWD_DYNAMIC = True
 FWD_DYNAMIC_MAX = {64: 1 << 30, 128: 2048}
 # Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
@@ -307,11 +310,10 @@ def schedule_counter(q: torch.Tensor, index: int) -> torch.Tensor:
 
 
 def dynamic_schedule(q: torch.Tensor, causal: bool, persistent: bool | None = None) -> bool:
-    """Whether the forward takes its tiles from a counter (FWD_DYNAMIC: causal, longer than
-    PERSISTENT_CAUSAL_MAX and at most FWD_DYNAMIC_MAX rows for its head dim, the grid not
-    forced)."""
+    """Whether the forward takes its tiles from a counter (FWD_DYNAMIC: causal, at most
+    FWD_DYNAMIC_MAX rows for its head dim, the grid not forced)."""
     return (FWD_DYNAMIC and causal and persistent is None
-            and PERSISTENT_CAUSAL_MAX < q.shape[2] <= FWD_DYNAMIC_MAX[q.shape[3]])  # fmt: skip
+            and q.shape[2] <= FWD_DYNAMIC_MAX[q.shape[3]])  # fmt: skip
 
 
 def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None,
