@@ -463,33 +463,36 @@ if AVAILABLE:
             r02 = m02 + WG * BLOCK_M
             m2 = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l2 = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-            # This tile's last P V beside the next tile's first S. Without a next tile the S is
-            # still issued (on whatever the buffers hold; its result unused), so that no
-            # asynchronous product sits in a branch.
-            more = tid2 < total
-            st = it % STAGES
-            k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-            if more:
+            if tid2 < total:  # this tile's last P V beside the next tile's first S
+                if CAUSAL:
+                    n_full2 = gl.minimum(r02 + 1, seq_k) // BLOCK_N
+                else:
+                    n_full2 = seq_k // BLOCK_N
                 mbarrier.wait(q_ready.index(WG), n_done & 1)
+                st = it % STAGES
+                k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(k_ready.index(st), (it // STAGES) & 1)
-            _my_turn(turns, k_turn, WG)
-            s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
-            acc = warpgroup_mma(pa, v, acc, is_async=True)
-            _pass_turn(turns, WG)
-            k_turn += 1
-            if CAUSAL:
-                n_full2 = gl.minimum(r02 + 1, seq_k) // BLOCK_N
-            else:
-                n_full2 = seq_k // BLOCK_N
-            s = warpgroup_mma_wait(1, deps=(s, q, k))[0]
-            if KV_SPLIT:
-                if more:
+                _my_turn(turns, k_turn, WG)
+                s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(pa, v, acc, is_async=True)
+                _pass_turn(turns, WG)
+                k_turn += 1
+                s = warpgroup_mma_wait(1, deps=(s, q, k))[0]
+                if KV_SPLIT:
                     mbarrier.arrive(k_empty.index(st), count=1)
-            p, alpha, m2, l2 = _softmax_tile(s, 0, n_full2, r02, m2, l2, seq_k, qk_scale, CAUSAL)
-            pn = gl.convert_layout(p.to(q.dtype), p_layout)
-            acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
-            _release_kv(k_empty, v_empty, sp, KV_SPLIT)
-            pa = pn
+                p, alpha, m2, l2 = _softmax_tile(
+                    s, 0, n_full2, r02, m2, l2, seq_k, qk_scale, CAUSAL
+                )  # fmt: skip
+                acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
+                _release_kv(k_empty, v_empty, sp, KV_SPLIT)
+                pa = gl.convert_layout(p.to(q.dtype), p_layout)
+            else:
+                _my_turn(turns, k_turn, WG)
+                acc = warpgroup_mma(pa, v, acc, is_async=True)
+                _pass_turn(turns, WG)
+                k_turn += 1
+                acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
+                _release_kv(k_empty, v_empty, sp, KV_SPLIT)
             _epilogue(acc, m_i, l_i, b, h, r0, o_desc, o_buf, LSE, stride_lb, stride_lh, seq_q,
                       s_layout, o_rows)  # fmt: skip
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
