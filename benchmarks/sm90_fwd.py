@@ -38,8 +38,6 @@ VARIANTS = {  # name: constexprs over the library's
     "shared release": {"KV_SPLIT": False, "DYNAMIC": False},
     "kv split": {"KV_SPLIT": True, "DYNAMIC": False},
     "kv split, dynamic": {"KV_SPLIT": True, "DYNAMIC": True},
-    "kv split, cross": {"KV_SPLIT": True, "DYNAMIC": False, "CROSS": True},
-    "kv split, dynamic, cross": {"KV_SPLIT": True, "DYNAMIC": True, "CROSS": True},
 }
 N_PROBES = 32  # floats per program the probe build stores (16 per consumer warpgroup)
 
@@ -108,8 +106,6 @@ def timeline_rows(shape) -> list[dict]:
     q, k, v, causal, label = _problem(shape)
     rows = []
     for name, extra in VARIANTS.items():
-        if extra.get("CROSS"):  # the cross-tile consumer has no probes
-            continue
         launch, _, lse, grid = _launcher(q, k, v, causal, {**extra, "PROBE": 3})
         assert lse.numel() >= N_PROBES * grid[0], "lse too small for the probes"
         launch()

@@ -79,9 +79,6 @@ FWD_KV_SPLIT = True
 # 1.06x). The counter costs no launch: one per (device, stream), left at zero by each launch
 # (:func:`schedule_counter`).
 FWD_DYNAMIC = True
-# A tile's last P V issued in the same turn as the next tile's first S, the epilogue after it
-# (``_fwd._consume_cross``; measured in benchmarks/sm90_fwd.py's "cross" variant).
-FWD_CROSS = False
 FWD_DYNAMIC_MAX = {64: 1 << 30, 128: 2048}
 # Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
 # address) instead of Triton's launcher object (``_rawlaunch``; host time per call below).
@@ -267,7 +264,7 @@ def constexprs(d: int, causal: bool, dynamic: bool = False) -> dict:
     """The kernel's compile-time arguments (``dynamic``: tiles from a counter; the variants and
     the ``PROBE`` timeline: ``benchmarks/sm90_fwd.py`` overrides them)."""
     return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
-            "DYNAMIC": dynamic, "CROSS": FWD_CROSS}  # fmt: skip
+            "DYNAMIC": dynamic}  # fmt: skip
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,

@@ -350,162 +350,6 @@ if AVAILABLE:
             store_probes(base, (c0, c1, c2, c3, c4, c5, c6, c7, n_steps, r))
 
     @gluon.jit
-    def _epilogue(acc, m_i, l_i, b, h, r0, o_desc, o_buf, LSE, stride_lb, stride_lh, seq_q,
-                  s_layout: gl.constexpr, o_rows: gl.constexpr):  # fmt: skip
-        """O = acc / l through shared memory and a TMA store (rows past seq_q are clipped by
-        the descriptor), lse = (m + log2 l) ln 2 stored directly."""
-        BLOCK_M: gl.constexpr = acc.type.shape[0]
-        HEAD_DIM: gl.constexpr = acc.type.shape[1]
-        o_tile = acc / gl.convert_layout(l_i, o_rows)[:, None]
-        tma.store_wait(0)  # this warpgroup's previous store has left the buffer
-        o_buf.reshape([BLOCK_M, HEAD_DIM]).store(o_tile.to(o_desc.dtype))
-        fence_async_shared()
-        tma_store(o_desc, [b, h, r0, 0], o_buf)
-        rows_s = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        lse = (m_i + gl.log2(l_i)) * LN2
-        l_base = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-        gl.store(l_base + rows_s, lse, mask=rows_s < seq_q)
-
-    @gluon.jit
-    def _consume_cross(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr,
-                       KV_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr,
-                       WG: gl.constexpr):  # fmt: skip
-        """:func:`_consume` with its steps pipelined across tiles (``CROSS``): a tile's last
-        P V is issued in the same turn as the next tile's first S, whose softmax then runs
-        while that P V does, and the tile's epilogue after it (one turn fewer per tile, the
-        epilogue beside the other warpgroup's products). The same arithmetic per tile, so the
-        same bits. No probes."""
-        q_desc, k_desc, v_desc, o_desc = descs
-        q_smem, k_smem, v_smem, o_smem = bufs
-        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
-        n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
-        LSE, stride_lb, stride_lh, COUNTER = out
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-        STAGES: gl.constexpr = k_smem.type.shape[0]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-        )
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
-        o_buf = o_smem.index(WG)
-        it = 0
-        n_done = 0
-        k_turn = 0
-        total = n_m * n_bh
-        r = 0
-        tid = _next_tile(r, total, tiles, DYNAMIC)
-        b, h, hk, m0, n_kv = _tile(tid, sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
-        r0 = m0 + WG * BLOCK_M
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        pa = gl.zeros([BLOCK_M, BLOCK_N], q_desc.dtype, p_layout)
-        if tid < total:  # the first tile's first key tile: S, then its softmax
-            if CAUSAL:
-                n_full = gl.minimum(r0 + 1, seq_k) // BLOCK_N
-            else:
-                n_full = seq_k // BLOCK_N
-            mbarrier.wait(q_ready.index(WG), 0)
-            k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(k_ready.index(0), 0)
-            _my_turn(turns, k_turn, WG)
-            s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
-            _pass_turn(turns, WG)
-            k_turn += 1
-            s = warpgroup_mma_wait(0, deps=(s, q, k))[0]
-            if KV_SPLIT:
-                mbarrier.arrive(k_empty.index(0), count=1)
-            p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL)
-            pa = gl.convert_layout(p.to(q.dtype), p_layout)
-        while tid < total:
-            if CAUSAL:
-                n_full = gl.minimum(r0 + 1, seq_k) // BLOCK_N
-            else:
-                n_full = seq_k // BLOCK_N
-            for j in range(1, n_kv):
-                st = (it + j) % STAGES
-                k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-                mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
-                sp = (it + j - 1) % STAGES
-                v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
-                mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
-                _my_turn(turns, k_turn, WG)
-                s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
-                acc = warpgroup_mma(pa, v, acc, is_async=True)
-                _pass_turn(turns, WG)
-                k_turn += 1
-                s = warpgroup_mma_wait(1, deps=(s, q, k))[0]
-                if KV_SPLIT:
-                    mbarrier.arrive(k_empty.index(st), count=1)
-                p, alpha, m_i, l_i = _softmax_tile(
-                    s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL
-                )  # fmt: skip
-                acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
-                _release_kv(k_empty, v_empty, sp, KV_SPLIT)
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                pa = gl.convert_layout(p.to(q.dtype), p_layout)
-            mbarrier.arrive(q_empty.index(WG), count=1)  # every S of this tile is done
-            sp = (it + n_kv - 1) % STAGES
-            v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(v_ready.index(sp), ((it + n_kv - 1) // STAGES) & 1)
-            it += n_kv
-            n_done += 1
-            r += 1
-            tid2 = _next_tile(r, total, tiles, DYNAMIC)
-            b2, h2, hk2, m02, n_kv2 = _tile(tid2, sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
-            r02 = m02 + WG * BLOCK_M
-            m2 = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l2 = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-            if tid2 < total:  # this tile's last P V beside the next tile's first S
-                if CAUSAL:
-                    n_full2 = gl.minimum(r02 + 1, seq_k) // BLOCK_N
-                else:
-                    n_full2 = seq_k // BLOCK_N
-                mbarrier.wait(q_ready.index(WG), n_done & 1)
-                st = it % STAGES
-                k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-                mbarrier.wait(k_ready.index(st), (it // STAGES) & 1)
-                _my_turn(turns, k_turn, WG)
-                s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
-                acc = warpgroup_mma(pa, v, acc, is_async=True)
-                _pass_turn(turns, WG)
-                k_turn += 1
-                s = warpgroup_mma_wait(1, deps=(s, q, k))[0]
-                if KV_SPLIT:
-                    mbarrier.arrive(k_empty.index(st), count=1)
-                p, alpha, m2, l2 = _softmax_tile(
-                    s, 0, n_full2, r02, m2, l2, seq_k, qk_scale, CAUSAL
-                )  # fmt: skip
-                acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
-                _release_kv(k_empty, v_empty, sp, KV_SPLIT)
-                pa = gl.convert_layout(p.to(q.dtype), p_layout)
-            else:
-                _my_turn(turns, k_turn, WG)
-                acc = warpgroup_mma(pa, v, acc, is_async=True)
-                _pass_turn(turns, WG)
-                k_turn += 1
-                acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
-                _release_kv(k_empty, v_empty, sp, KV_SPLIT)
-            _epilogue(acc, m_i, l_i, b, h, r0, o_desc, o_buf, LSE, stride_lb, stride_lh, seq_q,
-                      s_layout, o_rows)  # fmt: skip
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-            m_i = m2
-            l_i = l2
-            b = b2
-            h = h2
-            r0 = r02
-            n_kv = n_kv2
-            tid = tid2
-        tma.store_wait(0)
-
-    @gluon.jit
     def _release_kv(k_empty, v_empty, st, KV_SPLIT: gl.constexpr):
         """A consumer's P V of stage ``st`` is done: release its value tile (and, without
         KV_SPLIT, the key tile beside it: both wait on ``v_empty``)."""
@@ -513,19 +357,13 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, CROSS: gl.constexpr):  # fmt: skip
-        if CROSS:
-            _consume_cross(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, DYNAMIC, 0)
-        else:
-            _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 0)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 0)
 
     @gluon.jit
     def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, CROSS: gl.constexpr):  # fmt: skip
-        if CROSS:
-            _consume_cross(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, DYNAMIC, 1)
-        else:
-            _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 1)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 1)
 
     @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
@@ -591,7 +429,7 @@ if AVAILABLE:
     def attn_fwd_sm90(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, n_bh, n_heads, group, seq_q,
         seq_k, qk_scale, group_heads, COUNTER, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-        KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr, CROSS: gl.constexpr,
+        KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -633,14 +471,8 @@ if AVAILABLE:
         out = (LSE, stride_lb, stride_lh, COUNTER)
         gl.warp_specialize(
             [
-                (
-                    _consumer0,
-                    (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, CROSS),
-                ),
-                (
-                    _consumer1,
-                    (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, CROSS),
-                ),
+                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
+                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
                 (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
             ],
             [4, 1],
