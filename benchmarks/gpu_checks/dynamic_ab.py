@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks._harness import bench, parser, report
+from benchmarks._harness import bench, host_us, parser, report
 from benchmarks._peers import sdpa_call
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
@@ -33,15 +32,7 @@ def _kernel_ms(step, iters: int = 5) -> float:
 
 
 def _host_us(step, calls: int = 200) -> float:
-    for _ in range(10):
-        step()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        step()
-    wall = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return wall / calls * 1e6
+    return host_us(step, calls, warmup=10)["wall_us"]
 
 
 def rows_for(shape, round_: int) -> list[dict]:

@@ -10,7 +10,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 
@@ -38,15 +37,8 @@ def gpu_ms(step, iters: int = 20) -> float:
 
 
 def loop_us(fn, calls: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    wall = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return wall
+    """Wall microseconds per call of ``fn`` (the harness's host_us, 10 warm-up calls)."""
+    return host_us(fn, calls, warmup=10)["wall_us"]
 
 
 def measure(case, cudnn, rows: list, profiles: list) -> None:

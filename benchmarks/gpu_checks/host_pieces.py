@@ -5,8 +5,6 @@ process; and whether the two launches give the same results.
     PYTHONPATH=. python3 benchmarks/gpu_checks/host_pieces.py
 """
 
-import time
-
 import torch
 
 import torch_flashsys.attention._sm90 as sm
@@ -19,15 +17,7 @@ from torch_flashsys.attention._extras import CAUSAL, PLAIN
 
 def us(fn, calls: int = 200) -> float:
     """Wall microseconds per call of ``fn`` over ``calls`` calls (the GPU keeps up)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    wall = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return wall
+    return host_us(fn, calls, warmup=5)["wall_us"]
 
 
 def clear_plans() -> None:
