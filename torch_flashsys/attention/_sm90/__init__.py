@@ -299,8 +299,9 @@ def schedule_counter(q: torch.Tensor, index: int) -> torch.Tensor:
     starts, and the kernel leaves it at zero (its final addition stores zero back), so one
     int32 per (device, stream), zeroed once, serves every launch on that stream in turn
     (launches on one stream run one after another; each stream has its own). While the stream
-    is being captured into a CUDA graph, a fresh zeroed one per call (the graph keeps it)."""
-    if torch.cuda.is_current_stream_capturing():
+    is being captured into a CUDA graph, or the tensors are not on the current device (whose
+    capture state is the one PyTorch reports), a fresh zeroed one per call (a graph keeps it)."""
+    if index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing():
         return q.new_zeros(1, dtype=torch.int32)
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     counter = _COUNTERS.get(key)
