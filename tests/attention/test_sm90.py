@@ -57,6 +57,32 @@ def test_the_forward_takes_its_tiles_from_a_counter_where_it_measured_faster(seq
     assert _sm90.dynamic_schedule(q, causal, persistent) is dynamic
 
 
+def test_the_dynamic_schedule_keeps_one_counter_per_device_and_stream(monkeypatch):
+    """The counter the forward's dynamic schedule takes (the kernel leaves it at zero): one per
+    (device, stream), kept; a fresh zeroed one per call while the stream is being captured into
+    a CUDA graph or when the tensors are not on the current device (whose capture state is the
+    only one PyTorch reports). CUDA stood in on CPU."""
+    state = {"device": 0, "stream": 100, "capturing": False}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["device"])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream",
+                        lambda index: state["stream"] + index, raising=False)  # fmt: skip
+    monkeypatch.setattr(_sm90, "_COUNTERS", {})
+    q = torch.empty(1, 2, 8, 64)
+    first = _sm90.schedule_counter(q, 0)
+    assert first.dtype == torch.int32 and first.tolist() == [0]
+    assert _sm90.schedule_counter(q, 0) is first
+    state["stream"] = 200
+    other = _sm90.schedule_counter(q, 0)
+    assert other is not first and _sm90.schedule_counter(q, 0) is other
+    state["capturing"] = True
+    fresh = [_sm90.schedule_counter(q, 0) for _ in range(2)]
+    assert fresh[0] is not fresh[1] and all(c is not other for c in fresh)
+    state["capturing"] = False
+    off = [_sm90.schedule_counter(q, 1) for _ in range(2)]  # tensors on device 1, current 0
+    assert off[0] is not off[1] and (1, 201) not in _sm90._COUNTERS
+
+
 def test_only_plain_and_causal_problems_of_two_byte_dtypes_qualify():
     """The rule's problem part, with the switch on and a Hopper device stood in: plain and causal
     16-bit problems of head dim 64/128 qualify; other score modifications, dtypes, head dims and
