@@ -239,7 +239,8 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
     return desc
 
 
-_PLANS: dict[tuple, tuple] = {}  # launch key -> (launcher, function, metadata, grid, constexprs)
+# launch key -> (RawLaunch or None, launcher, function, metadata, grid, constexprs)
+_PLANS: dict[tuple, tuple] = {}
 
 
 def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

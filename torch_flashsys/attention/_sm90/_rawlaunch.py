@@ -31,8 +31,9 @@ class RawLaunch:
     descriptors :meth:`build` saw); ``tail``: its constexprs (fixed per launch key).
     """
 
-    def __init__(self, raw, grid, head: tuple, slots: list, tail: tuple) -> None:
+    def __init__(self, raw, encode, grid, head: tuple, slots: list, tail: tuple) -> None:
         self._raw = raw
+        self._encode = encode  # (address, *encode args) -> CUtensorMap
         self._grid = grid
         self._head = head  # (cooperative, pdl, None, None, packed metadata, None, None, None)
         self._slots = slots  # per descriptor: (position, encode args, shape + strides, maps)
@@ -66,20 +67,20 @@ class RawLaunch:
                 enc = (meta["swizzle"], meta["elem_size"],
                        TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
                        list(desc.shape), list(desc.strides), 0)  # fmt: skip
-                slots.append((position, encode, enc, (*desc.shape, *desc.strides), {}))
+                slots.append((position, enc, (*desc.shape, *desc.strides), {}))
             if not slots:
                 return None
             head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                     compiled.packed_metadata, None, None, None)  # fmt: skip
         except (AttributeError, KeyError, TypeError, ValueError, ImportError):
             return None
-        return cls(raw, grid, head, slots, tail)
+        return cls(raw, encode, grid, head, slots, tail)
 
     def __call__(self, stream: int, function: int, args: tuple) -> None:
         g0, g1, g2 = self._grid
         flat: list = [g0, g1, g2, stream, function, *self._head]
         slots = iter(self._slots)
-        position, encode, enc, dims, maps = next(slots)
+        position, enc, dims, maps = next(slots)
         for i, a in enumerate(args):
             if i != position:
                 flat.append(a.data_ptr() if a.__class__ is torch.Tensor else a)
@@ -91,12 +92,12 @@ class RawLaunch:
                     raise RuntimeError("RawLaunch: a descriptor's shape differs from its key's")
                 if len(maps) >= MAX_MAPS:
                     maps.clear()
-                tensor_map = maps[ptr] = encode(ptr, *enc)
+                tensor_map = maps[ptr] = self._encode(ptr, *enc)
             flat.append(tensor_map)
             flat += dims
-            position, encode, enc, dims, maps = next(slots, _DONE)
+            position, enc, dims, maps = next(slots, _DONE)
         flat += self._tail
         self._raw(*flat)
 
 
-_DONE = (-1, None, None, None, None)
+_DONE = (-1, None, None, None)
