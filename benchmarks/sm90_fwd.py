@@ -68,10 +68,11 @@ def _launcher(q, k, v, causal: bool, extra: dict):
     grid = _sm90.forward_grid(q, causal, dynamic=dynamic)
     meta = {**_sm90.constexprs(d, causal, dynamic=dynamic), **extra,
             "num_warps": _sm90.NUM_WARPS, "maxnreg": _sm90.MAX_REGS}  # fmt: skip
+    values = _sm90.launch_values(q, k, v, out, lse, d**-0.5, counter)
     plans: dict = {}
 
     def launch():
-        _sm90._launch_planned(attn_fwd_sm90, plans, "variant", q.get_device(), args,
+        _sm90._launch_planned(attn_fwd_sm90, plans, "variant", q.get_device(), values, args,
                               lambda: (grid, meta))  # fmt: skip
 
     return launch, out, lse, grid

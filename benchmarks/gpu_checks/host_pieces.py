@@ -21,7 +21,7 @@ def us(fn, calls: int = 200) -> float:
 
 
 def clear_plans() -> None:
-    for plans in (sm._PLANS, sm._FUSED_PLANS, sm._BWD_PLANS):
+    for plans in (sm._PLANS, sm._FUSED_PLANS, sm._BWD_PLANS, sm._PREP_PLANS):
         plans.clear()
 
 
@@ -37,6 +37,8 @@ def pieces(shape, causal: bool, raw: bool) -> dict:
     fargs = lambda desc: sm.launch_args(qd, kd, vd, out, lse, scale, None, desc)
     bargs = lambda desc: sm.fused_launch_args(qd, kd, vd, dout, lse, delta, dk, dv, dq_acc, scale,
                                               sem, desc)  # fmt: skip
+    fvals = sm.launch_values(qd, kd, vd, out, lse, scale)
+    bvals = sm.fused_launch_values(qd, kd, vd, dout, lse, delta, dk, dv, dq_acc, scale, sem)
     fkey, bkey = next(iter(sm._PLANS)), None
     sm.backward(dout, qd, kd, vd, out, lse, None, scale, causal)
     bkey = next(iter(sm._FUSED_PLANS))
@@ -52,16 +54,17 @@ def pieces(shape, causal: bool, raw: bool) -> dict:
     row["sm.forward"] = us(lambda: sm.forward(qd, kd, vd, scale, causal))
     row["fwd outputs"] = us(lambda: (torch.empty_like(qd), qd.new_empty(lse.shape,
                                                                          dtype=torch.float32)))  # fmt: skip
-    row["launch_args"] = us(lambda: sm.launch_args(qd, kd, vd, out, lse, scale))
-    row["fwd launch"] = us(lambda: sm._launch_planned(None, sm._PLANS, fkey, index, fargs, None))
+    row["launch_values"] = us(lambda: sm.launch_values(qd, kd, vd, out, lse, scale))
+    row["fwd launch"] = us(lambda: sm._launch_planned(None, sm._PLANS, fkey, index, fvals, fargs,
+                                                      None))  # fmt: skip
     row["_ops._backward"] = us(lambda: _ops._backward(dout, qd, kd, vd, out, lse, None, scale, ex))
     row["fused_takes"] = us(lambda: sm.fused_takes(qd, kd, vd, dout, scale, ex))
     row["sm.backward"] = us(lambda: sm.backward(dout, qd, kd, vd, out, lse, None, scale, causal))
     row["backward_prep"] = us(lambda: sm.backward_prep(out, dout, lse, None))
-    row["fused_launch_args"] = us(lambda: sm.fused_launch_args(qd, kd, vd, dout, lse, delta, dk, dv,
-                                                               dq_acc, scale, sem))  # fmt: skip
-    row["bwd launch"] = us(lambda: sm._launch_planned(fused, sm._FUSED_PLANS, bkey, index, bargs,
-                                                      None))  # fmt: skip
+    row["fused_launch_values"] = us(lambda: sm.fused_launch_values(qd, kd, vd, dout, lse, delta,
+                                                                   dk, dv, dq_acc, scale, sem))  # fmt: skip
+    row["bwd launch"] = us(lambda: sm._launch_planned(fused, sm._FUSED_PLANS, bkey, index, bvals,
+                                                      bargs, None))  # fmt: skip
     row["dq convert"] = us(lambda: torch.empty_like(qd).copy_(dq_acc))
     row["dk, dv empty"] = us(lambda: (torch.empty_like(kd), torch.empty_like(vd)))
     return row

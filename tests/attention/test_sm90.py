@@ -449,16 +449,18 @@ def _triton_launcher_of(raw, signature: dict, metas: list):
     launcher = mock.Mock(launch=wrap_handle_tensordesc(raw, signature, metas),
                          global_scratch_size=0, profile_scratch_size=0, num_ctas=1,
                          launch_cooperative_grid=False, launch_pdl=False)  # fmt: skip
-    return mock.Mock(run=launcher, packed_metadata=(4, 1, 1000))
+    return mock.Mock(run=launcher, packed_metadata=(4, 1, 1000), function=22)
 
 
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
 def test_raw_launch_passes_what_tritons_launcher_passes():
-    """RawLaunch (``_sm90._rawlaunch``), given the tensors in the descriptors' places, hands the
-    launcher's C entry point the arguments Triton's own wrapper would for the descriptors
-    (tensors as their addresses, each descriptor as its map, shape and strides), encoding a
-    slot's map once per address; on a Triton whose launcher has another layout it declines
-    (None), and the kernels keep Triton's launcher."""
+    """RawLaunch (``_sm90._rawlaunch``), given the values of a launch (the tensors, in the
+    descriptors' places too, and the floats), hands the launcher's C entry point the arguments
+    Triton's own wrapper would for the descriptors (tensors as their addresses, each descriptor
+    as its map, shape and strides, the integers kept from the first call), encoding a slot's map
+    once per address; values that are not the arguments' own are refused when it is built; on a
+    Triton whose launcher has another layout it declines (None), and the kernels keep Triton's
+    launcher."""
     from torch_flashsys.attention._sm90._rawlaunch import RawLaunch
 
     calls, encoded = [], []
@@ -480,7 +482,10 @@ def test_raw_launch_passes_what_tritons_launcher_passes():
     compiled = _triton_launcher_of(raw, signature, metas)
     args = (_sm90._descriptor(q, 64), lse, 7, _sm90._descriptor(k, 128), 0.5)
     tail = (True, 3)
-    launch = RawLaunch.build(compiled, (5, 1, 1), args, tail, encode=encode)
+    values = (q, lse, k, 0.5)  # what the library passes: no descriptors built, no integers
+    assert RawLaunch.build(compiled, (5, 1, 1), args, tail, (q, lse, q, 0.5), encode) is None
+    assert RawLaunch.build(compiled, (5, 1, 1), args, tail, (q, lse, k), encode) is None
+    launch = RawLaunch.build(compiled, (5, 1, 1), args, tail, values, encode)
     cells = compiled.run.launch.__code__.co_freevars
     if launch is None:  # another Triton's launcher: declined, as it must be
         assert "tensordesc_indices" not in cells
@@ -493,18 +498,111 @@ def test_raw_launch_passes_what_tritons_launcher_passes():
                             None, *args, *tail)  # fmt: skip
     expected = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in calls.pop())
     encoded.clear()
-    bare = (q, lse, 7, k, 0.5)  # what the library passes a RawLaunch: no descriptors built
     for _ in range(2):
-        launch(11, 22, bare)
+        launch(11, values)
         assert calls.pop() == expected
     assert len(encoded) == 2  # one map per slot, kept for the second launch
-    other = torch.randn_like(q)
-    launch(11, 22, (other, *bare[1:]))
-    assert calls.pop()[13] == ("map", other.data_ptr(), 3) and len(encoded) == 3
+    other, lse2 = torch.randn_like(q), torch.zeros_like(lse)
+    launch(12, (other, lse2, k, 0.25))
+    sent = calls.pop()
+    assert sent[3] == 12 and sent[13] == ("map", other.data_ptr(), 3) and len(encoded) == 3
+    assert sent[22] == lse2.data_ptr() and sent[23] == 7 and sent[33] == 0.25
     with pytest.raises(RuntimeError, match="shape"):
-        launch(11, 22, (torch.randn(2, 3, 99, 64, dtype=torch.bfloat16), *bare[1:]))
+        launch(11, (torch.randn(2, 3, 99, 64, dtype=torch.bfloat16), *values[1:]))
     with pytest.raises(RuntimeError, match="shape"):  # q's shape, k's (B, H, L, D) strides
-        launch(11, 22, (torch.randn(2, 3, 100, 64, dtype=torch.bfloat16), *bare[1:]))
+        launch(11, (torch.randn(2, 3, 100, 64, dtype=torch.bfloat16), *values[1:]))
+
+
+@pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+def test_triton_launch_rebuilds_the_descriptors_around_the_values():
+    """TritonLaunch (the launch where RawLaunch declines) passes Triton's launcher the first
+    call's arguments with the values in their places: each descriptor rebuilt around its new
+    tensor with the first one's block and layout, other tensors as their addresses, floats as
+    given."""
+    from torch_flashsys.attention._sm90._rawlaunch import TritonLaunch
+
+    q, k = (torch.randn(1, 2, 80, 64, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.zeros(1, 2, 80)
+    args = (_sm90._descriptor(q, 64), lse, 7, _sm90._descriptor(k, 128), 0.5)
+    run = mock.Mock()
+    compiled = mock.Mock(run=run, packed_metadata=(4, 1, 1000), function=22)
+    assert TritonLaunch.build(compiled, (5, 1, 1), args, (True,), (k, lse, k, 0.5)) is None
+    launch = TritonLaunch.build(compiled, (5, 1, 1), args, (True,), (q, lse, k, 0.5))
+    q2 = torch.randn(1, 2, 80, 64, dtype=torch.bfloat16).transpose(1, 2).contiguous()
+    q2 = q2.transpose(1, 2)  # another layout of the same shape
+    launch(11, (q2, lse, k, 0.25))
+    sent = run.call_args.args
+    assert sent[:9] == (5, 1, 1, 11, 22, (4, 1, 1000), None, None, None)
+    desc = sent[9]
+    assert desc.base is q2 and desc.strides == list(q2.stride()) and desc.shape == list(q2.shape)
+    assert desc.block_shape == args[0].block_shape and desc.layout == args[0].layout
+    assert sent[10:] == (lse.data_ptr(), 7, sent[12], 0.25, True) and sent[12].base is k
+    assert args[0].base is q  # the template is left as it was
+
+
+_LAYOUTS = st.sampled_from(["contiguous", "transposed"])
+
+
+def _tensor(shape: tuple, layout: str, dtype=torch.bfloat16) -> torch.Tensor:
+    """A CPU tensor of ``shape`` (B, H, L, D), contiguous or a (B, L, H, D) tensor's view."""
+    if layout == "contiguous":
+        return torch.randn(shape, dtype=dtype)
+    b, h, n, d = shape
+    return torch.randn(b, n, h, d, dtype=dtype).transpose(1, 2)
+
+
+def _lse(shape: tuple, layout: str) -> torch.Tensor:
+    """float32 (B, H, L): contiguous, or a slice of a longer row (another row stride)."""
+    if layout == "contiguous":
+        return torch.randn(shape)
+    return torch.randn(*shape[:-1], shape[-1] + 8)[..., : shape[-1]]
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 2), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2]),
+       seq_q=st.integers(1, 300), seq_k=st.integers(1, 300), d=st.sampled_from([64, 128]),
+       layouts=st.tuples(*[st.lists(_LAYOUTS, min_size=6, max_size=6)] * 2),
+       causal=st.booleans(), deterministic=st.booleans())  # fmt: skip
+def test_planned_launches_take_the_arguments_values_and_their_keys_fix_the_rest(
+    batch, kv_heads, group, seq_q, seq_k, d, layouts, causal, deterministic
+):
+    """A planned launch keeps the first call's integer arguments and takes only the values
+    (``launch_values`` and its kin): for the forward, dK/dV and fused kernels, the values are
+    exactly the tensors and floats of the arguments, in order, and two calls whose launch keys
+    are equal (layouts drawn from a few, so that keys often agree) have equal integers."""
+    from torch_flashsys.attention._sm90._rawlaunch import _holes, _is_descriptor
+
+    heads = kv_heads * group
+    sets = []
+    for lay in layouts:
+        q = _tensor((batch, heads, seq_q, d), lay[0])
+        k, v = (_tensor((batch, kv_heads, seq_k, d), lay[i]) for i in (1, 2))
+        dout = _tensor(q.shape, lay[3])
+        out, lse = torch.empty_like(q), _lse(q.shape[:-1], lay[4])
+        delta, dk, dv = torch.empty_like(lse), torch.empty_like(k), torch.empty_like(v)
+        dq_acc = torch.empty(q.shape)
+        sem = torch.zeros(3, dtype=torch.int32) if deterministic else None
+        counter = torch.zeros(1, dtype=torch.int32) if lay[5] == "transposed" else None
+        scale = float(torch.rand(()))
+        fwd = (_sm90.launch_args(q, k, v, out, lse, scale, counter, False),
+               _sm90.launch_values(q, k, v, out, lse, scale, counter),
+               _sm90.forward_key(q, k, v, lse, causal, 0, None, counter is not None))  # fmt: skip
+        dkdv = (_sm90.backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale, False),
+                _sm90.backward_launch_values(q, k, v, dout, lse, delta, dk, dv, scale),
+                _sm90.backward_key(q, k, v, dout, lse, dk, dv, causal, 0, delta.stride()))  # fmt: skip
+        fused = (_sm90.fused_launch_args(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale, sem,
+                                         False),
+                 _sm90.fused_launch_values(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale, sem),
+                 _sm90.backward_key(q, k, v, dout, lse, dk, dv, causal, 0, deterministic))  # fmt: skip
+        sets.append((fwd, dkdv, fused))
+    for first, second in zip(*sets, strict=True):
+        ints = []
+        for args, values, _key in (first, second):
+            positions = _holes(args, values, _is_descriptor)
+            assert positions is not None, "the values are not the arguments' tensors and floats"
+            ints.append([a for i, a in enumerate(args) if i not in positions])
+        if first[2] == second[2]:
+            assert ints[0] == ints[1]
 
 
 gpu = pytest.mark.gpu

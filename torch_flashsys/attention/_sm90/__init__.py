@@ -46,8 +46,7 @@ from torch_flashsys.attention._launch import (
 )
 from torch_flashsys.attention._sm90._gluon import AVAILABLE, VERIFIED, TensorDescriptor, gl
 from torch_flashsys.attention._sm90._prep import attn_bwd_dq_sum, attn_bwd_prep
-from torch_flashsys.attention._sm90._rawlaunch import RawLaunch
-from torch_flashsys.attention._tensors import empty_like_layout
+from torch_flashsys.attention._sm90._rawlaunch import RawLaunch, TritonLaunch
 
 if AVAILABLE:
     from torch_flashsys.attention._sm90._bwd import (
@@ -239,8 +238,8 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
     return desc
 
 
-# launch key -> (RawLaunch or None, launcher, function, metadata, grid, constexprs)
-_PLANS: dict[tuple, tuple] = {}
+# launch key -> its launch (RawLaunch, or TritonLaunch): see _launch_planned
+_PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
 
 
 def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -248,7 +247,7 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
                 descriptors: bool = True) -> tuple:  # fmt: skip
     """The kernel's runtime arguments (descriptors, strides, sizes) for a 4-D problem;
     ``counter``: the dynamic schedule's zeroed int32 (else unused: lse stands in);
-    ``descriptors`` False: the tensors in the descriptors' places (:class:`RawLaunch`)."""
+    ``descriptors`` False: the tensors in the descriptors' places."""
     batch, heads, seq_q, d = q.shape
     seq_k = k.shape[2]
     # Causal: heads grouped so that a group's keys and values fit in L2 (L2_BUDGET).
@@ -259,6 +258,23 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
             lse.stride(0), lse.stride(1), batch * heads, heads, heads // k.shape[1], seq_q,
             seq_k, scale * LOG2E, group_heads,
             lse if counter is None else counter)  # fmt: skip
+
+
+def launch_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, scale: float,
+                  counter: torch.Tensor | None = None) -> tuple:  # fmt: skip
+    """What of :func:`launch_args` changes between calls of one launch key (its tensors and
+    floats, in order): what a planned launch takes."""
+    return (q, k, v, out, lse, scale * LOG2E, lse if counter is None else counter)
+
+
+def forward_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                causal: bool, index: int, persistent: bool | None,
+                dynamic: bool) -> tuple:  # fmt: skip
+    """The forward's launch key: what fixes its grid, constexprs and every integer argument
+    (out takes q's layout: its strides follow from q's)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), lse.stride(), q.dtype,
+            causal, index, persistent, dynamic)  # fmt: skip
 
 
 def constexprs(d: int, causal: bool, dynamic: bool = False) -> dict:
@@ -274,21 +290,21 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     float32 (B, H, L), natural log. After the first call for a launch key (shapes, strides,
     dtype, causal, device) the compiled kernel is launched directly."""
     batch, heads, seq_q, d = q.shape
-    out = empty_like_layout(q, d)
+    out = torch.empty_like(q)  # q's layout (empty_like_layout with q's own head dim)
     lse = q.new_empty((batch, heads, seq_q), dtype=torch.float32)
     index = q.get_device()
     dynamic = dynamic_schedule(q, causal, persistent)
     counter = schedule_counter(q, index) if dynamic else None
-    args = functools.partial(launch_args, q, k, v, out, lse, scale, counter)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, causal,
-           index, persistent, dynamic)  # fmt: skip
 
     def plan() -> tuple[tuple, dict]:
         return forward_grid(q, causal, persistent, dynamic), {
             **constexprs(d, causal, dynamic=dynamic), "num_warps": NUM_WARPS,
             "maxnreg": MAX_REGS}  # fmt: skip
 
-    _launch_planned(attn_fwd_sm90, _PLANS, key, index, args, plan)
+    _launch_planned(attn_fwd_sm90, _PLANS, forward_key(q, k, v, lse, causal, index, persistent,
+                                                       dynamic),
+                    index, launch_values(q, k, v, out, lse, scale, counter),
+                    functools.partial(launch_args, q, k, v, out, lse, scale, counter), plan)  # fmt: skip
     return out, lse
 
 
@@ -332,24 +348,28 @@ def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None,
     return (n_tiles if long else min(n_tiles, _sm_count(q.get_device())), 1, 1)
 
 
-def _launch_planned(kernel, plans: dict, key: tuple, index: int, args, plan) -> None:
-    """Launch a Gluon ``kernel`` on ``args(descriptors)`` (its runtime arguments in parameter
-    order, with host TMA descriptors, or with their tensors in their places when False). After
-    the key's first call on the current device the compiled kernel is launched directly from
-    ``plans[key]``: by :class:`RawLaunch` (the tensors, no descriptors built) where RAW_LAUNCH
-    and the launcher's layout allow, else by Triton's launcher. Otherwise ``plan()`` gives
-    ``(grid, meta)`` (every constexpr, and launch options), the JIT launches (compiling once),
-    and the plan is remembered, its constexprs in parameter order (the direct launch passes
-    every parameter, defaults included)."""
+def _launch_planned(kernel, plans: dict, key: tuple, index: int, values: tuple, args,
+                    plan) -> None:  # fmt: skip
+    """Launch a Gluon ``kernel``. After the key's first call on the current device, the launch
+    kept in ``plans[key]`` takes ``values`` (what changes between calls of the key: its tensors,
+    in the descriptors' places too, and floats, in parameter order; ``_rawlaunch``): a
+    :class:`RawLaunch` where RAW_LAUNCH and the launcher's layout allow, else a
+    :class:`TritonLaunch`. Otherwise ``plan()`` gives ``(grid, meta)`` (every constexpr, and
+    launch options), the JIT launches ``args(True)`` (every runtime argument, with host TMA
+    descriptors; compiling once), and the launch is kept, its constexprs in parameter order
+    (the direct launch passes every parameter, defaults included). The key must fix every
+    integer argument, and the pointer arguments' 16-byte alignment that Triton specializes on:
+    the Gluon kernels' plain pointers are buffers the library allocates (the caching
+    allocator's: aligned), their descriptors' tensors are checked by :func:`_tma_ok`. CPU
+    tensors (``index`` -1, the interpreter) take the JIT every call."""
+    if index < 0:  # CPU tensors (the interpreter): the JIT, nothing kept
+        grid, meta = plan()
+        kernel[grid](*args(True), **meta)
+        return
     entry = plans.get(key)
     current = index == torch.cuda.current_device()
     if entry is not None and current and not launch_hooks_set():
-        raw, run, function, packed, (g0, g1, g2), tail = entry
-        stream = torch._C._cuda_getCurrentRawStream(index)
-        if raw is not None:
-            raw(stream, function, args(False))
-        else:
-            run(g0, g1, g2, stream, function, packed, None, None, None, *args(True), *tail)
+        entry(torch._C._cuda_getCurrentRawStream(index), values)
         return
     grid, meta = plan()
     full = args(True)
@@ -357,9 +377,10 @@ def _launch_planned(kernel, plans: dict, key: tuple, index: int, args, plan) -> 
         compiled = kernel[grid](*full, **meta)
     if fast_launch_allowed() and current:
         tail = tuple(meta[name] for name in kernel.arg_names[len(full) :])
-        raw = RawLaunch.build(compiled, grid, full, tail) if RAW_LAUNCH else None
-        remember(plans, key, (raw, compiled.run, compiled.function, compiled.packed_metadata,
-                              grid, tail))  # fmt: skip
+        launch = RawLaunch.build(compiled, grid, full, tail, values) if RAW_LAUNCH else None
+        launch = launch or TritonLaunch.build(compiled, grid, full, tail, values)
+        if launch is not None:  # (None: the values are not the arguments' own: stay on the JIT)
+            remember(plans, key, launch)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -381,7 +402,7 @@ def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
             and forward_takes(q, k, v, scale, ex) and _tma_ok(dout))  # fmt: skip
 
 
-_BWD_PLANS: dict[tuple, tuple] = {}
+_BWD_PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
 
 
 def backward_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -400,6 +421,23 @@ def backward_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
             seq_q, seq_k, scale * LOG2E, scale)  # fmt: skip
 
 
+def backward_launch_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                           dk: torch.Tensor, dv: torch.Tensor, scale: float) -> tuple:  # fmt: skip
+    """What of :func:`backward_launch_args` changes between calls of one launch key."""
+    return (q, k, v, dout, lse, delta, dk, dv, scale * LOG2E, scale)
+
+
+def backward_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                 lse: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, index: int,
+                 *flags) -> tuple:  # fmt: skip
+    """The backward kernels' launch key: what fixes their grid, constexprs and every integer
+    argument (delta takes lse's layout; ``flags``: the caller's own)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.shape,
+            dout.stride(), lse.stride(), dk.stride(), dv.stride(), q.dtype, causal, index,
+            *flags)  # fmt: skip
+
+
 def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                   lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   scale: float, causal: bool, pipeline: bool | None = None) -> None:  # fmt: skip
@@ -408,17 +446,19 @@ def backward_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
     one layout; delta as the portable dQ kernel stores it)."""
     d = k.shape[-1]
     pipeline = BWD_PIPELINE if pipeline is None else pipeline
-    args = functools.partial(backward_launch_args, q, k, v, dout, lse, delta, dk, dv, scale)
     index = q.get_device()
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
-           dv.stride(), q.dtype, causal, index, pipeline)  # fmt: skip
 
     def plan() -> tuple[tuple, dict]:
         return backward_grid(k), {"CAUSAL": causal, "STAGES": BWD_STAGES[d],
                                   "PIPELINE": pipeline, "num_warps": NUM_WARPS,
                                   "maxnreg": MAX_REGS}  # fmt: skip
 
-    _launch_planned(attn_bwd_dkdv_sm90, _BWD_PLANS, key, index, args, plan)
+    _launch_planned(attn_bwd_dkdv_sm90, _BWD_PLANS,
+                    backward_key(q, k, v, dout, lse, dk, dv, causal, index, delta.stride(),
+                                 pipeline), index,
+                    backward_launch_values(q, k, v, dout, lse, delta, dk, dv, scale),
+                    functools.partial(backward_launch_args, q, k, v, dout, lse, delta, dk, dv,
+                                      scale), plan)  # fmt: skip
 
 
 def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -473,7 +513,7 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     return _in_rule(SPLIT_SEQ_Q if q.shape[-1] in SPLIT_HEAD_DIMS else FUSED_SEQ_Q, q, k, ex)
 
 
-_launch_prep = LaunchCache(attn_bwd_prep, n_tensors=6)
+_PREP_PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
 PREP_BLOCK = 64  # query rows per program: BWD_BLOCK, the fused kernel's query tile (counters)
 
 
@@ -483,22 +523,34 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     """``(delta, dq_acc, sem)``: D = rowsum(dO * O) - dLSE in lse's layout, a zeroed float32
     (copies x B, H, L, d) buffer for the fused kernel's dQ sums (``copies``: the deterministic
     kernel's CHAINS), and (``deterministic``, else None) the ordered sums' zeroed int32
-    counters, one per (copy x batch, head, tile of BWD_BLOCK query rows)."""
+    counters, one per (copy x batch, head, tile of BWD_BLOCK query rows). A planned launch
+    after the first call of a key (as the Gluon kernels'): Triton specializes a kernel on each
+    pointer's 16-byte alignment, so the key has that of the three inputs (the buffers made here
+    are the caching allocator's, always aligned)."""
     batch, heads, seq_q, d = out.shape
     delta = torch.empty_like(lse)
     dq_acc = out.new_empty((copies * batch, heads, seq_q, d), dtype=torch.float32)
     n_blocks = triton_cdiv(seq_q, PREP_BLOCK)
     sem = (out.new_empty((copies * batch, heads, n_blocks), dtype=torch.int32)
            if deterministic else None)  # fmt: skip
-    key = (out.shape, out.stride(), dout.stride(), lse.stride(), out.dtype, dlse is None,
-           deterministic, copies)  # fmt: skip
-    args = (out, dout, lse if dlse is None else dlse, delta, dq_acc, dq_acc if sem is None else sem,
-            *out.stride()[:3], *dout.stride()[:3], lse.stride(0), lse.stride(1), heads,
-            seq_q)  # fmt: skip
-    grid = (n_blocks, batch * heads)
-    meta = {"HAS_DLSE": dlse is not None, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d,
+    rows = lse if dlse is None else dlse
+    index = out.get_device()
+    ptrs = (out.data_ptr(), dout.data_ptr(), rows.data_ptr())
+    aligned = not (ptrs[0] | ptrs[1] | ptrs[2]) & 15 or tuple(p % 16 == 0 for p in ptrs)
+    key = (out.shape, out.stride(), dout.stride(), lse.stride(), rows.stride(), out.dtype,
+           dlse is None, deterministic, copies, index, aligned)  # fmt: skip
+    values = (out, dout, rows, delta, dq_acc, dq_acc if sem is None else sem)
+
+    def args(descriptors: bool = True) -> tuple:
+        return (*values, *out.stride()[:3], *dout.stride()[:3], lse.stride(0), lse.stride(1),
+                heads, seq_q)  # fmt: skip
+
+    def plan() -> tuple[tuple, dict]:
+        return (n_blocks, batch * heads, 1), {
+            "HAS_DLSE": dlse is not None, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d,
             "HAS_SEM": deterministic, "COPIES": copies}  # fmt: skip
-    _launch_prep(key, lambda meta: grid, args, meta)
+
+    _launch_planned(attn_bwd_prep, _PREP_PLANS, key, index, values, args, plan)
     return delta, dq_acc, sem
 
 
@@ -518,7 +570,7 @@ def dq_sum(dq_acc: torch.Tensor, q: torch.Tensor, copies: int) -> torch.Tensor:
     return dq
 
 
-_FUSED_PLANS: dict[tuple, tuple] = {}
+_FUSED_PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
 
 
 def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -532,6 +584,15 @@ def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
     d = q.shape[-1]  # the split kernel: each consumer adds half of a dQ row
     dq_desc = _descriptor(dq_acc, BWD_BLOCK, d // 2 if d in SPLIT_HEAD_DIMS else d, descriptors)
     return (*args[:16], dq_acc, dq_desc, dq_acc if sem is None else sem, *args[16:])
+
+
+def fused_launch_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                        lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor,
+                        dv: torch.Tensor, dq_acc: torch.Tensor, scale: float,
+                        sem: torch.Tensor | None = None) -> tuple:  # fmt: skip
+    """What of :func:`fused_launch_args` changes between calls of one launch key."""
+    return (q, k, v, dout, lse, delta, dk, dv, dq_acc, dq_acc, dq_acc if sem is None else sem,
+            scale * LOG2E, scale)  # fmt: skip
 
 
 def fused_kernel(d: int):
@@ -578,18 +639,18 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     copies = DETERMINISTIC_CHAINS if deterministic else 1
     delta, dq_acc, sem = backward_prep(out, dout, lse, dlse, deterministic, copies)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    args = functools.partial(fused_launch_args, q, k, v, dout, lse, delta, dk, dv, dq_acc, scale,
-                             sem)  # fmt: skip
     index = q.get_device()
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), dk.stride(),
-           dv.stride(), q.dtype, causal, index, deterministic)  # fmt: skip
 
     def plan() -> tuple[tuple, dict]:
         return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype,
                                                   q.shape[1] // k.shape[1],
                                                   deterministic)  # fmt: skip
 
-    _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS, key, index, args, plan)
+    _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS,
+                    backward_key(q, k, v, dout, lse, dk, dv, causal, index, deterministic), index,
+                    fused_launch_values(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale, sem),
+                    functools.partial(fused_launch_args, q, k, v, dout, lse, delta, dk, dv,
+                                      dq_acc, scale, sem), plan)  # fmt: skip
     if copies > 1:  # the chains' sums, added in a fixed order
         return dq_sum(dq_acc, q, copies), dk, dv
     return torch.empty_like(q).copy_(dq_acc), dk, dv

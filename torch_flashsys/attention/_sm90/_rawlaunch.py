@@ -1,17 +1,25 @@
 """The Hopper kernels' repeat launches with less host work than Triton's launcher.
 
-After a kernel's first call for a launch key, ``_sm90`` launches the compiled kernel directly
-(``CompiledKernel.run``, Triton's launcher object). On Triton 3.6 that launcher still does, per
-call, in Python: the scratch allocations (none for these kernels), a loop over every argument that
-expands each host ``TensorDescriptor`` into its ``CUtensorMap`` (``cuTensorMapEncodeTiled``),
-shape and strides, and in C a ``data_ptr()`` call and a ``cuPointerGetAttribute`` per tensor.
-:class:`RawLaunch` does the same launch from the launcher's C entry point with what the key fixes
-precomputed: each descriptor's map is encoded once per (slot, address) and kept (a map is a pure
-function of the address, shape, strides, block and swizzle, and the launch key fixes all but the
-address, so a kept map is never stale), its shape and strides spliced in from a template, and
-tensors passed as their addresses. It is built only where the launcher has the layout this was
-written against (:func:`RawLaunch.build` returns None otherwise, and the caller keeps Triton's
-launcher): Triton 3.6's ``wrap_handle_tensordesc`` closure, no scratch memory, no launch hooks.
+After a kernel's first call for a launch key, ``_sm90`` launches the compiled kernel directly. A
+launch key (shapes, strides, dtype, flags, device) fixes every integer argument of a launch, so a
+repeat launch needs only what changes between calls of one key, its *values*: each tensor (in a
+TMA descriptor's place too) and each float (the scale), in parameter order. Both launch objects
+here keep the first call's arguments as a template and take just those values:
+
+- :class:`RawLaunch` calls the launcher's C entry point with the flat argument list Triton's
+  launcher would build, the constants filled in once: each descriptor's ``CUtensorMap`` is encoded
+  once per (slot, address) and kept (a map is a pure function of the address, shape, strides,
+  block and swizzle, and the key fixes all but the address, so a kept map is never stale), its
+  shape and strides spliced in, tensors passed as their addresses. Triton's launcher would, per
+  call, expand every host ``TensorDescriptor`` in Python (``cuTensorMapEncodeTiled``) and ask the
+  driver about each tensor. Built only where the launcher has the layout this was written against
+  (:meth:`RawLaunch.build` returns None otherwise): Triton 3.6's ``wrap_handle_tensordesc``
+  closure, no scratch memory.
+- :class:`TritonLaunch` is the fallback for other Tritons: Triton's launcher object, with the
+  descriptors rebuilt from the values.
+
+Both check, when built, that the values the caller passes are the first call's tensors and floats
+at those places (else they return None and the caller keeps Triton's JIT path).
 """
 
 from __future__ import annotations
@@ -21,30 +29,51 @@ from typing import Any
 import torch
 
 MAX_MAPS = 64  # kept maps per descriptor slot (addresses); beyond that the slot starts afresh
+_FLOAT, _TENSOR = 0, 1  # kinds of a value that is no descriptor
+
+
+def _holes(args: tuple, values: tuple, is_descriptor) -> list[int] | None:
+    """Where each value goes among ``args`` (their positions, in order), or None when ``values``
+    are not exactly ``args``' descriptors' tensors, tensors and floats, in order."""
+    positions = []
+    for i, a in enumerate(args):
+        if is_descriptor(a) or a.__class__ is torch.Tensor or a.__class__ is float:
+            positions.append(i)
+    if len(positions) != len(values):
+        return None
+    for i, value in zip(positions, values, strict=True):
+        a = args[i]
+        same = a.base is value if is_descriptor(a) else a is value
+        if not same and not (a.__class__ is float and a == value):
+            return None
+    return positions
+
+
+def _is_descriptor(a: Any) -> bool:
+    return hasattr(a, "block_shape") and hasattr(a, "base")
 
 
 class RawLaunch:
-    """A compiled kernel's launch from its launcher's C entry point (see the module docstring).
+    """A compiled kernel's launch from its launcher's C entry point (see the module docstring):
+    ``launch(stream, values)``."""
 
-    Calls take the kernel's runtime arguments in parameter order with each descriptor's tensor in
-    its place (the descriptor's shape, strides, block and swizzle are the key's, taken from the
-    descriptors :meth:`build` saw); ``tail``: its constexprs (fixed per launch key).
-    """
-
-    def __init__(self, raw, encode, grid, head: tuple, slots: list, tail: tuple) -> None:
+    def __init__(self, raw, encode, template: list, holes: list) -> None:
         self._raw = raw
         self._encode = encode  # (address, *encode args) -> CUtensorMap
-        self._grid = grid
-        self._head = head  # (cooperative, pdl, None, None, packed metadata, None, None, None)
-        self._slots = slots  # per descriptor: (position, encode args, shape + strides, maps)
-        self._tail = tail
+        self._template = template  # the flat argument list, values' places left None
+        self._holes = holes  # per value: (flat index, kind or (encode args, maps))
 
     @classmethod
-    def build(cls, compiled: Any, grid: tuple, args: tuple, tail: tuple,
+    def build(cls, compiled: Any, grid: tuple, args: tuple, tail: tuple, values: tuple,
               encode: Any = None) -> RawLaunch | None:  # fmt: skip
-        """The raw launch of ``compiled`` (a Triton ``CompiledKernel``) for ``args`` like these,
-        or None where its launcher is not the layout this module knows. ``encode``: the map
-        encoder (default the driver's ``fill_tma_descriptor``; tests pass a stand-in)."""
+        """The raw launch of ``compiled`` (a Triton ``CompiledKernel``) on ``grid`` for launches
+        like ``args`` (the first call's, with host descriptors; ``tail``: the constexprs), taking
+        ``values`` (see the module docstring); None where its launcher is not the layout this
+        module knows. ``encode``: the map encoder (default the driver's
+        ``fill_tma_descriptor``; tests pass a stand-in)."""
+        positions = _holes(args, values, _is_descriptor)
+        if positions is None:
+            return None
         try:
             launcher = compiled.run
             inner = launcher.launch
@@ -59,45 +88,98 @@ class RawLaunch:
             from triton.runtime import driver
 
             encode = encode or driver.active.utils.fill_tma_descriptor
-            slots = []
+            descriptors = {}
             for position, meta in zip(sorted(indices), metas, strict=True):
                 desc = args[position]
                 if meta is None or meta["fp4_padded"] or desc.padding == "nan":
                     return None
-                enc = (meta["swizzle"], meta["elem_size"],
-                       TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"],
-                       list(desc.shape), list(desc.strides), 0)  # fmt: skip
-                slots.append((position, enc, (*desc.shape, *desc.strides), {}))
-            if not slots:
+                descriptors[position] = (meta["swizzle"], meta["elem_size"],
+                                         TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                                         meta["block_size"], list(desc.shape),
+                                         list(desc.strides), 0)  # fmt: skip
+            if not descriptors or set(descriptors) - set(positions):
                 return None
-            head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-                    compiled.packed_metadata, None, None, None)  # fmt: skip
+            template = [*grid, None, compiled.function, launcher.launch_cooperative_grid,
+                        launcher.launch_pdl, None, None, compiled.packed_metadata, None, None,
+                        None]  # fmt: skip
+            holes = []
+            for i, a in enumerate(args):
+                if i in descriptors:
+                    holes.append((len(template), (descriptors[i], {})))
+                    template += [None, *a.shape, *a.strides]
+                elif i in positions:
+                    holes.append(
+                        (len(template), _TENSOR if a.__class__ is torch.Tensor else _FLOAT)
+                    )
+                    template.append(None)
+                else:
+                    template.append(a)
+            template += tail
         except (AttributeError, KeyError, TypeError, ValueError, ImportError):
             return None
-        return cls(raw, encode, grid, head, slots, tail)
+        return cls(raw, encode, template, holes)
 
-    def __call__(self, stream: int, function: int, args: tuple) -> None:
-        g0, g1, g2 = self._grid
-        flat: list = [g0, g1, g2, stream, function, *self._head]
-        slots = iter(self._slots)
-        position, enc, dims, maps = next(slots)
-        for i, a in enumerate(args):
-            if i != position:
-                flat.append(a.data_ptr() if a.__class__ is torch.Tensor else a)
-                continue
-            ptr = a.data_ptr()
-            tensor_map = maps.get(ptr)
-            if tensor_map is None:
-                if list(a.shape) != enc[4] or list(a.stride()) != enc[5]:
-                    raise RuntimeError("RawLaunch: a descriptor's shape differs from its key's")
-                if len(maps) >= MAX_MAPS:
-                    maps.clear()
-                tensor_map = maps[ptr] = self._encode(ptr, *enc)
-            flat.append(tensor_map)
-            flat += dims
-            position, enc, dims, maps = next(slots, _DONE)
-        flat += self._tail
+    def __call__(self, stream: int, values: tuple) -> None:
+        flat = self._template.copy()
+        flat[3] = stream
+        for (at, kind), value in zip(self._holes, values, strict=True):
+            if kind is _TENSOR:
+                flat[at] = value.data_ptr()
+            elif kind is _FLOAT:
+                flat[at] = value
+            else:
+                ptr = value.data_ptr()
+                enc, maps = kind
+                tensor_map = maps.get(ptr)
+                if tensor_map is None:
+                    tensor_map = self._new_map(value, ptr, enc, maps)
+                flat[at] = tensor_map
         self._raw(*flat)
 
+    def _new_map(self, t: torch.Tensor, ptr: int, enc: tuple, maps: dict):
+        if list(t.shape) != enc[4] or list(t.stride()) != enc[5]:
+            raise RuntimeError("RawLaunch: a descriptor's shape differs from its key's")
+        if len(maps) >= MAX_MAPS:
+            maps.clear()
+        tensor_map = maps[ptr] = self._encode(ptr, *enc)
+        return tensor_map
 
-_DONE = (-1, None, None, None)
+
+class TritonLaunch:
+    """A compiled kernel's launch through Triton's launcher object (``CompiledKernel.run``):
+    ``launch(stream, values)``, the descriptors rebuilt around the values' tensors, the other
+    tensors passed as their addresses (which the launcher takes as they are; a tensor costs it a
+    ``data_ptr()`` call and a ``cuPointerGetAttribute``). Also the planned launch of plain
+    Triton kernels (no descriptors)."""
+
+    def __init__(self, compiled: Any, grid: tuple, args: tuple, tail: tuple,
+                 positions: list) -> None:  # fmt: skip
+        self._run = compiled.run
+        self._head = (*grid, compiled.function, compiled.packed_metadata)
+        self._args = list(args)
+        self._positions = positions
+        self._tail = tail
+
+    @classmethod
+    def build(cls, compiled: Any, grid: tuple, args: tuple, tail: tuple,
+              values: tuple) -> TritonLaunch | None:  # fmt: skip
+        """As :meth:`RawLaunch.build`, for any Triton whose compiled kernel has a launcher."""
+        positions = _holes(args, values, _is_descriptor)
+        if positions is None or getattr(compiled, "run", None) is None:
+            return None
+        return cls(compiled, grid, args, tail, positions)
+
+    def __call__(self, stream: int, values: tuple) -> None:
+        args = self._args.copy()
+        for i, value in zip(self._positions, values, strict=True):
+            a = args[i]
+            if _is_descriptor(a):  # the same block and layout around this call's tensor
+                desc = object.__new__(a.__class__)
+                desc.__dict__.update(a.__dict__, base=value, shape=list(value.shape),
+                                     strides=list(value.stride()))  # fmt: skip
+                value = desc
+            elif value.__class__ is torch.Tensor:
+                value = value.data_ptr()
+            args[i] = value
+        g0, g1, g2, function, packed = self._head
+        self._run(g0, g1, g2, stream, function, packed, None, None, None, *args, *self._tail)
