@@ -34,10 +34,9 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
     (4, 16, 16, 4096, 64, False),
     (16, 16, 16, 1024, 64, True),
 ]
-VARIANTS = {  # name: constexprs over the library's
-    "shared release": {"KV_SPLIT": False, "DYNAMIC": False},
-    "kv split": {"KV_SPLIT": True, "DYNAMIC": False},
-    "kv split, dynamic": {"KV_SPLIT": True, "DYNAMIC": True},
+VARIANTS = {  # name: constexprs over the library's (earlier ones: KV_SPLIT, DYNAMIC; git history)
+    "one query buffer": {"QBUF": 1},
+    "two query buffers": {"QBUF": 2},
 }
 N_PROBES = 32  # floats per program the probe build stores (16 per consumer warpgroup)
 
@@ -66,7 +65,7 @@ def _launcher(q, k, v, causal: bool, extra: dict):
     args = lambda descriptors: _sm90.launch_args(q, k, v, out, lse, d**-0.5, counter,
                                                  descriptors)  # fmt: skip
     grid = _sm90.forward_grid(q, causal, dynamic=dynamic)
-    meta = {**_sm90.constexprs(d, causal, dynamic=dynamic), **extra,
+    meta = {**_sm90.constexprs(d, causal, dynamic, _sm90.query_buffers(q, causal)), **extra,
             "num_warps": _sm90.NUM_WARPS, "maxnreg": _sm90.MAX_REGS}  # fmt: skip
     values = _sm90.launch_values(q, k, v, out, lse, d**-0.5, counter)
     plans: dict = {}

@@ -89,6 +89,9 @@ def calls() -> list[dict]:
 
 
 def main() -> None:
+    import torch_flashsys
+
+    print(f"torch_flashsys from {torch_flashsys.__file__}")
     if "--calls-only" not in sys.argv:
         print(markdown_table(primitives(), ["primitive", "us"]))
     rows = calls()

@@ -161,7 +161,9 @@ if __name__ == "__main__":
                                   (128, True, torch.bfloat16, {"KV_SPLIT": False}),
                                   (128, True, torch.float16, {"PROBE": 3}),
                                   (128, True, torch.bfloat16, {"DYNAMIC": True}),
-                                  (64, True, torch.float16, {"DYNAMIC": True, "PROBE": 3})]):  # fmt: skip
+                                  (64, True, torch.float16, {"DYNAMIC": True, "PROBE": 3}),
+                                  (64, False, torch.bfloat16, {"QBUF": 2}),
+                                  (128, True, torch.bfloat16, {"DYNAMIC": True, "QBUF": 2})]):  # fmt: skip
         print(line)
     for d, causal, dtype, pipeline in [(64, True, torch.float16, True),
                                        (128, False, torch.bfloat16, False)]:  # fmt: skip

@@ -57,6 +57,21 @@ def test_the_forward_takes_its_tiles_from_a_counter_where_it_measured_faster(seq
     assert _sm90.dynamic_schedule(q, causal, persistent) is dynamic
 
 
+@pytest.mark.parametrize(
+    ("seq", "d", "causal", "buffers"),
+    [(1024, 64, True, 2), (16384, 64, True, 2), (2048, 64, False, 2), (2049, 64, False, 1),
+     (4096, 64, False, 1), (1, 128, True, 2), (2048, 128, True, 2), (4096, 128, True, 1),
+     (2048, 128, False, 2), (16384, 128, False, 1)],
+)  # fmt: skip
+def test_the_forward_double_buffers_queries_where_it_measured_faster(seq, d, causal, buffers):
+    """Two query buffers per warpgroup (H100, ``benchmarks/sm90_fwd.py``, docs/benchmarks.md):
+    head dim 64 causal at every length, the others up to 2048 rows (1.00-1.02x the time of one
+    buffer from 4096)."""
+    q = torch.empty(1, 2, seq, d, device="meta")
+    assert _sm90.query_buffers(q, causal) == buffers
+    assert _sm90.constexprs(d, causal, qbuf=buffers)["QBUF"] == buffers
+
+
 def test_the_dynamic_schedule_keeps_one_counter_per_device_and_stream(monkeypatch):
     """The counter the forward's dynamic schedule takes (the kernel leaves it at zero): one per
     (device, stream), kept; a fresh zeroed one per call while the stream is being captured into
@@ -432,10 +447,11 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    # seven forwards (two defaults, two with key and value tiles released together, the cycle
-    # probe, two with the dynamic schedule), two dK/dV kernels, four fused backwards (head dims
-    # 64 and 128, TMA dQ sums)
-    assert done.stdout.count("shared memory") == 13, done.stdout
+    # nine forwards (two defaults, two with key and value tiles released together, the cycle
+    # probe, two with the dynamic schedule, two with two query buffers: head dim 128's fits
+    # the 227 KB of shared memory), two dK/dV kernels, four fused backwards (head dims 64 and
+    # 128, TMA dQ sums)
+    assert done.stdout.count("shared memory") == 15, done.stdout
     # A new sequence length compiles nothing: no integer argument is specialized (the first
     # call at a new length took 2-3 s on an H100 when they were).
     assert "\n1 kernel(s) for lengths" in done.stdout, done.stdout
@@ -655,6 +671,33 @@ def test_dynamic_schedule_matches_float64_and_the_static_grid(case, dtype):
         static = static or {"out": runs[0][0], "lse": runs[0][1]}
         for out, lse in runs:
             assert torch.equal(out, static["out"]) and torch.equal(lse, static["lse"])
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "case",
+    [Case(4, 4, 2, 1000, 1000, 64, False, None, False, False, seed=6),  # 256 tiles, 132 SMs
+     Case(3, 4, 4, 1100, 1100, 128, True, None, False, True, seed=7),  # dynamic, GQA 4:1
+     Case(2, 4, 2, 2048, 1500, 128, False, 0.2, False, False, seed=8),  # fewer keys than rows
+     Case(2, 8, 2, 777, 777, 64, True, None, False, False, seed=9)],  # dynamic, 224 tiles
+)  # fmt: skip
+def test_two_query_buffers_match_float64_and_one_buffer(case, dtype):
+    """The forward with two query buffers per warpgroup (FWD_QBUF2_MAX), on problems whose
+    programs take several tiles each (so both buffers are refilled in turn), matches float64
+    and gives the bits of one buffer (a tile's arithmetic is the same)."""
+    q, k, v = case.make(dtype, "cuda", requires_grad=False)
+    one = {key: 0 for key in _sm90.FWD_QBUF2_MAX}
+    results = []
+    for table in (one, {key: 1 << 30 for key in one}):
+        with mock.patch.dict(_sm90.FWD_QBUF2_MAX, table):
+            assert _sm90.query_buffers(q, case.is_causal) == (1 if table is one else 2)
+            if table is not one:
+                check_against_reference(case, dtype, _run(case), device="cuda", grads=False)
+            results.append(_run(case)(q, k, v))
+    (out1, lse1), (out2, lse2) = results
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
 @gpu

@@ -79,6 +79,14 @@ FWD_KV_SPLIT = True
 # (:func:`schedule_counter`).
 FWD_DYNAMIC = True
 FWD_DYNAMIC_MAX = {64: 1 << 30, 128: 2048}
+# Two query buffers per consumer warpgroup (else one) for the query lengths up to
+# FWD_QBUF2_MAX[(head dim, causal)]: a tile's query halves, and behind them its first key and value
+# tiles, then load while the tile before it runs, instead of once that tile's last S is done.
+# H100 (``benchmarks/sm90_fwd.py``, kernel only, the same bits; ninth session): head dim 64 causal
+# 0.96-0.99x the time at 1024-16384 rows; without a causal mask 0.92x (1024) and 0.97x (2048), but
+# 1.00-1.01x from 4096; head dim 128 0.95-1.00x at 1024-2048, 1.01-1.02x from 4096 (its shared
+# memory is then 225 of 227 KB, leaving little L1).
+FWD_QBUF2_MAX = {(64, True): 1 << 30, (64, False): 2048, (128, True): 2048, (128, False): 2048}
 # Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
 # address) instead of Triton's launcher object (``_rawlaunch``; host time per call below).
 RAW_LAUNCH = True
@@ -277,11 +285,18 @@ def forward_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Te
             causal, index, persistent, dynamic)  # fmt: skip
 
 
-def constexprs(d: int, causal: bool, dynamic: bool = False) -> dict:
-    """The kernel's compile-time arguments (``dynamic``: tiles from a counter; the variants and
-    the ``PROBE`` timeline: ``benchmarks/sm90_fwd.py`` overrides them)."""
+def constexprs(d: int, causal: bool, dynamic: bool = False, qbuf: int = 1) -> dict:
+    """The kernel's compile-time arguments (``dynamic``: tiles from a counter; ``qbuf``: query
+    buffers per warpgroup; the variants and the ``PROBE`` timeline: ``benchmarks/sm90_fwd.py``
+    overrides them)."""
     return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
-            "DYNAMIC": dynamic}  # fmt: skip
+            "DYNAMIC": dynamic, "QBUF": qbuf}  # fmt: skip
+
+
+def query_buffers(q: torch.Tensor, causal: bool) -> int:
+    """Query buffers per consumer warpgroup of the forward: two up to FWD_QBUF2_MAX's length for
+    the problem's head dim and mask, else one."""
+    return 2 if q.shape[2] <= FWD_QBUF2_MAX[(q.shape[3], causal)] else 1
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -298,7 +313,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
     def plan() -> tuple[tuple, dict]:
         return forward_grid(q, causal, persistent, dynamic), {
-            **constexprs(d, causal, dynamic=dynamic), "num_warps": NUM_WARPS,
+            **constexprs(d, causal, dynamic, query_buffers(q, causal)), "num_warps": NUM_WARPS,
             "maxnreg": MAX_REGS}  # fmt: skip
 
     _launch_planned(attn_fwd_sm90, _PLANS, forward_key(q, k, v, lse, causal, index, persistent,

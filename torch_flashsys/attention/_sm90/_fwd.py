@@ -207,13 +207,15 @@ if AVAILABLE:
 
     @gluon.jit
     def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                 PROBE: gl.constexpr, DYNAMIC: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                 PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
+                 WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: rows [m0 + WG * BLOCK_M, + BLOCK_M) of each of this program's
         tiles over their key tiles, then O (q's dtype, a TMA store) and the natural logsumexp.
         ``KV_SPLIT``: a key tile is released once its S is computed, a value tile once its P V
         is (else both when P V is). ``PROBE == 3``: cycles per phase (:data:`PROBE_PHASES`),
         summed over the key tiles, stored in LSE's first ``32 * programs`` floats instead of
-        the logsumexp (measurement only). ``DYNAMIC``: the tiles the load warp hands over."""
+        the logsumexp (measurement only). ``DYNAMIC``: the tiles the load warp hands over.
+        ``QBUF``: query buffers per warpgroup (tile ``n`` in buffer ``n % QBUF``)."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
@@ -231,7 +233,6 @@ if AVAILABLE:
         )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        q = q_smem.index(WG).reshape([BLOCK_M, HEAD_DIM])
         o_buf = o_smem.index(WG)
         it = 0  # key tiles consumed so far (the ring's position)
         n_done = 0  # query tiles done so far (the query buffer's phase)
@@ -261,7 +262,9 @@ if AVAILABLE:
             l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
             s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-            mbarrier.wait(q_ready.index(WG), n_done & 1)
+            qb = (n_done % QBUF) * 2 + WG
+            q = q_smem.index(qb).reshape([BLOCK_M, HEAD_DIM])
+            mbarrier.wait(q_ready.index(qb), (n_done // QBUF) & 1)
             # Key tile 0: S, then its softmax.
             st = it % STAGES
             k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
@@ -316,7 +319,7 @@ if AVAILABLE:
                 if PROBE == 3:
                     c6, t = lap(c6, t, j)
                     n_steps += 1
-            mbarrier.arrive(q_empty.index(WG), count=1)  # every S of this tile is done
+            mbarrier.arrive(q_empty.index(qb), count=1)  # every S of this tile is done
             sp = (it + n_kv - 1) % STAGES
             v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
             mbarrier.wait(v_ready.index(sp), ((it + n_kv - 1) // STAGES) & 1)
@@ -357,23 +360,25 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 0)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, 0)
 
     @gluon.jit
     def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, 1)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, 1)
 
     @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-              PROBE: gl.constexpr, DYNAMIC: gl.constexpr):  # fmt: skip
+              PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):  # fmt: skip
         """Load warp: per tile, both query halves once their buffers are free, then the
         key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
         the stage's value tile's). ``DYNAMIC``: a program's first tile is its id, the next the
         number of programs plus a global counter's value before this warp adds one to it (the
         heaviest tiles left go to whichever program is free first), each handed to the
-        consumers through ``tiles``; the counter starts at zero and is left at zero."""
+        consumers through ``tiles``; the counter starts at zero and is left at zero. With
+        ``QBUF`` 2 a tile's query halves load while the tile before it still runs (the next
+        tile's key and value loads then queue behind the ring, not behind that tile's end)."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
@@ -395,9 +400,11 @@ if AVAILABLE:
                 _publish(tiles, tid, r)
             b, h, hk, m0, n_kv = _tile(tid, sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
             for i in gl.static_range(2):
-                mbarrier.wait(q_empty.index(i), (n_done & 1) ^ 1)  # fresh: parity 1 passes
-                mbarrier.expect(q_ready.index(i), q_desc.block_type.nbytes)
-                tma_load(q_desc, [b, h, m0 + i * BLOCK_M, 0], q_ready.index(i), q_smem.index(i))
+                qb = (n_done % QBUF) * 2 + i
+                mbarrier.wait(q_empty.index(qb), ((n_done // QBUF) & 1) ^ 1)  # fresh: passes
+                mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
+                tma_load(q_desc, [b, h, m0 + i * BLOCK_M, 0], q_ready.index(qb),
+                         q_smem.index(qb))  # fmt: skip
             for j in range(n_kv):
                 st = (it + j) % STAGES
                 free = (((it + j) // STAGES) & 1) ^ 1  # fresh barriers: parity 1 passes
@@ -429,20 +436,21 @@ if AVAILABLE:
     def attn_fwd_sm90(
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, n_bh, n_heads, group, seq_q,
         seq_k, qk_scale, group_heads, COUNTER, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-        KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr,
+        KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         gl.static_assert(BLOCK_M == 64, "one warpgroup of 64 rows per consumer")
         gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers see the same key tiles")
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2 * QBUF] + q_desc.block_type.shape,
+                                           q_desc.layout)  # fmt: skip
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2 * QBUF, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2 * QBUF, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -454,9 +462,10 @@ if AVAILABLE:
         for i in gl.static_range(2):
             mbarrier.init(tile_ready.index(i), count=1)
             mbarrier.init(tile_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(turns.index(i), count=1)
+        for i in gl.static_range(2 * QBUF):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
-            mbarrier.init(turns.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -471,9 +480,15 @@ if AVAILABLE:
         out = (LSE, stride_lb, stride_lh, COUNTER)
         gl.warp_specialize(
             [
-                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
-                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
-                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC)),
+                (
+                    _consumer0,
+                    (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF),
+                ),
+                (
+                    _consumer1,
+                    (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF),
+                ),
+                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF)),
             ],
             [4, 1],
             [240, 24],
