@@ -556,6 +556,37 @@ def test_triton_launch_rebuilds_the_descriptors_around_the_values():
     assert args[0].base is q  # the template is left as it was
 
 
+@pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+def test_kept_launches_hold_no_tensor_of_the_first_call():
+    """A kept launch (RawLaunch or TritonLaunch, in a plan table for as long as its key) holds
+    none of the first call's tensors: those buffers (a float32 dQ buffer, the outputs) are
+    freed when the call is done with them."""
+    import gc
+    import weakref
+
+    from torch_flashsys.attention._sm90._rawlaunch import RawLaunch, TritonLaunch
+
+    q, k = (torch.randn(1, 2, 80, 64, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.zeros(1, 2, 80)
+    args = (_sm90._descriptor(q, 64), lse, 7, _sm90._descriptor(k, 128), 0.5)
+    compiled = mock.Mock(run=mock.Mock(), packed_metadata=(4, 1, 1000), function=22)
+    launches = [TritonLaunch.build(compiled, (5, 1, 1), args, (True,), (q, lse, k, 0.5))]
+    signature = {0: "tensordesc<bf16[1, 1, 64, 64]>", 1: "*fp32", 2: "i32",
+                 3: "tensordesc<bf16[1, 1, 128, 64]>", 4: "fp32", 5: "constexpr"}  # fmt: skip
+    metas = [{"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [1, 1, 64, 64],
+              "fp4_padded": False},
+             {"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [1, 1, 128, 64],
+              "fp4_padded": False}]  # fmt: skip
+    raw = RawLaunch.build(_triton_launcher_of(lambda *a: None, signature, metas), (5, 1, 1), args,
+                          (True,), (q, lse, k, 0.5), encode=lambda *a: "map")  # fmt: skip
+    launches += [raw] if raw is not None else []
+    refs = [weakref.ref(t) for t in (q, k, lse)]
+    del q, k, lse, args
+    gc.collect()
+    assert all(ref() is None for ref in refs), "a kept launch holds the first call's tensors"
+    assert all(launch is not None for launch in launches)
+
+
 _LAYOUTS = st.sampled_from(["contiguous", "transposed"])
 
 
@@ -751,6 +782,27 @@ def test_hopper_path_is_deterministic_and_keeps_the_query_layout(causal):
     assert spy.call_count == 2
     assert torch.equal(first, again)
     assert first.stride() == q.stride()
+
+
+@gpu
+@needs_sm90
+def test_new_launch_keys_keep_no_gpu_buffers():
+    """Forward+backward calls of new shapes on the Hopper path (each a new launch key: the
+    forward, the preprocessing and the fused backward's kept launches) leave no GPU memory
+    allocated once their tensors are gone: a kept launch holds no buffer of its first call."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for seq in (1024, 1100, 2048, 2100):
+        for d, causal in ((64, True), (128, False)):
+            q, k, v = (torch.randn(2, 4, seq, d, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))  # fmt: skip
+            with mock.patch.object(_sm90, "FUSED_ALL", True):
+                out = flash_attention(q, k, v, is_causal=causal)
+                out.backward(torch.randn_like(out))
+            del q, k, v, out
+    torch.cuda.synchronize()
+    counters = 512 * len(_sm90._COUNTERS)  # the dynamic schedule's int32 per stream (one block)
+    assert torch.cuda.memory_allocated() <= before + counters
 
 
 @gpu

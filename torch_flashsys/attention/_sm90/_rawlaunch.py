@@ -156,7 +156,17 @@ class TritonLaunch:
                  positions: list) -> None:  # fmt: skip
         self._run = compiled.run
         self._head = (*grid, compiled.function, compiled.packed_metadata)
-        self._args = list(args)
+        # The template keeps no tensor of the first call (a kept launch would pin its buffers):
+        # the values' places are None, a descriptor's a blank of its block and layout.
+        self._args = [None] * len(args)
+        self._blanks = {}
+        for i, a in enumerate(args):
+            if _is_descriptor(a):
+                blank = object.__new__(a.__class__)
+                blank.__dict__.update(a.__dict__, base=None, shape=None, strides=None)
+                self._blanks[i] = blank
+            elif i not in positions:
+                self._args[i] = a
         self._positions = positions
         self._tail = tail
 
@@ -172,10 +182,10 @@ class TritonLaunch:
     def __call__(self, stream: int, values: tuple) -> None:
         args = self._args.copy()
         for i, value in zip(self._positions, values, strict=True):
-            a = args[i]
-            if _is_descriptor(a):  # the same block and layout around this call's tensor
-                desc = object.__new__(a.__class__)
-                desc.__dict__.update(a.__dict__, base=value, shape=list(value.shape),
+            blank = self._blanks.get(i)
+            if blank is not None:  # the same block and layout around this call's tensor
+                desc = object.__new__(blank.__class__)
+                desc.__dict__.update(blank.__dict__, base=value, shape=list(value.shape),
                                      strides=list(value.stride()))  # fmt: skip
                 value = desc
             elif value.__class__ is torch.Tensor:
