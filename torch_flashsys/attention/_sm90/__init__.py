@@ -365,9 +365,10 @@ def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None,
 
 def _launch_planned(kernel, plans: dict, key: tuple, index: int, values: tuple, args,
                     plan) -> None:  # fmt: skip
-    """Launch a Gluon ``kernel``. After the key's first call on the current device, the launch
-    kept in ``plans[key]`` takes ``values`` (what changes between calls of the key: its tensors,
-    in the descriptors' places too, and floats, in parameter order; ``_rawlaunch``): a
+    """Launch a Gluon ``kernel`` (or a plain Triton one: the backward's preprocessing). After
+    the key's first call on the current device, the launch kept in ``plans[key]`` takes
+    ``values`` (what changes between calls of the key: its tensors, in the descriptors' places
+    too, and floats, in parameter order; ``_rawlaunch``): a
     :class:`RawLaunch` where RAW_LAUNCH and the launcher's layout allow, else a
     :class:`TritonLaunch`. Otherwise ``plan()`` gives ``(grid, meta)`` (every constexpr, and
     launch options), the JIT launches ``args(True)`` (every runtime argument, with host TMA
@@ -375,8 +376,9 @@ def _launch_planned(kernel, plans: dict, key: tuple, index: int, values: tuple, 
     (the direct launch passes every parameter, defaults included). The key must fix every
     integer argument, and the pointer arguments' 16-byte alignment that Triton specializes on:
     the Gluon kernels' plain pointers are buffers the library allocates (the caching
-    allocator's: aligned), their descriptors' tensors are checked by :func:`_tma_ok`. CPU
-    tensors (``index`` -1, the interpreter) take the JIT every call."""
+    allocator's: aligned), their descriptors' tensors are checked by :func:`_tma_ok`; the
+    preprocessing kernel's key has its inputs' alignment. CPU tensors (``index`` -1, the
+    interpreter) take the JIT every call."""
     if index < 0:  # CPU tensors (the interpreter): the JIT, nothing kept
         grid, meta = plan()
         kernel[grid](*args(True), **meta)

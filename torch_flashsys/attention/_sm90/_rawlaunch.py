@@ -175,8 +175,9 @@ class TritonLaunch:
               values: tuple) -> TritonLaunch | None:  # fmt: skip
         """As :meth:`RawLaunch.build`, for any Triton whose compiled kernel has a launcher."""
         positions = _holes(args, values, _is_descriptor)
-        if positions is None or getattr(compiled, "run", None) is None:
-            return None
+        fields = ("run", "function", "packed_metadata")
+        if positions is None or any(getattr(compiled, f, None) is None for f in fields):
+            return None  # (a Triton whose compiled kernel lacks a launcher field: the JIT)
         return cls(compiled, grid, args, tail, positions)
 
     def __call__(self, stream: int, values: tuple) -> None:
