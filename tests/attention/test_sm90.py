@@ -617,7 +617,7 @@ def test_planned_launches_take_the_arguments_values_and_their_keys_fix_the_rest(
     (``launch_values`` and its kin): for the forward, dK/dV and fused kernels, the values are
     exactly the tensors and floats of the arguments, in order, and two calls whose launch keys
     are equal (layouts drawn from a few, so that keys often agree) have equal integers."""
-    from torch_flashsys.attention._sm90._rawlaunch import _holes, _is_descriptor
+    from torch_flashsys.attention._sm90._rawlaunch import _holes
 
     heads = kv_heads * group
     sets = []
@@ -645,7 +645,7 @@ def test_planned_launches_take_the_arguments_values_and_their_keys_fix_the_rest(
     for first, second in zip(*sets, strict=True):
         ints = []
         for args, values, _key in (first, second):
-            positions = _holes(args, values, _is_descriptor)
+            positions = _holes(args, values)
             assert positions is not None, "the values are not the arguments' tensors and floats"
             ints.append([a for i, a in enumerate(args) if i not in positions])
         if first[2] == second[2]:

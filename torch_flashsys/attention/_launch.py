@@ -59,6 +59,15 @@ def launch_hooks_set() -> bool:
     return _hook_active(_RUNTIME.launch_enter_hook) or _hook_active(_RUNTIME.launch_exit_hook)
 
 
+def pointer_alignment(ptrs: Sequence[int]) -> bool | tuple[bool, ...]:
+    """What Triton specializes a kernel on about these pointers, for a launch key: True when
+    all are 16-byte aligned (the common case, one cheap pass), else each one's alignment."""
+    bits = 0
+    for p in ptrs:
+        bits |= p
+    return not bits & 15 or tuple(p % 16 == 0 for p in ptrs)
+
+
 def _jit_function(kernel: Any) -> Any:
     """The ``JITFunction`` under an ``Autotuner`` (or the function itself)."""
     while not hasattr(kernel, "arg_names") or hasattr(kernel, "configs"):
@@ -97,11 +106,7 @@ class LaunchCache:
                 # alignment (Triton specializes on it) complete the caller's key.
                 n = self.n_tensors
                 ptrs = [a.data_ptr() for a in args[:n]]
-                bits = 0
-                for p in ptrs:  # the common case, all aligned, in one cheap pass
-                    bits |= p
-                aligned = not bits & 15 or tuple(p % 16 == 0 for p in ptrs)
-                key = (key, index, aligned)
+                key = (key, index, pointer_alignment(ptrs))
                 entry = self._entries.get(key)
                 if entry is not None and not launch_hooks_set():
                     run, function, packed, (g0, g1, g2), tail = entry

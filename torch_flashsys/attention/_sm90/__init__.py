@@ -42,6 +42,7 @@ from torch_flashsys.attention._launch import (
     LaunchCache,
     fast_launch_allowed,
     launch_hooks_set,
+    pointer_alignment,
     remember,
 )
 from torch_flashsys.attention._sm90._gluon import AVAILABLE, VERIFIED, TensorDescriptor, gl
@@ -552,8 +553,7 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
            if deterministic else None)  # fmt: skip
     rows = lse if dlse is None else dlse
     index = out.get_device()
-    ptrs = (out.data_ptr(), dout.data_ptr(), rows.data_ptr())
-    aligned = not (ptrs[0] | ptrs[1] | ptrs[2]) & 15 or tuple(p % 16 == 0 for p in ptrs)
+    aligned = pointer_alignment((out.data_ptr(), dout.data_ptr(), rows.data_ptr()))
     key = (out.shape, out.stride(), dout.stride(), lse.stride(), rows.stride(), out.dtype,
            dlse is None, deterministic, copies, index, aligned)  # fmt: skip
     values = (out, dout, rows, delta, dq_acc, dq_acc if sem is None else sem)

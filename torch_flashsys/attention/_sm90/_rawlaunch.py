@@ -29,21 +29,21 @@ from typing import Any
 import torch
 
 MAX_MAPS = 64  # kept maps per descriptor slot (addresses); beyond that the slot starts afresh
-_FLOAT, _TENSOR = 0, 1  # kinds of a value that is no descriptor
+_FLOAT, _TENSOR = object(), object()  # kinds of a value that is no descriptor
 
 
-def _holes(args: tuple, values: tuple, is_descriptor) -> list[int] | None:
+def _holes(args: tuple, values: tuple) -> list[int] | None:
     """Where each value goes among ``args`` (their positions, in order), or None when ``values``
     are not exactly ``args``' descriptors' tensors, tensors and floats, in order."""
     positions = []
     for i, a in enumerate(args):
-        if is_descriptor(a) or a.__class__ is torch.Tensor or a.__class__ is float:
+        if _is_descriptor(a) or a.__class__ is torch.Tensor or a.__class__ is float:
             positions.append(i)
     if len(positions) != len(values):
         return None
     for i, value in zip(positions, values, strict=True):
         a = args[i]
-        same = a.base is value if is_descriptor(a) else a is value
+        same = a.base is value if _is_descriptor(a) else a is value
         if not same and not (a.__class__ is float and a == value):
             return None
     return positions
@@ -71,7 +71,7 @@ class RawLaunch:
         ``values`` (see the module docstring); None where its launcher is not the layout this
         module knows. ``encode``: the map encoder (default the driver's
         ``fill_tma_descriptor``; tests pass a stand-in)."""
-        positions = _holes(args, values, _is_descriptor)
+        positions = _holes(args, values)
         if positions is None:
             return None
         try:
@@ -174,7 +174,7 @@ class TritonLaunch:
     def build(cls, compiled: Any, grid: tuple, args: tuple, tail: tuple,
               values: tuple) -> TritonLaunch | None:  # fmt: skip
         """As :meth:`RawLaunch.build`, for any Triton whose compiled kernel has a launcher."""
-        positions = _holes(args, values, _is_descriptor)
+        positions = _holes(args, values)
         fields = ("run", "function", "packed_metadata")
         if positions is None or any(getattr(compiled, f, None) is None for f in fields):
             return None  # (a Triton whose compiled kernel lacks a launcher field: the JIT)
