@@ -12,12 +12,11 @@ tensors are small), best of ``REPEATS`` loops; the whole-call rows at the end ar
 """
 
 import sys
-import time
 
 import torch
 
 from benchmarks import _peers
-from benchmarks._harness import markdown_table
+from benchmarks._harness import host_us, markdown_table
 from torch_flashsys import flash_attention
 
 CALLS = 2000
@@ -25,18 +24,8 @@ REPEATS = 5
 
 
 def us(fn, calls: int = CALLS) -> float:
-    """Best-of-REPEATS wall microseconds per call of ``fn``."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
+    """Best-of-REPEATS wall microseconds per call of ``fn`` (the harness's loop; warm-up once)."""
+    return min(host_us(fn, calls, warmup=20 if i == 0 else 0)["wall_us"] for i in range(REPEATS))
 
 
 def primitives() -> list[dict]:
