@@ -192,6 +192,7 @@ FUSED_VARIANTS = {
     "heads first": {"ORDER": _sm90.HEADS_FIRST},
     "atomic dQ": {"DQ_TMA": False},
     "rs dK": {"DK_RS": True},
+    "pinned dP wait": {"PIN_WAIT": True},  # _sm90.BWD_PIN_WAIT
     "no dQ (probe)": {"PROBE": 2},
 }
 VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
@@ -201,7 +202,8 @@ SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
                   # one dS^T buffer pair, so that two float32 dQ tiles fit (214 KB; 128 bytes
                   # spilled): a step's reduction no longer waits for the last one to be read
                   "1 dS pair": {"NBUF": 1},
-                  "1 dS pair, 2 dQ tiles": {"NBUF": 1, "DQ_BUFS": 2}}  # fmt: skip
+                  "1 dS pair, 2 dQ tiles": {"NBUF": 1, "DQ_BUFS": 2},
+                  "pinned dP wait": {"PIN_WAIT": True}}  # fmt: skip
 
 
 def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):

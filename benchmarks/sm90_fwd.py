@@ -34,9 +34,9 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
     (4, 16, 16, 4096, 64, False),
     (16, 16, 16, 1024, 64, True),
 ]
-VARIANTS = {  # name: constexprs over the library's (earlier ones: KV_SPLIT, DYNAMIC; git history)
-    "one query buffer": {"QBUF": 1},
-    "two query buffers": {"QBUF": 2},
+VARIANTS = {  # name: constexprs over the library's (earlier: KV_SPLIT, DYNAMIC, QBUF; git history)
+    "default": {},
+    "pinned P V wait": {"PIN_WAIT": True},  # _sm90.FWD_PIN_WAIT
 }
 N_PROBES = 32  # floats per program the probe build stores (16 per consumer warpgroup)
 

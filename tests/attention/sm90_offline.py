@@ -5,6 +5,7 @@ test suite runs the Triton interpreter, and the stand-in driver must not leak in
 
     python -m tests.attention.sm90_offline            # one line per variant, exit 0 if all compile
     python -m tests.attention.sm90_offline backward   # the portable backward's compiles (counts)
+    python -m tests.attention.sm90_offline schedule   # pinned waits: the SASS order (counts)
 """
 
 from __future__ import annotations
@@ -82,9 +83,9 @@ def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bo
 
 
 def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8,
-                  deterministic: bool = False):  # fmt: skip
+                  deterministic: bool = False, **extra):  # fmt: skip
     """Compile the fused Hopper backward for a ``(1, heads, seq, d)`` problem, GQA 2:1
-    (``deterministic``: with ordered dQ sums)."""
+    (``deterministic``: with ordered dQ sums; ``extra``: constexprs over the library's)."""
     from torch_flashsys.attention import _sm90
 
     kernel = _sm90.fused_kernel(d)
@@ -94,7 +95,7 @@ def _warmup_fused(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int
         torch.zeros(1, heads, seq // _sm90.BWD_BLOCK, dtype=torch.int32) if deterministic else None
     )
     args = _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, dq_acc, 0.125, sem)
-    meta = _sm90.fused_constexprs(d, causal, dtype, deterministic=deterministic)
+    meta = {**_sm90.fused_constexprs(d, causal, dtype, deterministic=deterministic), **extra}
     # The direct launch passes every parameter after the runtime arguments from ``meta``.
     missing = set(kernel.arg_names[len(args) :]) - set(meta)
     assert not missing, f"fused_constexprs lacks {sorted(missing)}"
@@ -113,6 +114,63 @@ def compile_variants(variants) -> list[str]:
         lines.append(f"d={d} causal={causal} {dtype} {extra or ''}: shared memory "
                      f"{kernel.metadata.shared} bytes")  # fmt: skip
     return lines
+
+
+def sass(kernel) -> str:
+    """A compiled kernel's SASS, by the ``nvdisasm`` that Triton ships (its ``asm["sass"]``, from
+    ``cuobjdump``, left out one consumer's loop of the causal forward)."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([knobs.nvidia.nvdisasm.path, "-c", f.name], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+
+
+def exponentials_before_wait(sass: str) -> list[int]:
+    """Per consumer loop of a kernel's SASS (:func:`sass`): how many ``MUFU.EX2`` come between
+    the wait for the first of a step's two products (``WARPGROUP.DEPBAR.LE gsb0, 0x1``) and the
+    wait for the second (``0x0``): the exponentials that can overlap it."""
+    counts, n = [], None
+    for line in sass.splitlines():
+        if "DEPBAR.LE gsb0, 0x1" in line:
+            n = 0
+        elif n is not None and "MUFU.EX2" in line:
+            n += 1
+        elif n is not None and "DEPBAR.LE gsb0, 0x0" in line:
+            counts.append(n)
+            n = None
+    return counts
+
+
+# (kernel, head dim, causal) -> a step's exponentials per thread: the forward's 64 x 128 scores
+# over a warpgroup's 128 threads and the two rescale factors; the backward's 64 x 64.
+SCHEDULE_EXPONENTIALS = {"fwd": 66, "fused": 32}
+
+
+def schedule_lines() -> tuple[list[str], bool]:
+    """Each Hopper kernel's exponentials before its step's second wait, without and with
+    PIN_WAIT; ``ok``: pinned, every consumer loop has all of a step's exponentials there."""
+    lines, ok = [], True
+    for kind in ("fwd", "fused"):
+        for d, causal in [(64, False), (64, True), (128, False), (128, True)]:
+            counts = {}
+            for pin in (False, True):
+                warm = _warmup if kind == "fwd" else _warmup_fused
+                counts[pin] = exponentials_before_wait(
+                    sass(warm(d, causal, torch.bfloat16, 256, PIN_WAIT=pin))
+                )
+            want = SCHEDULE_EXPONENTIALS[kind]
+            pinned_ok = len(counts[True]) >= 2 and all(n >= want for n in counts[True])
+            ok &= pinned_ok
+            lines.append(f"{kind} d={d} causal={causal}: exponentials before the second wait "
+                         f"{counts[False]} unpinned, {counts[True]} pinned (a step has {want})"
+                         f"{'' if pinned_ok else '  <- NOT ALL'}")  # fmt: skip
+    return lines, ok
 
 
 def kernels_for_lengths(d: int, causal: bool, dtype: torch.dtype, lengths) -> int:
@@ -152,6 +210,10 @@ def backward_compiles(dtype: torch.dtype = torch.float16) -> tuple[int, int]:
 
 if __name__ == "__main__":
     triton.runtime.driver.set_active(_Sm90Target())
+    if sys.argv[1:] == ["schedule"]:
+        lines, ok = schedule_lines()
+        print("\n".join(lines))
+        sys.exit(0 if ok else 1)
     if sys.argv[1:] == ["backward"]:
         together, after = backward_compiles()
         print(f"backward kernels compiled together, after: {together}, {after}")

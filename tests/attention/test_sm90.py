@@ -72,6 +72,29 @@ def test_the_forward_double_buffers_queries_where_it_measured_faster(seq, d, cau
     assert _sm90.constexprs(d, causal, qbuf=buffers)["QBUF"] == buffers
 
 
+@contextmanager
+def _fresh_plans():
+    """Empty launch tables for the Hopper kernels, so that each call of a launch key compiles
+    the build the module's switches now choose (a kept launch keeps the build of its first
+    call); yields the constexprs of every forward and fused backward launched through the JIT
+    meanwhile. The tables are put back after."""
+    built: list[dict] = []
+    real = _sm90._launch_planned
+
+    def launch(kernel, plans, key, index, values, args, plan):
+        def recorded():
+            grid, meta = plan()
+            built.append(meta)
+            return grid, meta
+
+        return real(kernel, plans, key, index, values, args, recorded)
+
+    tables = ("_PLANS", "_FUSED_PLANS", "_BWD_PLANS", "_PREP_PLANS")
+    with (mock.patch.multiple(_sm90, **{name: {} for name in tables}),
+          mock.patch.object(_sm90, "_launch_planned", launch)):  # fmt: skip
+        yield built
+
+
 def test_the_dynamic_schedule_keeps_one_counter_per_device_and_stream(monkeypatch):
     """The counter the forward's dynamic schedule takes (the kernel leaves it at zero): one per
     (device, stream), kept; a fresh zeroed one per call while the stream is being captured into
@@ -457,6 +480,20 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     assert "\n1 kernel(s) for lengths" in done.stdout, done.stdout
 
 
+@pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+def test_pinned_waits_keep_every_exponential_before_the_products_wait():
+    """With PIN_WAIT the compiled kernels (sm90 SASS, without a GPU) compute all of a step's
+    exponentials between the wait for its first product and the wait for the second (forward:
+    S_j, then P_{j-1} V_{j-1}; fused backward: S^T, then dP^T), in every consumer loop of the
+    forward and the fused backward, head dims 64 and 128, causal and not; unpinned, ptxas
+    hoists the second wait above most of them (printed, not asserted: it is ptxas's choice)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline", "schedule"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(" pinned (a step has ") == 8, done.stdout
+
+
 def _triton_launcher_of(raw, signature: dict, metas: list):
     """A stand-in for a compiled kernel whose launcher is this Triton's own descriptor-expanding
     wrapper (``wrap_handle_tensordesc``) around ``raw`` (the C entry point's stand-in)."""
@@ -717,16 +754,20 @@ def test_dynamic_schedule_matches_float64_and_the_static_grid(case, dtype):
 def test_two_query_buffers_match_float64_and_one_buffer(case, dtype):
     """The forward with two query buffers per warpgroup (FWD_QBUF2_MAX), on problems whose
     programs take several tiles each (so both buffers are refilled in turn), matches float64
-    and gives the bits of one buffer (a tile's arithmetic is the same)."""
+    and gives the bits of one buffer (a tile's arithmetic is the same). Each build compiles in
+    turn (fresh launch tables: the number of buffers is not in the launch key) and is seen to."""
     q, k, v = case.make(dtype, "cuda", requires_grad=False)
     one = {key: 0 for key in _sm90.FWD_QBUF2_MAX}
     results = []
     for table in (one, {key: 1 << 30 for key in one}):
-        with mock.patch.dict(_sm90.FWD_QBUF2_MAX, table):
-            assert _sm90.query_buffers(q, case.is_causal) == (1 if table is one else 2)
+        buffers = 1 if table is one else 2
+        with mock.patch.dict(_sm90.FWD_QBUF2_MAX, table), _fresh_plans() as built:
+            assert _sm90.query_buffers(q, case.is_causal) == buffers
             if table is not one:
                 check_against_reference(case, dtype, _run(case), device="cuda", grads=False)
             results.append(_run(case)(q, k, v))
+        forwards = [meta for meta in built if "QBUF" in meta]
+        assert forwards and all(meta["QBUF"] == buffers for meta in forwards)
     (out1, lse1), (out2, lse2) = results
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
@@ -969,6 +1010,41 @@ def test_deterministic_fused_backward_is_bitwise_reproducible(causal, kv_heads, 
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))
     for a, b in zip(unordered, runs[0], strict=True):
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    "case",
+    [Case(2, 2, 4, 1500, 1500, 64, True, None, False, False, seed=21),  # GQA 4:1
+     Case(2, 4, 1, 1100, 1300, 64, False, None, False, True, seed=22),  # (B, L, H, d) memory
+     Case(2, 4, 2, 1500, 1500, 128, True, None, False, False, seed=23),
+     Case(3, 4, 1, 900, 700, 128, False, 0.3, False, False, seed=24)],  # fewer keys
+)  # fmt: skip
+def test_pinned_waits_give_the_same_bits_and_match_float64(case):
+    """With FWD_PIN_WAIT and BWD_PIN_WAIT (a clock read that keeps each step's product wait
+    after its exponentials) the forward and the fused backward (both built anew and seen to be)
+    match float64, and under deterministic algorithms give the unpinned builds' bits: out, lse,
+    dQ (ordered sums), dK, dV. Only the order of instructions differs."""
+    dtype = torch.bfloat16
+    q, k, v = case.make(dtype, "cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    runs = []
+    for pin in (False, True):
+        with (_fresh_plans() as built, _fused_backward() as spy,
+              mock.patch.object(_sm90, "FWD_PIN_WAIT", pin),
+              mock.patch.object(_sm90, "BWD_PIN_WAIT", pin)):  # fmt: skip
+            if pin:
+                check_against_reference(case, dtype, _run(case), device="cuda")
+            with _deterministic_algorithms():
+                out, lse = _run(case)(q, k, v)
+                grads = torch.autograd.grad(_run(case)(q, k, v)[0], (q, k, v), dout)
+            runs.append((out, lse, *grads))
+            assert spy.call_count >= 1
+        kernels = [meta for meta in built if "PIN_WAIT" in meta]
+        assert len(kernels) >= 2 and all(meta["PIN_WAIT"] is pin for meta in kernels)
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
 
 
 @gpu

@@ -88,6 +88,16 @@ FWD_DYNAMIC_MAX = {64: 1 << 30, 128: 2048}
 # 1.00-1.01x from 4096; head dim 128 0.95-1.00x at 1024-2048, 1.01-1.02x from 4096 (its shared
 # memory is then 225 of 227 KB, leaving little L1).
 FWD_QBUF2_MAX = {(64, True): 1 << 30, (64, False): 2048, (128, True): 2048, (128, False): 2048}
+# PIN_WAIT: a clock read (``_gluon.schedule_fence``) before the consumers' wait for the product
+# their exponentials are written to overlap (forward: P V of the key tile before; fused backward:
+# dP^T). Without it ptxas (Triton 3.6's, sm90) hoists that wait above the exponentials (the SASS:
+# ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` before every ``MUFU.EX2`` of the forward's step, before 27 of
+# the backward's 32), so the softmax waits for the product instead of running beside it; with
+# it every exponential comes first (``tests/attention/sm90_offline.py`` checks the SASS). Off
+# until measured on the GPU (``benchmarks/gpu_checks/pin_wait_ab.py``): the same results bit
+# for bit are expected, the speed is not known yet.
+FWD_PIN_WAIT = False
+BWD_PIN_WAIT = False
 # Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
 # address) instead of Triton's launcher object (``_rawlaunch``; host time per call below).
 RAW_LAUNCH = True
@@ -291,7 +301,7 @@ def constexprs(d: int, causal: bool, dynamic: bool = False, qbuf: int = 1) -> di
     buffers per warpgroup; the variants and the ``PROBE`` timeline: ``benchmarks/sm90_fwd.py``
     overrides them)."""
     return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
-            "DYNAMIC": dynamic, "QBUF": qbuf}  # fmt: skip
+            "DYNAMIC": dynamic, "QBUF": qbuf, "PIN_WAIT": FWD_PIN_WAIT}  # fmt: skip
 
 
 def query_buffers(q: torch.Tensor, causal: bool) -> int:
@@ -635,15 +645,15 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1,
         order = DETERMINISTIC_CAUSAL_ORDER if deterministic and causal else SPLIT_ORDER
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
-                "DQ_BUFS": SPLIT_DQ_BUFS, "ORDER": order, **ordered, "num_warps": NUM_WARPS,
-                "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
+                "DQ_BUFS": SPLIT_DQ_BUFS, "ORDER": order, **ordered, "PIN_WAIT": BWD_PIN_WAIT,
+                "num_warps": NUM_WARPS, "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
     order = KEYS_FIRST if not causal or group == 1 else HEADS_FIRST
     if deterministic and causal:
         order = DETERMINISTIC_CAUSAL_ORDER
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA or deterministic,
-            "ORDER": order, **ordered, "num_warps": NUM_WARPS,
+            "ORDER": order, **ordered, "PIN_WAIT": BWD_PIN_WAIT, "num_warps": NUM_WARPS,
             "maxnreg": FUSED_MAX_REGS}  # fmt: skip
 
 

@@ -39,6 +39,7 @@ from torch_flashsys.attention._sm90._gluon import (
     gluon,
     lap,
     mbarrier,
+    schedule_fence,
     store_probes,
     thread_barrier,
     tma,
@@ -441,7 +442,7 @@ if AVAILABLE:
     @gluon.jit
     def _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                        KV_RS: gl.constexpr, DK_RS: gl.constexpr, PROBE: gl.constexpr,
-                       ORDER: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                       ORDER: gl.constexpr, PIN_WAIT: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the fused kernel: as :func:`_consume` (serial), and each
         step's dS^T goes to shared memory, where the dQ warpgroup reads it. Each step's LSE and
         D rows come from shared memory, put there by the load warp with Q and dO (8-10% off the
@@ -451,7 +452,9 @@ if AVAILABLE:
         warpgroup's K and V tiles are held in registers as the A operands of S^T and dP^T (else
         read from shared memory by every product); ``DK_RS``: dS^T is the dK product's A
         operand from registers (else from its shared-memory copy). ``PROBE == 3``: cycles per
-        phase of a step, summed, into Delta (measurement only, ``sm90_bwd.py --timeline``)."""
+        phase of a step, summed, into Delta (measurement only, ``sm90_bwd.py --timeline``).
+        ``PIN_WAIT``: a :func:`schedule_fence` before the wait for dP^T, which ptxas otherwise
+        hoists above the exponentials of P^T (Triton 3.6), so that they do not overlap it."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
@@ -522,6 +525,8 @@ if AVAILABLE:
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
             if PROBE == 3:
                 c2, t = lap(c2, t, step)
+            if PIN_WAIT:
+                schedule_fence(step)
             if KV_RS:
                 dp_w = warpgroup_mma_wait(0, deps=(dp_t, va, do))[0]
             else:
@@ -557,14 +562,18 @@ if AVAILABLE:
     @gluon.jit
     def _fused_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          KV_RS: gl.constexpr, DK_RS: gl.constexpr, PROBE: gl.constexpr,
-                         ORDER: gl.constexpr):  # fmt: skip
-        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, ORDER, 0)
+                         ORDER: gl.constexpr, PIN_WAIT: gl.constexpr):  # fmt: skip
+        _fused_consume(
+            descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, ORDER, PIN_WAIT, 0
+        )
 
     @gluon.jit
     def _fused_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          KV_RS: gl.constexpr, DK_RS: gl.constexpr, PROBE: gl.constexpr,
-                         ORDER: gl.constexpr):  # fmt: skip
-        _fused_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, ORDER, 1)
+                         ORDER: gl.constexpr, PIN_WAIT: gl.constexpr):  # fmt: skip
+        _fused_consume(
+            descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS, DK_RS, PROBE, ORDER, PIN_WAIT, 1
+        )
 
     @gluon.jit
     def _fused_load(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
@@ -757,7 +766,7 @@ if AVAILABLE:
         DQ_REGS: gl.constexpr, NBUF: gl.constexpr = 2, KV_RS: gl.constexpr = False,
         DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0, DQ_TMA: gl.constexpr = False,
         ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False, CHAINS: gl.constexpr = 1,
-        SIGNAL_LAG: gl.constexpr = 0,
+        SIGNAL_LAG: gl.constexpr = 0, PIN_WAIT: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -807,9 +816,9 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
-                                        DK_RS, PROBE, ORDER)),
+                                        DK_RS, PROBE, ORDER, PIN_WAIT)),
                     (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
-                                        DK_RS, PROBE, ORDER)),
+                                        DK_RS, PROBE, ORDER, PIN_WAIT)),
                     (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
                                  ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
@@ -823,9 +832,9 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
-                                        DK_RS, PROBE, ORDER)),
+                                        DK_RS, PROBE, ORDER, PIN_WAIT)),
                     (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
-                                        DK_RS, PROBE, ORDER)),
+                                        DK_RS, PROBE, ORDER, PIN_WAIT)),
                     (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
                                  ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG, None)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
@@ -843,11 +852,13 @@ if AVAILABLE:
     @gluon.jit
     def _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                        ORDER: gl.constexpr, WG: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
-                       CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs):  # fmt: skip
+                       CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
+                       PIN_WAIT: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the head-dim-128 fused kernel: keys [n0 + WG * BLOCK_N,
         + BLOCK_N) for dK and dV (as :func:`_fused_consume`), dQ columns [WG * HALF, + HALF).
         ``DETERMINISTIC``: its dQ reductions in the sums' fixed order, as :func:`_fused_dq`'s
-        (the sync warp's ``turn_ok`` before each, ``landed`` from both consumers)."""
+        (the sync warp's ``turn_ok`` before each, ``landed`` from both consumers).
+        ``PIN_WAIT``: as :func:`_fused_consume`'s."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
@@ -906,6 +917,8 @@ if AVAILABLE:
             lse2 = stats.index(2 * st).load(col_layout)  # (LSE * log2 e)
             p_t = _masked_probs(s_w, lse2, n0w, m0, seq_k, qk_scale, CAUSAL)
             pa = gl.convert_layout(p_t.to(dtype), a_layout)
+            if PIN_WAIT:
+                schedule_fence(step)
             dp_w = warpgroup_mma_wait(0, deps=(dp_t, v, do))[0]
             dv = warpgroup_mma(pa, do, dv, is_async=True)
             delta = stats.index(2 * st + 1).load(col_layout)
@@ -954,16 +967,18 @@ if AVAILABLE:
     @gluon.jit
     def _split_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
-                         CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs):  # fmt: skip
+                         CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
+                         PIN_WAIT: gl.constexpr):  # fmt: skip
         _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 0, SEM, DETERMINISTIC,
-                       CHAINS, SIGNAL_LAG, syncs)  # fmt: skip
+                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT)  # fmt: skip
 
     @gluon.jit
     def _split_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
-                         CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs):  # fmt: skip
+                         CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
+                         PIN_WAIT: gl.constexpr):  # fmt: skip
         _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 1, SEM, DETERMINISTIC,
-                       CHAINS, SIGNAL_LAG, syncs)  # fmt: skip
+                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT)  # fmt: skip
 
     # The same sums as attn_bwd_sm90 for head dim 128 (dq_desc's blocks are half a row wide).
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
@@ -974,7 +989,7 @@ if AVAILABLE:
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LOAD_REGS: gl.constexpr, NBUF: gl.constexpr = 2, DQ_BUFS: gl.constexpr = 1,
         ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False, CHAINS: gl.constexpr = 1,
-        SIGNAL_LAG: gl.constexpr = 0,
+        SIGNAL_LAG: gl.constexpr = 0, PIN_WAIT: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -1021,9 +1036,9 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs)),
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs)),
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                     (_fused_sync, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                    CHAINS, SIGNAL_LAG, syncs)),
@@ -1035,9 +1050,9 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None)),
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None)),
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                 ],
                 [4, 1],

@@ -38,6 +38,7 @@ from torch_flashsys.attention._sm90._gluon import (
     gluon,
     lap,
     mbarrier,
+    schedule_fence,
     store_probes,
     thread_barrier,
     tma,
@@ -208,14 +209,17 @@ if AVAILABLE:
     @gluon.jit
     def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                  PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                 WG: gl.constexpr):  # fmt: skip
+                 PIN_WAIT: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: rows [m0 + WG * BLOCK_M, + BLOCK_M) of each of this program's
         tiles over their key tiles, then O (q's dtype, a TMA store) and the natural logsumexp.
         ``KV_SPLIT``: a key tile is released once its S is computed, a value tile once its P V
         is (else both when P V is). ``PROBE == 3``: cycles per phase (:data:`PROBE_PHASES`),
         summed over the key tiles, stored in LSE's first ``32 * programs`` floats instead of
         the logsumexp (measurement only). ``DYNAMIC``: the tiles the load warp hands over.
-        ``QBUF``: query buffers per warpgroup (tile ``n`` in buffer ``n % QBUF``)."""
+        ``QBUF``: query buffers per warpgroup (tile ``n`` in buffer ``n % QBUF``).
+        ``PIN_WAIT``: a :func:`schedule_fence` before each step's wait for ``P V``, without which
+        ptxas hoists that wait above the softmax (Triton 3.6, H100 SASS), so the softmax of S_j
+        does not overlap ``P_{j-1} V_{j-1}`` after all."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
@@ -310,6 +314,8 @@ if AVAILABLE:
                 )  # fmt: skip
                 if PROBE == 3:
                     c4, t = lap(c4, t, j)
+                if PIN_WAIT:
+                    schedule_fence(j)
                 acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
                 _release_kv(k_empty, v_empty, sp, KV_SPLIT)  # both warpgroups release them
                 if PROBE == 3:
@@ -360,17 +366,20 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, 0)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
+                   PIN_WAIT: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, PIN_WAIT, 0)
 
     @gluon.jit
     def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, 1)
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
+                   PIN_WAIT: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, PIN_WAIT, 1)
 
     @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-              PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr):  # fmt: skip
+              PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
+              PIN_WAIT: gl.constexpr):  # fmt: skip
         """Load warp: per tile, both query halves once their buffers are free, then the
         key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
         the stage's value tile's). ``DYNAMIC``: a program's first tile is its id, the next the
@@ -437,6 +446,7 @@ if AVAILABLE:
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, n_bh, n_heads, group, seq_q,
         seq_k, qk_scale, group_heads, COUNTER, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
         KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
+        PIN_WAIT: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -478,18 +488,17 @@ if AVAILABLE:
         bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles)
         sched = (n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads)
         out = (LSE, stride_lb, stride_lh, COUNTER)
+        # fmt: off
         gl.warp_specialize(
             [
-                (
-                    _consumer0,
-                    (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF),
-                ),
-                (
-                    _consumer1,
-                    (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF),
-                ),
-                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF)),
+                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
+                              QBUF, PIN_WAIT)),
+                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
+                              QBUF, PIN_WAIT)),
+                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
+                         PIN_WAIT)),
             ],
             [4, 1],
             [240, 24],
         )
+        # fmt: on

@@ -51,6 +51,22 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
                                          is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
+    def schedule_fence(x):
+        """A read of %clock, which ptxas keeps in program order with the instructions around it
+        (so that timelines mean something): placed before a ``warpgroup_mma_wait``, it stops
+        ptxas from hoisting the wait (``WARPGROUP.DEPBAR``) above the work written before it to
+        overlap the products still in flight. The read needs a use or ptxas drops it: a
+        ``bar.warp.sync`` predicated on the clock reading all ones (all lanes of the warp are
+        there; harmless when it runs). ``x``: any scalar. Three instructions."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 c;\n"
+            "mov.u32 c, %clock; setp.eq.u32 p, c, -1;\n"
+            "@p bar.warp.sync -1;\n"
+            "mov.u32 $0, $1; }",
+            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
     def lap(total, since, x):
         """One phase of a ``PROBE == 3`` timeline: ``(total + the cycles since since, now)``;
         ``x`` any scalar (a dependence that keeps the clock read in place)."""
@@ -65,7 +81,7 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
 
 except Exception:  # ImportError, or an API whose import itself fails
     gluon = gl = fence_async_shared = mbarrier = tma = tma_load = tma_store = None
-    thread_barrier = tma_reduce_add = clock64 = lap = store_probes = None
+    thread_barrier = tma_reduce_add = clock64 = lap = store_probes = schedule_fence = None
     warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
     AVAILABLE = False
 
@@ -88,6 +104,7 @@ __all__ = [
     "gluon",
     "lap",
     "mbarrier",
+    "schedule_fence",
     "store_probes",
     "thread_barrier",
     "tma",
