@@ -17,9 +17,10 @@ partitions:
 - two **consumer** warpgroups, each owning ``BLOCK_M`` (64) query rows of the tile, run the FA2
   loop on the tensor cores: ``S = Q K^T`` (both operands in shared memory), the online softmax in
   base 2 with the scale inside the exponent, ``O += P V`` (P from registers). Within a warpgroup
-  the softmax of tile j runs while the wgmma of ``P_{j-1} V_{j-1}`` is in flight (FA3's
-  intra-warpgroup overlap); across the two warpgroups the warp scheduler interleaves one's softmax
-  with the other's matrix products (inter-warpgroup overlap).
+  the softmax of tile j is written to run while the wgmma of ``P_{j-1} V_{j-1}`` is in flight
+  (FA3's intra-warpgroup overlap), which takes ``PIN_WAIT`` in the compiled code (ptxas hoists
+  the wait otherwise; see :func:`_consume`); across the two warpgroups the warp scheduler
+  interleaves one's softmax with the other's matrix products (inter-warpgroup overlap).
 
 The descriptors are 4-D ``(batch, heads, seq, head_dim)`` over the tensors' own strides, so any
 layout whose strides are 16-byte multiples works without a copy, and rows past a sequence's end
