@@ -56,8 +56,10 @@ try:  # the names the sm90 kernels use, all of them, so a partial API counts as 
         (so that timelines mean something): placed before a ``warpgroup_mma_wait``, it stops
         ptxas from hoisting the wait (``WARPGROUP.DEPBAR``) above the work written before it to
         overlap the products still in flight. The read needs a use or ptxas drops it: a
-        ``bar.warp.sync`` predicated on the clock reading all ones (all lanes of the warp are
-        there; harmless when it runs). ``x``: any scalar. Three instructions."""
+        ``bar.warp.sync`` predicated on the clock reading all ones (the warp reads the clock in
+        one instruction, so its lanes agree; the warp is converged, so the barrier is harmless
+        on the rare cycle it runs, and ptxas emits it as a predicated NOP). ``x``: any scalar.
+        Three instructions."""
         return gl.inline_asm_elementwise(
             "{ .reg .pred p; .reg .b32 c;\n"
             "mov.u32 c, %clock; setp.eq.u32 p, c, -1;\n"
