@@ -183,6 +183,12 @@ forward() {  # the Hopper forward: its GPU tests (test_sm90.py), compile-time va
   shows sm90_tests:4 fwd_variants:24 fwd_timeline:40
 }
 
+pins() {  # the Hopper kernels with and without pinned product waits (FWD_PIN_WAIT, BWD_PIN_WAIT)
+  step pin_ab "${PIN_TIMEOUT:-360}" python3 benchmarks/gpu_checks/pin_wait_ab.py \
+    --out "$OUT/pin_wait_ab.csv"
+  shows pin_ab:48
+}
+
 context_parallel() {
   local n=${NPROC:-$(ngpus 2)} marker=gpu modes=ring
   [ "$n" -ge 2 ] && marker="gpu or multigpu" && modes=ring,ulysses
@@ -202,7 +208,7 @@ echo "git $(git rev-parse --short HEAD 2>/dev/null) (uncommitted changes: \
 $(git status --porcelain 2>/dev/null | wc -l))" | tee -a "$OUT/env.txt"
 for section in "${@:-tests}"; do
   case $section in
-    tests | attention | features | startup | tune | harness | ddp | sharded | e2e | context_parallel | sm90bwd | deterministic | forward) "$section" ;;
+    tests | attention | features | startup | tune | harness | ddp | sharded | e2e | context_parallel | sm90bwd | deterministic | forward | pins) "$section" ;;
     *) echo "unknown section $section (see docs/benchmarking.md)" >&2 && exit 2 ;;
   esac
 done
