@@ -128,6 +128,18 @@ def profiled(step: Callable, iters: int, warmup: int = 1, record: bool = True):
     return prof, ms
 
 
+def kernel_ms(step: Callable, iters: int = 5) -> float:
+    """CUDA time per call of ``step``: every kernel it launches, summed (torch.profiler with
+    CUDA activity only, so that no CPU op counts its kernels' time again)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        sync()
+    return sum(e.device_time_total for e in prof.key_averages()) / iters / 1000
+
+
 def _merged(intervals) -> list[list[float]]:
     """The union of ``(start, end)`` intervals as sorted, disjoint ``[start, end]`` pairs."""
     out: list[list[float]] = []

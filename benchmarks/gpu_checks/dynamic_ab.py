@@ -14,21 +14,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks._harness import bench, host_us, parser, report
+from benchmarks._harness import bench, host_us, kernel_ms, parser, report
 from benchmarks._peers import sdpa_call
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 
 SHAPES = [(4, 16, 1024, 64), (4, 16, 2048, 64), (4, 16, 2048, 128), (4, 16, 4096, 128),
           (1, 16, 16384, 128)]  # fmt: skip
-
-
-def _kernel_ms(step, iters: int = 5) -> float:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()) / iters / 1000
 
 
 def _host_us(step, calls: int = 200) -> float:
@@ -61,7 +53,7 @@ def rows_for(shape, round_: int) -> list[dict]:
             rows.append({"round": round_, "shape": "x".join(map(str, shape)) + " causal",
                          "impl": name, "fwd_ms": bench(fwd, "cuda")["median_ms"],
                          "fwd_bwd_ms": bench(step, "cuda")["median_ms"],
-                         "fwd_bwd_kernels_ms": _kernel_ms(step),
+                         "fwd_bwd_kernels_ms": kernel_ms(step),
                          "host_us_per_fwd_bwd": _host_us(step)})  # fmt: skip
         finally:
             _sm90.FWD_DYNAMIC = saved

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks import _peers
-from benchmarks._harness import bench, parser, report
+from benchmarks._harness import bench, kernel_ms, parser, report
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 
@@ -45,14 +45,6 @@ def pinned(on: bool):
         _sm90.FWD_PIN_WAIT, _sm90.BWD_PIN_WAIT = saved
         for name, table in tables.items():
             setattr(_sm90, name, table)
-
-
-def _kernel_ms(step, iters: int = 5) -> float:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages()) / iters / 1000
 
 
 def _results(q, k, v, dout, causal: bool) -> tuple:
@@ -104,7 +96,7 @@ def timed_rows(case, round_: int) -> list[dict]:
             rows.append({"round": round_, "case": _label(case), "impl": name,
                          "fwd_ms": bench(fwd, "cuda")["median_ms"],
                          "fwd_bwd_ms": bench(step, "cuda")["median_ms"],
-                         "fwd_bwd_kernels_ms": _kernel_ms(step)})  # fmt: skip
+                         "fwd_bwd_kernels_ms": kernel_ms(step)})  # fmt: skip
     return rows
 
 
