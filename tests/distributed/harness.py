@@ -14,6 +14,7 @@ finish within ``timeout`` seconds (a hang) is killed and reported, so tests neve
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
@@ -39,6 +40,9 @@ def _entry(rank, fn, world_size, port, out_dir, args, backend):
     # prints only there: "terminate called ...", "Fatal Python error: ...").
     err = os.open(os.path.join(out_dir, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT, 0o644)
     os.dup2(err, 2)
+    # A fatal signal (SIGABRT from a heap check, SIGSEGV) prints every thread's Python stack
+    # there too: where it died, the body or the teardown after it.
+    faulthandler.enable(all_threads=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
@@ -64,7 +68,7 @@ def _entry(rank, fn, world_size, port, out_dir, args, backend):
     os._exit(0)
 
 
-def _stderr_tails(out_dir: str, chars: int = 2000) -> str:
+def _stderr_tails(out_dir: str, chars: int = 6000) -> str:
     tails = []
     for name in sorted(n for n in os.listdir(out_dir) if n.endswith(".err")):
         with open(os.path.join(out_dir, name), errors="replace") as f:
@@ -106,7 +110,11 @@ def run_distributed(
                             p.kill()
                     raise TimeoutError(f"distributed run of {fn.__name__} hung (> {timeout} s)")
         except mp.ProcessExitedException as exc:
-            raise RuntimeError(f"{exc}; stderr of the ranks:\n{_stderr_tails(out_dir)}") from exc
+            done = [r for r in range(world_size) if os.path.exists(f"{out_dir}/rank{r}.pt")]
+            raise RuntimeError(
+                f"{exc} (ranks that had written their result: {done}); stderr of "
+                f"the ranks:\n{_stderr_tails(out_dir)}"
+            ) from exc
         results, errors, tbs = [], {}, {}
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pt")

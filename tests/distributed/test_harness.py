@@ -31,3 +31,24 @@ def test_harness_shows_the_stderr_of_a_rank_that_dies():
     with pytest.raises(RuntimeError, match="rank 1 aborts") as info:
         run_distributed(_abort, 2)
     assert "SIGABRT" in str(info.value)
+
+
+def _abort_in_body(rank, world_size):
+    """Rank 1 aborts (as glibc does on a corrupted heap); the other waits for it."""
+    import os
+
+    if rank == 1:
+        os.abort()
+    dist.barrier()
+
+
+def test_harness_reports_where_a_rank_died_and_which_had_written_results():
+    """A rank killed by a signal: every thread's Python stack (faulthandler) in its stderr, and
+    which ranks had written their result, so that a rare crash in CI says whether it came in
+    the body or in the teardown after it."""
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_abort_in_body, 2, timeout=60)
+    text = str(info.value)
+    assert "process 1 terminated with signal SIGABRT" in text, text
+    assert "ranks that had written their result: []" in text, text
+    assert "Fatal Python error: Aborted" in text and "_abort_in_body" in text, text
