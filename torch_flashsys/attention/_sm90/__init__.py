@@ -90,9 +90,9 @@ FWD_DYNAMIC_MAX = {64: 1 << 30, 128: 2048}
 FWD_QBUF2_MAX = {(64, True): 1 << 30, (64, False): 2048, (128, True): 2048, (128, False): 2048}
 # PIN_WAIT: a clock read (``_gluon.schedule_fence``) before the consumers' wait for the product
 # their exponentials are written to overlap (forward: P V of the key tile before; fused backward:
-# dP^T). Without it ptxas (Triton 3.6's, sm90) hoists that wait above the exponentials (the SASS:
-# ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` before every ``MUFU.EX2`` of the forward's step, before 27 of
-# the backward's 32), so the softmax waits for the product instead of running beside it; with
+# dP^T). Without it ptxas (Triton 3.6's and 3.9's, sm90) hoists that wait above the exponentials
+# (the SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` before every ``MUFU.EX2`` of the forward's step,
+# before 24-27 of the backward's 32), so the softmax waits for the product instead of beside it; with
 # it every exponential comes first (``tests/attention/sm90_offline.py`` checks the SASS). Off
 # until measured on the GPU (``benchmarks/gpu_checks/pin_wait_ab.py``): the same results bit
 # for bit are expected, the speed is not known yet.
