@@ -27,24 +27,20 @@ from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 
 CASES = [(b, h, n, d, c) for (b, h, n) in _peers.SHAPES for d in (64, 128) for c in (True, False)]
-PLAN_TABLES = ("_PLANS", "_FUSED_PLANS", "_BWD_PLANS", "_PREP_PLANS")
 
 
 @contextlib.contextmanager
 def pinned(on: bool):
-    """Both pins set to ``on``, with empty launch tables (a kept launch would keep the other
-    build: the pins are compile-time and not in the launch keys)."""
+    """Both pins set to ``on``, the kept launches dropped before and after (a kept launch would
+    keep the other build: the pins are compile-time and not in the launch keys)."""
     saved = (_sm90.FWD_PIN_WAIT, _sm90.BWD_PIN_WAIT)
-    tables = {name: getattr(_sm90, name) for name in PLAN_TABLES}
     _sm90.FWD_PIN_WAIT = _sm90.BWD_PIN_WAIT = on
-    for name in PLAN_TABLES:
-        setattr(_sm90, name, {})
+    _sm90.forget_launches()
     try:
         yield
     finally:
         _sm90.FWD_PIN_WAIT, _sm90.BWD_PIN_WAIT = saved
-        for name, table in tables.items():
-            setattr(_sm90, name, table)
+        _sm90.forget_launches()
 
 
 def _results(q, k, v, dout, causal: bool) -> tuple:

@@ -77,7 +77,7 @@ def _fresh_plans():
     """Empty launch tables for the Hopper kernels, so that each call of a launch key compiles
     the build the module's switches now choose (a kept launch keeps the build of its first
     call); yields the constexprs of every forward and fused backward launched through the JIT
-    meanwhile. The tables are put back after."""
+    meanwhile. The builds made meanwhile are dropped after, so no later test launches them."""
     built: list[dict] = []
     real = _sm90._launch_planned
 
@@ -89,10 +89,24 @@ def _fresh_plans():
 
         return real(kernel, plans, key, index, values, args, recorded)
 
-    tables = ("_PLANS", "_FUSED_PLANS", "_BWD_PLANS", "_PREP_PLANS")
-    with (mock.patch.multiple(_sm90, **{name: {} for name in tables}),
-          mock.patch.object(_sm90, "_launch_planned", launch)):  # fmt: skip
-        yield built
+    _sm90.forget_launches()
+    try:
+        with mock.patch.object(_sm90, "_launch_planned", launch):
+            yield built
+    finally:
+        _sm90.forget_launches()
+
+
+def test_forget_launches_empties_every_launch_table(monkeypatch):
+    """Every table of kept launches (forward, dK/dV, preprocessing, fused backward) is emptied,
+    the tables themselves kept (the launch functions read them by name)."""
+    tables = ("_PLANS", "_BWD_PLANS", "_PREP_PLANS", "_FUSED_PLANS")
+    for name in tables:
+        monkeypatch.setattr(_sm90, name, {("key", name): object()})
+    before = [getattr(_sm90, name) for name in tables]
+    _sm90.forget_launches()
+    assert [getattr(_sm90, name) for name in tables] == [{}] * len(tables)
+    assert all(getattr(_sm90, n) is t for n, t in zip(tables, before, strict=True))
 
 
 def test_the_dynamic_schedule_keeps_one_counter_per_device_and_stream(monkeypatch):

@@ -92,8 +92,8 @@ FWD_QBUF2_MAX = {(64, True): 1 << 30, (64, False): 2048, (128, True): 2048, (128
 # their exponentials are written to overlap (forward: P V of the key tile before; fused backward:
 # dP^T). Without it ptxas (Triton 3.6's and 3.9's, sm90) hoists that wait above the exponentials
 # (the SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` before every ``MUFU.EX2`` of the forward's step,
-# before 24-27 of the backward's 32), so the softmax waits for the product instead of beside it; with
-# it every exponential comes first (``tests/attention/sm90_offline.py`` checks the SASS). Off
+# before 24-27 of the backward's 32), so the softmax waits for the product instead of running
+# beside it; with it every exponential comes first (``tests/attention/sm90_offline.py`` checks the SASS). Off
 # until measured on the GPU (``benchmarks/gpu_checks/pin_wait_ab.py``): the same results bit
 # for bit are expected, the speed is not known yet.
 FWD_PIN_WAIT = False
@@ -409,6 +409,15 @@ def _launch_planned(kernel, plans: dict, key: tuple, index: int, values: tuple, 
         launch = launch or TritonLaunch.build(compiled, grid, full, tail, values)
         if launch is not None:  # (None: the values are not the arguments' own: stay on the JIT)
             remember(plans, key, launch)
+
+
+def forget_launches() -> None:
+    """Drop every kept launch, so that each launch key's next call compiles (or finds compiled)
+    the build the module's switches choose now. The switches (FWD_PIN_WAIT, FWD_QBUF2_MAX, ...)
+    are read when a key is first planned and are not in the keys: changing one at run time (the
+    tests and benchmarks that compare builds) needs this after."""
+    for plans in (_PLANS, _BWD_PLANS, _PREP_PLANS, _FUSED_PLANS):
+        plans.clear()
 
 
 def triton_cdiv(a: int, b: int) -> int:
