@@ -201,9 +201,12 @@ def validate_snapshot(obj: Any, *, strict: bool = False) -> dict[str, int]:
 
     Returns ``{"n_segments", "n_blocks", "n_events", "n_devices", "reserved_bytes",
     "allocated_bytes", "trace_peak_bytes"}``: reserved/allocated in the final state, and the peak
-    of live allocated bytes over the trace (replayed forwards from the start of the trace; CUDA
-    records some small allocations at their requested size, so this matches
-    ``torch.cuda.max_memory_allocated`` to within the allocator's rounding).
+    of live requested bytes over the trace (replayed forwards from the start of the trace). CUDA's
+    trace entries and the final blocks' ``requested_size`` are the sizes asked for, so on CUDA this
+    is ``torch.cuda.memory_stats()["requested_bytes.all.peak"]`` over the recorded span, not
+    ``max_memory_allocated``: that one counts whole blocks, rounded up to 512 bytes and, where the
+    allocator hands out a cached block whose rest (up to 1 MiB) it does not split off, larger by
+    that rest, so it depends on what the cache held before.
     Raises :class:`SnapshotError` (a ValueError) naming the first offending field.
     """
     if not isinstance(obj, dict):
@@ -219,11 +222,13 @@ def validate_snapshot(obj: Any, *, strict: bool = False) -> dict[str, int]:
         _check_trace(trace, dev, intervals, active)
 
     allocated = sum(b["size"] for s in segments for b in s["blocks"] if b["state"] in ACTIVE_STATES)
-    # Forward replay for the peak: live bytes at the trace's start = final - (allocs - frees).
+    # Forward replay for the peak: live bytes at the trace's start = final - (allocs - frees),
+    # in requested bytes as the trace's sizes are (a converted CPU profile has no requested size:
+    # its blocks are what was asked for).
     peak = 0
     for dev, trace in enumerate(traces):
         final = sum(
-            b["size"]
+            b.get("requested_size", b["size"])
             for s in segments
             if s["device"] == dev
             for b in s["blocks"]
