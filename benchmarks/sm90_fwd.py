@@ -37,6 +37,7 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
 VARIANTS = {  # name: constexprs over the library's (earlier: KV_SPLIT, DYNAMIC, QBUF; git history)
     "default": {},
     "pinned P V wait": {"PIN_WAIT": True},  # _sm90.FWD_PIN_WAIT
+    "3 consumers": {"CONSUMERS": 3, "CONSUMER_REGS": 160},  # _sm90.FWD_CONSUMERS
 }
 N_PROBES = 32  # floats per program the probe build stores (16 per consumer warpgroup)
 
@@ -64,9 +65,10 @@ def _launcher(q, k, v, causal: bool, extra: dict):
     counter = q.new_zeros(1, dtype=torch.int32) if dynamic else None
     args = lambda descriptors: _sm90.launch_args(q, k, v, out, lse, d**-0.5, counter,
                                                  descriptors)  # fmt: skip
-    grid = _sm90.forward_grid(q, causal, dynamic=dynamic)
-    meta = {**_sm90.constexprs(d, causal, dynamic, _sm90.query_buffers(q, causal)), **extra,
-            "num_warps": _sm90.NUM_WARPS, "maxnreg": _sm90.MAX_REGS}  # fmt: skip
+    consumers = extra.get("CONSUMERS", _sm90.forward_consumers(q, causal))
+    grid = _sm90.forward_grid(q, causal, dynamic=dynamic, consumers=consumers)
+    meta = {**_sm90.constexprs(d, causal, dynamic, _sm90.query_buffers(q, causal), consumers),
+            **extra, **_sm90.launch_options(consumers)}  # fmt: skip
     values = _sm90.launch_values(q, k, v, out, lse, d**-0.5, counter)
     plans: dict = {}
 
@@ -106,6 +108,8 @@ def timeline_rows(shape) -> list[dict]:
     q, k, v, causal, label = _problem(shape)
     rows = []
     for name, extra in VARIANTS.items():
+        if extra.get("CONSUMERS", 2) != 2:
+            continue  # the probes time two consumers
         launch, _, lse, grid = _launcher(q, k, v, causal, {**extra, "PROBE": 3})
         assert lse.numel() >= N_PROBES * grid[0], "lse too small for the probes"
         launch()

@@ -62,10 +62,10 @@ def _warmup(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8, 
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
 
     q, k, lse = _problem(d, dtype, seq, heads)
-    return attn_fwd_sm90.warmup(
-        *_sm90.launch_args(q, k, k, q, lse, 0.125), **{**_sm90.constexprs(d, causal), **extra},
-        num_warps=_sm90.NUM_WARPS, maxnreg=_sm90.MAX_REGS, grid=(1,),
-    )  # fmt: skip
+    consumers = extra.get("CONSUMERS", 2)
+    meta = {**_sm90.constexprs(d, causal, consumers=consumers), **extra,
+            **_sm90.launch_options(consumers)}  # fmt: skip
+    return attn_fwd_sm90.warmup(*_sm90.launch_args(q, k, k, q, lse, 0.125), **meta, grid=(1,))
 
 
 def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bool,
@@ -225,7 +225,9 @@ if __name__ == "__main__":
                                   (128, True, torch.bfloat16, {"DYNAMIC": True}),
                                   (64, True, torch.float16, {"DYNAMIC": True, "PROBE": 3}),
                                   (64, False, torch.bfloat16, {"QBUF": 2}),
-                                  (128, True, torch.bfloat16, {"DYNAMIC": True, "QBUF": 2})]):  # fmt: skip
+                                  (128, True, torch.bfloat16, {"DYNAMIC": True, "QBUF": 2}),
+                                  (64, False, torch.bfloat16, {"CONSUMERS": 3, "QBUF": 2}),
+                                  (64, True, torch.float16, {"CONSUMERS": 3, "DYNAMIC": True})]):  # fmt: skip
         print(line)
     for d, causal, dtype, pipeline in [(64, True, torch.float16, True),
                                        (128, False, torch.bfloat16, False)]:  # fmt: skip

@@ -72,6 +72,25 @@ def test_the_forward_double_buffers_queries_where_it_measured_faster(seq, d, cau
     assert _sm90.constexprs(d, causal, qbuf=buffers)["QBUF"] == buffers
 
 
+@pytest.mark.parametrize(
+    ("seq", "d", "causal", "consumers"),
+    [(4096, 64, False, 3), (16384, 64, False, 3), (4095, 64, False, 2), (2048, 64, False, 2),
+     (16384, 64, True, 2), (16384, 128, False, 2), (16384, 128, True, 2)],
+)  # fmt: skip
+def test_the_forward_takes_three_consumers_where_it_measured_faster(seq, d, causal, consumers):
+    """Three consumer warpgroups (H100, ``benchmarks/sm90_fwd.py``, docs/benchmarks.md): head
+    dim 64 without a causal mask from 4096 rows (0.89-0.98x the time of two; 0.99x at 2048, 1.03x
+    at 1024); never causal (1.02-1.42x) or at head dim 128. The launch follows: 192-row tiles,
+    the register split of three consumers."""
+    q = torch.empty(2, 3, seq, d, device="meta")
+    assert _sm90.forward_consumers(q, causal) == consumers
+    meta = _sm90.constexprs(d, causal, consumers=consumers)
+    assert (meta["CONSUMERS"], meta["CONSUMER_REGS"]) == (consumers, _sm90.FWD_REGS[consumers][1])
+    assert _sm90.launch_options(consumers)["maxnreg"] == _sm90.FWD_REGS[consumers][0]
+    tiles = -(-seq // (64 * consumers)) * 2 * 3  # one program per tile (the grid forced)
+    assert _sm90.forward_grid(q, causal, persistent=False, consumers=consumers)[0] == tiles
+
+
 @contextmanager
 def _fresh_plans():
     """Empty launch tables for the Hopper kernels, so that each call of a launch key compiles
@@ -484,11 +503,11 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    # nine forwards (two defaults, two with key and value tiles released together, the cycle
+    # eleven forwards (two defaults, two with key and value tiles released together, the cycle
     # probe, two with the dynamic schedule, two with two query buffers: head dim 128's fits
-    # the 227 KB of shared memory), two dK/dV kernels, four fused backwards (head dims 64 and
-    # 128, TMA dQ sums)
-    assert done.stdout.count("shared memory") == 15, done.stdout
+    # the 227 KB of shared memory, two with three consumer warpgroups), two dK/dV kernels, four
+    # fused backwards (head dims 64 and 128, TMA dQ sums)
+    assert done.stdout.count("shared memory") == 17, done.stdout
     # A new sequence length compiles nothing: no integer argument is specialized (the first
     # call at a new length took 2-3 s on an H100 when they were).
     assert "\n1 kernel(s) for lengths" in done.stdout, done.stdout
@@ -784,6 +803,38 @@ def test_two_query_buffers_match_float64_and_one_buffer(case, dtype):
         assert forwards and all(meta["QBUF"] == buffers for meta in forwards)
     (out1, lse1), (out2, lse2) = results
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "case",
+    [Case(4, 4, 2, 1000, 1000, 64, False, None, False, False, seed=16),  # 6 tiles a head, 2 buffers
+     Case(2, 4, 2, 3000, 2500, 64, False, 0.2, False, True, seed=17),  # 1 buffer, strided
+     Case(2, 8, 2, 777, 777, 64, True, None, False, False, seed=18),  # dynamic, GQA 2:1
+     Case(1, 2, 4, 4100, 4100, 64, True, None, False, False, seed=19)],  # dynamic, GQA 4:1
+)  # fmt: skip
+def test_three_consumers_match_float64_and_two(case, dtype):
+    """The forward with three consumer warpgroups (FWD_CONSUMERS3_MIN: tiles of 192 query rows, the
+    turn passed round a ring of three) matches float64 and gives the bits of two consumers (a
+    row's arithmetic is the same; a causal tile's key tiles past a warpgroup's diagonal add
+    zeros). Lengths that are no multiple of 192, programs that take several tiles (the query
+    buffers and the ring refilled in turn). Each build compiles and is seen to."""
+    q, k, v = case.make(dtype, "cuda", requires_grad=False)
+    results = []
+    for consumers in (2, 3):
+        table = {(d, c): 0 for d in (64, 128) for c in (False, True)} if consumers == 3 else {}
+        with mock.patch.object(_sm90, "FWD_CONSUMERS3_MIN", table), _fresh_plans() as built:
+            assert _sm90.forward_consumers(q, case.is_causal) == consumers
+            if consumers == 3:
+                check_against_reference(case, dtype, _run(case), device="cuda", grads=False)
+            results.append(_run(case)(q, k, v))
+        forwards = [meta for meta in built if "CONSUMERS" in meta]
+        assert forwards and all(meta["CONSUMERS"] == consumers for meta in forwards)
+        assert all(meta["maxnreg"] == _sm90.FWD_REGS[consumers][0] for meta in forwards)
+    (out2, lse2), (out3, lse3) = results
+    assert torch.equal(out2, out3) and torch.equal(lse2, lse3)
 
 
 @gpu

@@ -93,9 +93,12 @@ FWD_QBUF2_MAX = {(64, True): 1 << 30, (64, False): 2048, (128, True): 2048, (128
 # dP^T). Without it ptxas (Triton 3.6's and 3.9's, sm90) hoists that wait above the exponentials
 # (the SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` before every ``MUFU.EX2`` of the forward's step,
 # before 24-27 of the backward's 32), so the softmax waits for the product instead of running
-# beside it; with it every exponential comes first (``tests/attention/sm90_offline.py`` checks the SASS). Off
-# until measured on the GPU (``benchmarks/gpu_checks/pin_wait_ab.py``): the same results bit
-# for bit are expected, the speed is not known yet.
+# beside it; with it every exponential comes first (``tests/attention/sm90_offline.py`` checks the SASS).
+# Off: measured slower (H100, ``benchmarks/gpu_checks/pin_wait_ab.py``, eleventh session, the same
+# bits): a fwd+bwd's kernel time 1.00-1.12x the unpinned build's on the peer grid's 20 problems
+# (geomean against cuDNN 1.052 pinned, 1.027 unpinned), the forward kernel 1.01-1.04x (head dim
+# 64). A likely reason, not measured: the other consumers' products already keep the tensor cores
+# busy while one computes its softmax, and the fence costs issue slots.
 FWD_PIN_WAIT = False
 BWD_PIN_WAIT = False
 # Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
@@ -103,6 +106,19 @@ BWD_PIN_WAIT = False
 RAW_LAUNCH = True
 NUM_WARPS = 4  # the default partition (consumer 0); the kernel adds 4 + 1 worker warps
 MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the register file
+# Three consumer warpgroups in the forward (tiles of 192 query rows, FA3's at head dim 64: a third
+# warpgroup's products keep the tensor cores busy while two compute their softmax, where the
+# exponentials weigh about as much as the products) from FWD_CONSUMERS3_MIN[(head dim, causal)]
+# query rows; two (128 rows) otherwise. H100 (``benchmarks/sm90_fwd.py``, kernel only, the same
+# bits; eleventh session, one run): head dim 64 without a causal mask 0.89x the time at
+# (1, 16, 16384), 0.95x at (4, 16, 4096), 0.98x at (1, 16, 8192) (its 688 tiles take 5.2 rounds of
+# the 132 SMs), 0.99x at (4, 16, 2048), 1.03x at (4, 16, 1024); causal 1.02-1.42x (its consumers
+# spill 136 bytes at 160 registers, and a tile's key tiles past a warpgroup's diagonal are zeros
+# it still multiplies): not taken. Head dim 128 does not fit (registers, shared memory).
+FWD_CONSUMERS3_MIN = {(64, False): 4096}
+# consumers -> (registers per thread at launch, each worker consumer's after setmaxnreg): three
+# consumers and the load warp's group are 512 threads, 128 registers each at launch.
+FWD_REGS = {2: (MAX_REGS, 240), 3: (128, 160)}
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MIN_SEQ_K = 1  # shorter key sequences take the portable kernel
 PERSISTENT_CAUSAL_MAX = 1024  # causal query lengths up to this run on the persistent grid
@@ -296,12 +312,25 @@ def forward_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Te
             causal, index, persistent, dynamic)  # fmt: skip
 
 
-def constexprs(d: int, causal: bool, dynamic: bool = False, qbuf: int = 1) -> dict:
+def constexprs(d: int, causal: bool, dynamic: bool = False, qbuf: int = 1,
+               consumers: int = 2) -> dict:  # fmt: skip
     """The kernel's compile-time arguments (``dynamic``: tiles from a counter; ``qbuf``: query
-    buffers per warpgroup; the variants and the ``PROBE`` timeline: ``benchmarks/sm90_fwd.py``
-    overrides them)."""
+    buffers per warpgroup; ``consumers``: consumer warpgroups; the variants and the ``PROBE``
+    timeline: ``benchmarks/sm90_fwd.py`` overrides them)."""
     return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
-            "DYNAMIC": dynamic, "QBUF": qbuf, "PIN_WAIT": FWD_PIN_WAIT}  # fmt: skip
+            "DYNAMIC": dynamic, "QBUF": qbuf, "PIN_WAIT": FWD_PIN_WAIT, "CONSUMERS": consumers,
+            "CONSUMER_REGS": FWD_REGS[consumers][1]}  # fmt: skip
+
+
+def launch_options(consumers: int) -> dict:
+    """The forward's launch options for ``consumers`` consumer warpgroups."""
+    return {"num_warps": NUM_WARPS, "maxnreg": FWD_REGS[consumers][0]}
+
+
+def forward_consumers(q: torch.Tensor, causal: bool) -> int:
+    """Consumer warpgroups of the forward: three from FWD_CONSUMERS3_MIN's length for the
+    problem's head dim and mask, else two."""
+    return 3 if q.shape[2] >= FWD_CONSUMERS3_MIN.get((q.shape[3], causal), 1 << 62) else 2
 
 
 def query_buffers(q: torch.Tensor, causal: bool) -> int:
@@ -323,9 +352,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     counter = schedule_counter(q, index) if dynamic else None
 
     def plan() -> tuple[tuple, dict]:
-        return forward_grid(q, causal, persistent, dynamic), {
-            **constexprs(d, causal, dynamic, query_buffers(q, causal)), "num_warps": NUM_WARPS,
-            "maxnreg": MAX_REGS}  # fmt: skip
+        consumers = forward_consumers(q, causal)
+        return forward_grid(q, causal, persistent, dynamic, consumers), {
+            **constexprs(d, causal, dynamic, query_buffers(q, causal), consumers),
+            **launch_options(consumers)}  # fmt: skip
 
     _launch_planned(attn_fwd_sm90, _PLANS, forward_key(q, k, v, lse, causal, index, persistent,
                                                        dynamic),
@@ -361,14 +391,15 @@ def dynamic_schedule(q: torch.Tensor, causal: bool, persistent: bool | None = No
 
 
 def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None,
-                 dynamic: bool = False) -> tuple:  # fmt: skip
+                 dynamic: bool = False, consumers: int = 2) -> tuple:  # fmt: skip
     """The forward's grid. Persistent (one program per SM) for full attention and short causal
     sequences (the next tile's loads overlap this one's epilogue); longer causal tiles differ in
     cost, so one program per tile and the hardware's scheduler balances them (H100 measurements:
     docs/benchmarks.md), or with ``dynamic`` persistent again, each program taking the heaviest
-    tile left when it is free. ``persistent`` True/False forces either static grid."""
+    tile left when it is free. ``persistent`` True/False forces either static grid; tiles have
+    ``consumers * BLOCK_M`` rows."""
     batch, heads, seq_q, _ = q.shape
-    n_tiles = triton_cdiv(seq_q, 2 * BLOCK_M) * batch * heads
+    n_tiles = triton_cdiv(seq_q, consumers * BLOCK_M) * batch * heads
     long = not dynamic and (persistent is False or (persistent is None and causal
                                                     and seq_q > PERSISTENT_CAUSAL_MAX))  # fmt: skip
     return (n_tiles if long else min(n_tiles, _sm_count(q.get_device())), 1, 1)

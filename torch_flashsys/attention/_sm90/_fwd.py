@@ -1,26 +1,29 @@
 """FlashAttention forward for Hopper (sm90) in Gluon: warp-specialized, TMA loads, async wgmma.
 
-Programs walk the query tiles of ``2 * BLOCK_M`` rows of every (batch, head) in schedule order
-(:func:`_tile`): the host launches one program per SM (persistent: the next tile's loads overlap
-this one's epilogue), which takes its tiles in rounds of ``num_programs`` that alternate
-direction (full attention, short causal sequences) or, ``DYNAMIC`` (longer causal sequences,
-whose tiles differ in cost), one after another from a global counter, so the heaviest tile left
-goes to whichever program is free first (``PERSISTENT_CAUSAL_MAX`` and ``FWD_DYNAMIC`` in
-``_sm90``; a grid of one program per tile is the alternative). Each program runs three
+Programs walk the query tiles of ``CONSUMERS * BLOCK_M`` rows of every (batch, head) in
+schedule order (:func:`_tile`): the host launches one program per SM (persistent: the next
+tile's loads overlap this one's epilogue), which takes its tiles in rounds of ``num_programs``
+that alternate direction (full attention, short causal sequences) or, ``DYNAMIC`` (longer causal
+sequences, whose tiles differ in cost), one after another from a global counter, so the heaviest
+tile left goes to whichever program is free first (``PERSISTENT_CAUSAL_MAX`` and ``FWD_DYNAMIC``
+in ``_sm90``; a grid of one program per tile is the alternative). Each program runs these
 partitions:
 
-- a **load** warp issues TMA copies: both query halves of a tile (once their buffers are free),
-  then its key and value tiles into rings of ``STAGES`` shared-memory buffers, each guarded by a
-  ready barrier (TMA byte count) and an empty barrier (both consumers release it: a key tile
+- a **load** warp issues TMA copies: a tile's query slices (once their buffers are free), then
+  its key and value tiles into rings of ``STAGES`` shared-memory buffers, each guarded by a
+  ready barrier (TMA byte count) and an empty barrier (every consumer releases it: a key tile
   once its S is computed, a value tile once its P V is, with ``KV_SPLIT``); with ``DYNAMIC`` it
   also takes the tiles from the counter and hands them to the consumers;
-- two **consumer** warpgroups, each owning ``BLOCK_M`` (64) query rows of the tile, run the FA2
-  loop on the tensor cores: ``S = Q K^T`` (both operands in shared memory), the online softmax in
-  base 2 with the scale inside the exponent, ``O += P V`` (P from registers). Within a warpgroup
-  the softmax of tile j is written to run while the wgmma of ``P_{j-1} V_{j-1}`` is in flight
-  (FA3's intra-warpgroup overlap), which takes ``PIN_WAIT`` in the compiled code (ptxas hoists
-  the wait otherwise; see :func:`_consume`); across the two warpgroups the warp scheduler
-  interleaves one's softmax with the other's matrix products (inter-warpgroup overlap).
+- two or three **consumer** warpgroups (``CONSUMERS``; three at head dim 64 without a causal
+  mask from 4096 rows, ``_sm90.FWD_CONSUMERS3_MIN``), each owning ``BLOCK_M`` (64) query rows
+  of the tile, run the FA2 loop on the tensor cores: ``S = Q K^T`` (both operands in shared
+  memory), the online softmax in base 2 with the scale inside the exponent, ``O += P V`` (P
+  from registers). Within a warpgroup the softmax of tile j is written to run while the wgmma
+  of ``P_{j-1} V_{j-1}`` is in flight (FA3's intra-warpgroup overlap), which takes ``PIN_WAIT``
+  in the compiled code (ptxas hoists the wait otherwise; see :func:`_consume`; measured slower,
+  so off); the warpgroups take turns to issue their products (a ring of turn barriers), so
+  one's softmax runs while the others' matrix products use the tensor cores (inter-warpgroup
+  overlap).
 
 The descriptors are 4-D ``(batch, heads, seq, head_dim)`` over the tensors' own strides, so any
 layout whose strides are 16-byte multiples works without a copy, and rows past a sequence's end
@@ -198,14 +201,16 @@ if AVAILABLE:
 
     @gluon.jit
     def _my_turn(turns, k, WG: gl.constexpr):
-        """Wait until warpgroup WG may issue its k-th round of matrix products: the two
-        consumers take turns (warpgroup 0 first), so one's softmax runs while the other's wgmma
-        use the tensor cores (FA3's ping-pong)."""
-        mbarrier.wait(turns.index(WG), (k & 1) ^ (1 - WG))
+        """Wait until warpgroup WG may issue its k-th round of matrix products: the consumers
+        take turns in a ring (warpgroup 0 first), so one's softmax runs while the others' wgmma
+        use the tensor cores (FA3's ping-pong; with three consumers, its round robin)."""
+        FIRST: gl.constexpr = 1 if WG == 0 else 0  # a fresh barrier passes parity 1
+        mbarrier.wait(turns.index(WG), (k & 1) ^ FIRST)
 
     @gluon.jit
     def _pass_turn(turns, WG: gl.constexpr):
-        mbarrier.arrive(turns.index(1 - WG), count=1)
+        CONSUMERS: gl.constexpr = turns.type.shape[0]
+        mbarrier.arrive(turns.index((WG + 1) % CONSUMERS), count=1)
 
     @gluon.jit
     def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
@@ -230,6 +235,7 @@ if AVAILABLE:
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = k_smem.type.shape[0]
+        CONSUMERS: gl.constexpr = turns.type.shape[0]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -257,7 +263,7 @@ if AVAILABLE:
             n_steps = c0
             t = clock64(total)
         while tid < total:
-            b, h, hk, m0, n_kv = _tile(tid, sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
+            b, h, hk, m0, n_kv = _tile(tid, sched, CONSUMERS * BLOCK_M, BLOCK_N, CAUSAL)
             r0 = m0 + WG * BLOCK_M
             if CAUSAL:  # key tiles every row of this warpgroup sees whole
                 n_full = gl.minimum(r0 + 1, seq_k) // BLOCK_N
@@ -267,7 +273,7 @@ if AVAILABLE:
             l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
             s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-            qb = (n_done % QBUF) * 2 + WG
+            qb = (n_done % QBUF) * CONSUMERS + WG
             q = q_smem.index(qb).reshape([BLOCK_M, HEAD_DIM])
             mbarrier.wait(q_ready.index(qb), (n_done // QBUF) & 1)
             # Key tile 0: S, then its softmax.
@@ -280,7 +286,7 @@ if AVAILABLE:
             k_turn += 1
             s = warpgroup_mma_wait(0, deps=(s, q, k))[0]
             if KV_SPLIT:
-                mbarrier.arrive(k_empty.index(st), count=1)  # both warpgroups release a key tile
+                mbarrier.arrive(k_empty.index(st), count=1)  # every consumer releases a key tile
             p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL)
             pa = gl.convert_layout(p.to(q.dtype), p_layout)
             if PROBE == 3:
@@ -318,7 +324,7 @@ if AVAILABLE:
                 if PIN_WAIT:
                     schedule_fence(j)
                 acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
-                _release_kv(k_empty, v_empty, sp, KV_SPLIT)  # both warpgroups release them
+                _release_kv(k_empty, v_empty, sp, KV_SPLIT)  # every consumer releases them
                 if PROBE == 3:
                     c5, t = lap(c5, t, j)
                 acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
@@ -378,6 +384,12 @@ if AVAILABLE:
         _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, PIN_WAIT, 1)
 
     @gluon.jit
+    def _consumer2(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
+                   PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
+                   PIN_WAIT: gl.constexpr):  # fmt: skip
+        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, PIN_WAIT, 2)
+
+    @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
               PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
               PIN_WAIT: gl.constexpr):  # fmt: skip
@@ -397,6 +409,7 @@ if AVAILABLE:
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         STAGES: gl.constexpr = k_smem.type.shape[0]
+        CONSUMERS: gl.constexpr = turns.type.shape[0]
         it = 0
         n_done = 0
         total = n_m * n_bh
@@ -408,9 +421,9 @@ if AVAILABLE:
         while tid < total:
             if DYNAMIC:
                 _publish(tiles, tid, r)
-            b, h, hk, m0, n_kv = _tile(tid, sched, 2 * BLOCK_M, BLOCK_N, CAUSAL)
-            for i in gl.static_range(2):
-                qb = (n_done % QBUF) * 2 + i
+            b, h, hk, m0, n_kv = _tile(tid, sched, CONSUMERS * BLOCK_M, BLOCK_N, CAUSAL)
+            for i in gl.static_range(CONSUMERS):
+                qb = (n_done % QBUF) * CONSUMERS + i
                 mbarrier.wait(q_empty.index(qb), ((n_done // QBUF) & 1) ^ 1)  # fresh: passes
                 mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
                 tma_load(q_desc, [b, h, m0 + i * BLOCK_M, 0], q_ready.index(qb),
@@ -439,7 +452,7 @@ if AVAILABLE:
             _publish(tiles, tid, r)  # past the end: the consumers stop
 
     # O = softmax(Q K^T * scale) V;  LSE = logsumexp(Q K^T * scale, dim=-1)
-    # (persistent: each program walks query tiles of 2 * BLOCK_M rows of one (batch, head)).
+    # (persistent: each program walks query tiles of CONSUMERS * BLOCK_M rows of one (batch, head)).
     # No integer argument is specialized: Triton would compile a kernel per combination of their
     # divisibility by 16, i.e. again for many new sequence lengths (2-3 s each on an H100).
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
@@ -447,21 +460,25 @@ if AVAILABLE:
         q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, n_bh, n_heads, group, seq_q,
         seq_k, qk_scale, group_heads, COUNTER, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
         KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-        PIN_WAIT: gl.constexpr = False,
+        PIN_WAIT: gl.constexpr = False, CONSUMERS: gl.constexpr = 2,
+        CONSUMER_REGS: gl.constexpr = 240,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         gl.static_assert(BLOCK_M == 64, "one warpgroup of 64 rows per consumer")
-        gl.static_assert(BLOCK_N == 2 * BLOCK_M, "both consumers see the same key tiles")
+        gl.static_assert(BLOCK_N == 128, "key tiles of 128 rows")
+        gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
+        gl.static_assert(PROBE != 3 or CONSUMERS == 2, "the timeline probes two consumers")
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2 * QBUF] + q_desc.block_type.shape,
-                                           q_desc.layout)  # fmt: skip
+        NQ: gl.constexpr = CONSUMERS * QBUF  # query buffers: QBUF per consumer
+        q_smem = gl.allocate_shared_memory(dtype, [NQ] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [2 * QBUF, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2 * QBUF, 1], mbarrier.MBarrierLayout())
+        o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape,
+                                           o_desc.layout)  # fmt: skip
+        turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NQ, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -472,34 +489,54 @@ if AVAILABLE:
         tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(tile_ready.index(i), count=1)
-            mbarrier.init(tile_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(tile_empty.index(i), count=CONSUMERS)  # one arrival per consumer
+        for i in gl.static_range(CONSUMERS):
             mbarrier.init(turns.index(i), count=1)
-        for i in gl.static_range(2 * QBUF):
+        for i in gl.static_range(NQ):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-            mbarrier.init(v_empty.index(i), count=2)
-        n_m = gl.cdiv(seq_q, 2 * BLOCK_M)
+            mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrival per consumer
+            mbarrier.init(v_empty.index(i), count=CONSUMERS)
+        n_m = gl.cdiv(seq_q, CONSUMERS * BLOCK_M)
         descs = (q_desc, k_desc, v_desc, o_desc)
         bufs = (q_smem, k_smem, v_smem, o_smem)
         tiles = (slots, tile_ready, tile_empty)
         bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles)
         sched = (n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads)
         out = (LSE, stride_lb, stride_lh, COUNTER)
+        # The default partition is consumer 0; the load warp gets 24 registers, each worker
+        # consumer CONSUMER_REGS (``_sm90.FWD_REGS``). (The arguments are written out: constexprs
+        # passed inside a tuple arrive as plain values.)
         # fmt: off
-        gl.warp_specialize(
-            [
-                (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                              QBUF, PIN_WAIT)),
-                (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                              QBUF, PIN_WAIT)),
-                (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
-                         PIN_WAIT)),
-            ],
-            [4, 1],
-            [240, 24],
-        )
+        if CONSUMERS == 2:
+            gl.warp_specialize(
+                [
+                    (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
+                                  QBUF, PIN_WAIT)),
+                    (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
+                                  QBUF, PIN_WAIT)),
+                    (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
+                             QBUF, PIN_WAIT)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, 24],
+            )
+        else:
+            gl.warp_specialize(
+                [
+                    (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
+                                  QBUF, PIN_WAIT)),
+                    (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
+                                  QBUF, PIN_WAIT)),
+                    (_consumer2, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
+                                  QBUF, PIN_WAIT)),
+                    (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
+                             QBUF, PIN_WAIT)),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, 24],
+            )
         # fmt: on
