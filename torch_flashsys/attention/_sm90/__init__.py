@@ -112,7 +112,7 @@ MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the re
 # query rows; two (128 rows) otherwise. H100 (``benchmarks/sm90_fwd.py``, kernel only, the same
 # bits; eleventh session, one run): head dim 64 without a causal mask 0.89x the time at
 # (1, 16, 16384), 0.95x at (4, 16, 4096), 0.98x at (1, 16, 8192) (its 688 tiles take 5.2 rounds of
-# the 132 SMs), 0.99x at (4, 16, 2048), 1.03x at (4, 16, 1024); causal 1.02-1.42x (its consumers
+# the 132 SMs), 0.99x at (4, 16, 2048), 1.03x at (4, 16, 1024); causal 1.06-1.42x (its consumers
 # spill 136 bytes at 160 registers, and a tile's key tiles past a warpgroup's diagonal are zeros
 # it still multiplies): not taken. Head dim 128 does not fit (registers, shared memory).
 FWD_CONSUMERS3_MIN = {(64, False): 4096}
