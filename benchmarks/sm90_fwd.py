@@ -88,6 +88,8 @@ def variant_rows(shape) -> list[dict]:
     ref, ref_lse = _sm90.forward(q, k, v, d**-0.5, causal)
     rows = []
     for name, extra in VARIANTS.items():
+        if extra.get("CONSUMERS", 2) == 3 and d != 64:
+            continue  # three consumers fit head dim 64 only (registers, shared memory)
         launch, out, lse, _ = _launcher(q, k, v, causal, extra)
         launch()
         same = torch.equal(out, ref) and torch.equal(lse, ref_lse)
