@@ -110,12 +110,13 @@ MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the re
 # warpgroup's products keep the tensor cores busy while two compute their softmax, where the
 # exponentials weigh about as much as the products) from FWD_CONSUMERS3_MIN[(head dim, causal)]
 # query rows; two (128 rows) otherwise. H100 (``benchmarks/sm90_fwd.py``, kernel only, the same
-# bits; eleventh session, one run): head dim 64 without a causal mask 0.89x the time at
-# (1, 16, 16384), 0.95x at (4, 16, 4096), 0.98x at (1, 16, 8192) (its 688 tiles take 5.2 rounds of
-# the 132 SMs), 0.99x at (4, 16, 2048), 1.03x at (4, 16, 1024); causal 1.06-1.42x (its consumers
+# bits; eleventh session, two runs): head dim 64 without a causal mask 0.89-0.90x the time at
+# (1, 16, 16384), 0.87x at (2, 16, 3072) (one run), 0.92-0.95x at (4, 16, 4096), 0.97x at
+# (4, 8, 4096), 0.98x at (1, 16, 8192) (its 688 tiles take 5.2 rounds of the 132 SMs), 0.99x at
+# (4, 16, 2048), 1.03x at (4, 16, 1024); causal 1.06-1.42x (its consumers
 # spill 136 bytes at 160 registers, and a tile's key tiles past a warpgroup's diagonal are zeros
 # it still multiplies): not taken. Head dim 128 does not fit (registers, shared memory).
-FWD_CONSUMERS3_MIN = {(64, False): 4096}
+FWD_CONSUMERS3_MIN = {(64, False): 2049}
 # consumers -> (registers per thread at launch, each worker consumer's after setmaxnreg): three
 # consumers and the load warp's group are 512 threads, 128 registers each at launch.
 FWD_REGS = {2: (MAX_REGS, 240), 3: (128, 160)}
