@@ -113,9 +113,10 @@ MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the re
 # bits; eleventh session, two runs): head dim 64 without a causal mask 0.89-0.90x the time at
 # (1, 16, 16384), 0.87x at (2, 16, 3072) (one run), 0.92-0.95x at (4, 16, 4096), 0.97x at
 # (4, 8, 4096), 0.98x at (1, 16, 8192) (its 688 tiles take 5.2 rounds of the 132 SMs), 0.99x at
-# (4, 16, 2048), 1.03x at (4, 16, 1024); causal 1.06-1.42x (its consumers
-# spill 136 bytes at 160 registers, and a tile's key tiles past a warpgroup's diagonal are zeros
-# it still multiplies): not taken. Head dim 128 does not fit (registers, shared memory).
+# (4, 16, 2048), 1.03x at (4, 16, 1024). Causal: 1.06-1.42x as first built (its consumers spilled,
+# and multiplied the key tiles past their rows); with those tiles skipped per warpgroup and the
+# mask bound per row (fewer spills), 0.96-1.00x at 8192-16384 rows, 1.01-1.16x at 1024-4096 (one
+# run): not taken. Head dim 128 does not fit (registers, shared memory).
 FWD_CONSUMERS3_MIN = {(64, False): 2049}
 # consumers -> (registers per thread at launch, each worker consumer's after setmaxnreg): three
 # consumers and the load warp's group are 512 threads, 128 registers each at launch.

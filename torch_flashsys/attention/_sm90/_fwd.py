@@ -180,7 +180,8 @@ if AVAILABLE:
         return b, h, h // group, m0, gl.cdiv(hi, BLOCK_N)
 
     @gluon.jit
-    def _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL: gl.constexpr):
+    def _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL: gl.constexpr,
+                      ROW_BOUND: gl.constexpr = False):  # fmt: skip
         """Online softmax (base 2, scale in the exponent's FMA) of score tile j of rows r0.. :
         ``(p, alpha, m_new, l_new)``. Tiles from n_full on may cross the causal diagonal or the
         end of the keys and are masked (qk_scale > 0: max(s) * qk_scale is the scaled max)."""
@@ -188,11 +189,22 @@ if AVAILABLE:
         BLOCK_N: gl.constexpr = s.type.shape[1]
         s_layout: gl.constexpr = s.type.layout
         if j >= n_full:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = (cols < seq_k)[None, :]
-            if CAUSAL:  # top-left aligned: row i attends keys j <= i
+            if CAUSAL and ROW_BOUND:
+                # Column c is key j * BLOCK_N + c: kept where that key is < seq_k and <= the row,
+                # i.e. c <= one bound per row, compared with the column offsets (constants). Fewer
+                # registers than a key index per element: three consumers' causal build spills
+                # 25 lines of SASS instead of 95 at 160 registers. Two consumers keep the form
+                # below, whose builds were measured (the other form moved their registers).
+                last = seq_k - 1 - j * BLOCK_N
+                offs = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-                keep = keep & (cols[None, :] <= rows[:, None])
+                keep = offs[None, :] <= gl.minimum(rows - j * BLOCK_N, last)[:, None]
+            else:
+                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                keep = (cols < seq_k)[None, :]
+                if CAUSAL:  # top-left aligned: row i attends keys j <= i
+                    rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                    keep = keep & (cols[None, :] <= rows[:, None])
             s = gl.where(keep, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
@@ -269,6 +281,9 @@ if AVAILABLE:
                 n_full = gl.minimum(r0 + 1, seq_k) // BLOCK_N
             else:
                 n_full = seq_k // BLOCK_N
+            n_mine = n_kv  # key tiles this warpgroup's rows see
+            if CAUSAL and CONSUMERS == 3:  # a 192-row tile's last key tiles are past some rows
+                n_mine = gl.cdiv(gl.minimum(seq_k, r0 + BLOCK_M), BLOCK_N)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
@@ -287,13 +302,14 @@ if AVAILABLE:
             s = warpgroup_mma_wait(0, deps=(s, q, k))[0]
             if KV_SPLIT:
                 mbarrier.arrive(k_empty.index(st), count=1)  # every consumer releases a key tile
-            p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL)
+            p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL,
+                                               CONSUMERS == 3)  # fmt: skip
             pa = gl.convert_layout(p.to(q.dtype), p_layout)
             if PROBE == 3:
                 c7, t = lap(c7, t, r)
             # Tile j: issue S_j and P_{j-1} V_{j-1} in this warpgroup's turn; the softmax of S_j
             # runs while P V and the other warpgroup's products use the tensor cores.
-            for j in range(1, n_kv):
+            for j in range(1, n_mine):
                 st = (it + j) % STAGES
                 k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
@@ -317,7 +333,7 @@ if AVAILABLE:
                 if PROBE == 3:
                     c3, t = lap(c3, t, j)
                 p, alpha, m_i, l_i = _softmax_tile(
-                    s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL
+                    s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL, CONSUMERS == 3
                 )  # fmt: skip
                 if PROBE == 3:
                     c4, t = lap(c4, t, j)
@@ -333,15 +349,29 @@ if AVAILABLE:
                     c6, t = lap(c6, t, j)
                     n_steps += 1
             mbarrier.arrive(q_empty.index(qb), count=1)  # every S of this tile is done
-            sp = (it + n_kv - 1) % STAGES
+            sp = (it + n_mine - 1) % STAGES
             v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(v_ready.index(sp), ((it + n_kv - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(sp), ((it + n_mine - 1) // STAGES) & 1)
             _my_turn(turns, k_turn, WG)
             acc = warpgroup_mma(pa, v, acc, is_async=True)
             _pass_turn(turns, WG)
             k_turn += 1
             acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
             _release_kv(k_empty, v_empty, sp, KV_SPLIT)
+            # Key tiles past this warpgroup's rows (three consumers, causal): release them once
+            # loaded (a release before its load could count towards the stage's previous round)
+            # and take their turns, so the ring and the turns stay in step with the others.
+            if CAUSAL and CONSUMERS == 3:  # (other builds: n_mine == n_kv)
+                for j in range(n_mine, n_kv):
+                    st = (it + j) % STAGES
+                    mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
+                    if KV_SPLIT:
+                        mbarrier.arrive(k_empty.index(st), count=1)
+                    mbarrier.wait(v_ready.index(st), ((it + j) // STAGES) & 1)
+                    _release_kv(k_empty, v_empty, st, KV_SPLIT)
+                    _my_turn(turns, k_turn, WG)
+                    _pass_turn(turns, WG)
+                    k_turn += 1
             it += n_kv
             n_done += 1
             # Epilogue: O = acc / l through shared memory and a TMA store (rows past seq_q are
