@@ -31,10 +31,11 @@ CASES = [(b, h, n, d, c) for (b, h, n) in _peers.SHAPES for d in (64, 128) for c
 
 @contextlib.contextmanager
 def pinned(on: bool):
-    """Both pins set to ``on``, the kept launches dropped before and after (a kept launch would
-    keep the other build: the pins are compile-time and not in the launch keys)."""
+    """Both pins set to ``on`` (the forward's for every head dim and mask), the kept launches
+    dropped before and after (a kept launch would keep the other build: the pins are
+    compile-time and not in the launch keys)."""
     saved = (_sm90.FWD_PIN_WAIT, _sm90.BWD_PIN_WAIT)
-    _sm90.FWD_PIN_WAIT = _sm90.BWD_PIN_WAIT = on
+    _sm90.FWD_PIN_WAIT, _sm90.BWD_PIN_WAIT = dict.fromkeys(saved[0], on), on
     _sm90.forget_launches()
     try:
         yield

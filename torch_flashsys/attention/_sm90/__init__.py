@@ -94,12 +94,14 @@ FWD_QBUF2_MAX = {(64, True): 1 << 30, (64, False): 2048, (128, True): 2048, (128
 # (the SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` before every ``MUFU.EX2`` of the forward's step,
 # before 24-27 of the backward's 32), so the softmax waits for the product instead of running
 # beside it; with it every exponential comes first (``tests/attention/sm90_offline.py`` checks the SASS).
-# Off: measured slower (H100, ``benchmarks/gpu_checks/pin_wait_ab.py``, eleventh session, the same
-# bits): a fwd+bwd's kernel time 1.00-1.12x the unpinned build's on the peer grid's 20 problems
-# (geomean against cuDNN 1.052 pinned, 1.027 unpinned), the forward kernel 1.01-1.04x (head dim
-# 64). A likely reason, not measured: the other consumers' products already keep the tensor cores
-# busy while one computes its softmax, and the fence costs issue slots.
-FWD_PIN_WAIT = False
+# H100 (eleventh session, the same bits): the backward off: a fwd+bwd's kernel time 1.00-1.12x the
+# unpinned build's on the peer grid's 20 problems (``benchmarks/gpu_checks/pin_wait_ab.py``;
+# geomean against cuDNN 1.052 pinned, 1.027 unpinned). The forward (``benchmarks/sm90_fwd.py``,
+# kernel only) per (head dim, causal): head dim 128 without a causal mask 0.965-0.996x the time
+# (two runs, 2048-16384 rows), so on there; causal 0.98-1.05x and head dim 64 1.01-1.14x, off. A
+# likely reason, not measured: the other consumers' products already keep the tensor cores busy
+# while one computes its softmax, and the fence costs issue slots.
+FWD_PIN_WAIT = {(64, False): False, (64, True): False, (128, False): True, (128, True): False}
 BWD_PIN_WAIT = False
 # Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
 # address) instead of Triton's launcher object (``_rawlaunch``; host time per call below).
@@ -320,7 +322,8 @@ def constexprs(d: int, causal: bool, dynamic: bool = False, qbuf: int = 1,
     buffers per warpgroup; ``consumers``: consumer warpgroups; the variants and the ``PROBE``
     timeline: ``benchmarks/sm90_fwd.py`` overrides them)."""
     return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
-            "DYNAMIC": dynamic, "QBUF": qbuf, "PIN_WAIT": FWD_PIN_WAIT, "CONSUMERS": consumers,
+            "DYNAMIC": dynamic, "QBUF": qbuf, "PIN_WAIT": FWD_PIN_WAIT[(d, causal)],
+            "CONSUMERS": consumers,
             "CONSUMER_REGS": FWD_REGS[consumers][1]}  # fmt: skip
 
 
