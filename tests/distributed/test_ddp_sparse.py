@@ -39,6 +39,11 @@ def test_sparse_gradients_match_torch_ddp_and_single_process(world, seed):
     coalesced where torch's are, ``None`` where no rank had one; bucket sizes 0 and None;
     no_sync accumulation; ZeRO-1 and ZeRO-2 (SGD with momentum) give single-process results."""
     runs = run_distributed(sparse_cases.equivalence, world, args=(seed,), timeout=240)
+    torch_runs = run_distributed(sparse_cases.torch_reference, world, args=(seed,), timeout=120)
+    for run, torch_run in zip(runs, torch_runs, strict=True):
+        for key, res in torch_run.items():
+            run[key]["torch"] = res
+        assert all("torch" in res for key, res in run.items() if key.startswith("plain/"))
     single = runs[0]
     # F.embedding(sparse=True) on a plain parameter: not known as sparse, summed densely
     dense_sum = {k: v for k, v in single["functional"]["single"].items() if k != "layouts"}
