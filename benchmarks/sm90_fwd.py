@@ -6,7 +6,8 @@ in the same run (H100/H200).
 
 Default: per shape (bf16), the kernel alone (``do_bench`` medians of the direct launch the library
 makes, on the library's grid) for each variant in :data:`VARIANTS`, whether its output equals the
-library's default bit for bit, and cuDNN's forward (``sdpa_kernel`` pinned, no grad) beside it.
+library's default bit for bit, and cuDNN's forward (``sdpa_kernel`` pinned, no grad) beside it;
+three rounds in alternating order, their median and spread (max / min).
 ``--timeline``: the ``PROBE == 3`` build's %clock64 cycles per key-tile step and phase of each
 consumer warpgroup (summed over programs, divided by their steps), per variant.
 """
@@ -80,14 +81,19 @@ def _launcher(q, k, v, causal: bool, extra: dict):
     return launch, out, lse, grid
 
 
-def variant_rows(shape) -> list[dict]:
+def variant_rows(shape, rounds: int = 3) -> list[dict]:
+    """Per variant (and cuDNN): built and compared with the library's output once, then timed
+    in ``rounds`` rounds that alternate the order of the variants (a long problem's later runs
+    in one process can measure slower: the GPU's clocks), reporting the median of the rounds."""
+    import statistics
+
     from triton.testing import do_bench
 
     b, h, hk, n, d, causal = shape
     q, k, v, causal, label = _problem(shape)
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
     ref, ref_lse = _sm90.forward(q, k, v, d**-0.5, causal)
-    rows = []
+    calls, rows = {}, {}
     for name, extra in VARIANTS.items():
         if extra.get("CONSUMERS", 2) == 3 and d != 64:
             continue  # three consumers fit head dim 64 only (registers, shared memory)
@@ -95,14 +101,24 @@ def variant_rows(shape) -> list[dict]:
         launch()
         same = torch.equal(out, ref) and torch.equal(lse, ref_lse)
         diff = (out.float() - ref.float()).abs().max().item()
-        ms = do_bench(launch, warmup=25, rep=200)
-        rows.append({"shape": label, "impl": name, "ms": ms, "tflops": flops / ms / 1e9,
-                     "equal_to_default": same, "max_diff_vs_default": diff})  # fmt: skip
+        calls[name] = launch
+        rows[name] = {"shape": label, "impl": name, "equal_to_default": same,
+                      "max_diff_vs_default": diff}  # fmt: skip
     cudnn = sdpa_call("CUDNN_ATTENTION", is_causal=causal, enable_gqa=h != hk)
-    with torch.no_grad():
-        ms = do_bench(lambda: cudnn(q, k, v), warmup=25, rep=200)
-    rows.append({"shape": label, "impl": "sdpa cudnn", "ms": ms, "tflops": flops / ms / 1e9})
-    return rows
+
+    def cudnn_fwd():
+        with torch.no_grad():
+            return cudnn(q, k, v)
+
+    calls["sdpa cudnn"], rows["sdpa cudnn"] = cudnn_fwd, {"shape": label, "impl": "sdpa cudnn"}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in list(calls)[:: 1 if r % 2 == 0 else -1]:
+            times[name].append(do_bench(calls[name], warmup=25, rep=200))
+    for name, row in rows.items():
+        ms = statistics.median(times[name])
+        row.update(ms=ms, tflops=flops / ms / 1e9, spread=max(times[name]) / min(times[name]))
+    return list(rows.values())
 
 
 def timeline_rows(shape) -> list[dict]:
@@ -162,7 +178,7 @@ def main() -> None:
         return
     rows = [r for shape in shapes for r in variant_rows(shape)]
     report("Hopper forward: compile-time variants (kernel only) and cuDNN", rows,
-           ("shape", "impl", "ms", "tflops", "equal_to_default", "max_diff_vs_default"),
+           ("shape", "impl", "ms", "tflops", "spread", "equal_to_default", "max_diff_vs_default"),
            args.out)  # fmt: skip
 
 
