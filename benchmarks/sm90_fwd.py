@@ -38,6 +38,7 @@ SHAPES = [  # batch, query heads, key/value heads, length, head dim, causal
 VARIANTS = {  # name: constexprs over the library's (earlier: KV_SPLIT, DYNAMIC, QBUF; git history)
     "default": {},
     "pinned P V wait": {"PIN_WAIT": True},  # _sm90.FWD_PIN_WAIT
+    "unpinned": {"PIN_WAIT": False},
     "2 consumers": {"CONSUMERS": 2, "CONSUMER_REGS": 240},  # _sm90.FWD_CONSUMERS3_MIN
     "3 consumers": {"CONSUMERS": 3, "CONSUMER_REGS": 160},
 }
