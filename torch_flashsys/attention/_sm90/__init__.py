@@ -98,9 +98,10 @@ FWD_QBUF2_MAX = {(64, True): 1 << 30, (64, False): 2048, (128, True): 2048, (128
 # unpinned build's on the peer grid's 20 problems (``benchmarks/gpu_checks/pin_wait_ab.py``;
 # geomean against cuDNN 1.052 pinned, 1.027 unpinned). The forward (``benchmarks/sm90_fwd.py``,
 # kernel only) per (head dim, causal): head dim 128 without a causal mask 0.965-0.996x the time
-# (two runs, 2048-16384 rows), so on there; causal 0.98-1.05x and head dim 64 1.01-1.14x, off. A
-# likely reason, not measured: the other consumers' products already keep the tensor cores busy
-# while one computes its softmax, and the fence costs issue slots.
+# (two runs, 2048-16384 rows; 0.94-0.99x in a third, the builds' order alternated), so on there;
+# causal 0.98-1.05x and head dim 64 1.01-1.14x, off. A likely reason, not measured: the other
+# consumers' products already keep the tensor cores busy while one computes its softmax, and the
+# fence costs issue slots.
 FWD_PIN_WAIT = {(64, False): False, (64, True): False, (128, False): True, (128, True): False}
 BWD_PIN_WAIT = False
 # Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
