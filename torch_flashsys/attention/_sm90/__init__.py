@@ -113,8 +113,8 @@ MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the re
 # warpgroup's products keep the tensor cores busy while two compute their softmax, where the
 # exponentials weigh about as much as the products) from FWD_CONSUMERS3_MIN[(head dim, causal)]
 # query rows; two (128 rows) otherwise. H100 (``benchmarks/sm90_fwd.py``, kernel only, the same
-# bits; eleventh session, two runs): head dim 64 without a causal mask 0.89-0.90x the time at
-# (1, 16, 16384), 0.87x at (2, 16, 3072) (one run), 0.92-0.95x at (4, 16, 4096), 0.97x at
+# bits; eleventh session, three runs): head dim 64 without a causal mask 0.85-0.90x the time at
+# (1, 16, 16384), 0.87x at (2, 16, 3072) (two runs), 0.90-0.95x at (4, 16, 4096), 0.97x at
 # (4, 8, 4096), 0.98x at (1, 16, 8192) (its 688 tiles take 5.2 rounds of the 132 SMs), 0.99x at
 # (4, 16, 2048), 1.03x at (4, 16, 1024). Causal: 1.06-1.42x as first built (its consumers spilled,
 # and multiplied the key tiles past their rows); with those tiles skipped per warpgroup and the
