@@ -117,10 +117,12 @@ MAX_REGS = 168  # registers per thread at launch: 168 x 384 threads fills the re
 # (1, 16, 16384), 0.87x at (2, 16, 3072) (two runs), 0.90-0.95x at (4, 16, 4096), 0.97x at
 # (4, 8, 4096), 0.98x at (1, 16, 8192) (its 688 tiles take 5.2 rounds of the 132 SMs), 0.99x at
 # (4, 16, 2048), 1.03x at (4, 16, 1024). Causal: 1.06-1.42x as first built (its consumers spilled,
-# and multiplied the key tiles past their rows); with those tiles skipped per warpgroup and the
-# mask bound per row (fewer spills), 0.96-1.00x at 8192-16384 rows, 1.01-1.16x at 1024-4096 (one
-# run): not taken. Head dim 128 does not fit (registers, shared memory).
-FWD_CONSUMERS3_MIN = {(64, False): 2049}
+# and multiplied the key tiles past their rows); with those tiles skipped per warpgroup, the mask
+# bound per row and the masked steps in a loop of their own (no spill in the unmasked loop):
+# 0.92-0.95x at (1, 16, 16384), 0.93-0.94x at (1, 32/8, 8192) (GQA), 1.00x at 4096 rows,
+# 1.03-1.08x at 2048, 1.19x at 1024 (one run, three rounds of alternating order): three from
+# 8192 rows. Head dim 128 does not fit (registers, shared memory).
+FWD_CONSUMERS3_MIN = {(64, False): 2049, (64, True): 8192}
 # consumers -> (registers per thread at launch, each worker consumer's after setmaxnreg): three
 # consumers and the load warp's group are 512 threads, 128 registers each at launch.
 FWD_REGS = {2: (MAX_REGS, 240), 3: (128, 160)}

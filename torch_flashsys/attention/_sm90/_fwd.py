@@ -181,14 +181,15 @@ if AVAILABLE:
 
     @gluon.jit
     def _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL: gl.constexpr,
-                      ROW_BOUND: gl.constexpr = False):  # fmt: skip
+                      ROW_BOUND: gl.constexpr = False, MASK: gl.constexpr = 0):  # fmt: skip
         """Online softmax (base 2, scale in the exponent's FMA) of score tile j of rows r0.. :
         ``(p, alpha, m_new, l_new)``. Tiles from n_full on may cross the causal diagonal or the
         end of the keys and are masked (qk_scale > 0: max(s) * qk_scale is the scaled max)."""
         BLOCK_M: gl.constexpr = s.type.shape[0]
         BLOCK_N: gl.constexpr = s.type.shape[1]
         s_layout: gl.constexpr = s.type.layout
-        if j >= n_full:
+        # MASK: 0 the tile is masked from n_full on (a runtime test), 1 never, 2 always
+        if (MASK == 2) or ((MASK == 0) and (j >= n_full)):
             if CAUSAL and ROW_BOUND:
                 # Column c is key j * BLOCK_N + c: kept where that key is < seq_k and <= the row,
                 # i.e. c <= one bound per row, compared with the column offsets (constants). Fewer
@@ -210,6 +211,33 @@ if AVAILABLE:
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0, seq_k, qk_scale, turns, k_turn,
+              k_empty, v_empty, st, sp, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
+              PIN_WAIT: gl.constexpr, MASK: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        """One key-tile step of a consumer (its K and V loaded): S_j and P_{j-1} V_{j-1} in its
+        turn, the softmax of S_j (masked by ``MASK``, as :func:`_softmax_tile`) while P V runs.
+        The three-consumer causal loop's, split by mask (the same steps as :func:`_consume`'s
+        loop, without the timeline probes)."""
+        o_layout: gl.constexpr = acc.type.layout
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        _my_turn(turns, k_turn, WG)
+        s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+        acc = warpgroup_mma(pa, v, acc, is_async=True)
+        _pass_turn(turns, WG)
+        s = warpgroup_mma_wait(1, deps=(s, q, k))[0]  # S_j done; P V may still run
+        if KV_SPLIT:
+            mbarrier.arrive(k_empty.index(st), count=1)
+        p, alpha, m_i, l_i = _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL,
+                                           True, MASK)  # fmt: skip
+        if PIN_WAIT:
+            schedule_fence(j)
+        acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
+        _release_kv(k_empty, v_empty, sp, KV_SPLIT)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        pa = gl.convert_layout(p.to(q.dtype), p_layout)
+        return s, acc, pa, m_i, l_i
 
     @gluon.jit
     def _my_turn(turns, k, WG: gl.constexpr):
@@ -308,8 +336,38 @@ if AVAILABLE:
             if PROBE == 3:
                 c7, t = lap(c7, t, r)
             # Tile j: issue S_j and P_{j-1} V_{j-1} in this warpgroup's turn; the softmax of S_j
-            # runs while P V and the other warpgroup's products use the tensor cores.
-            for j in range(1, n_mine):
+            # runs while P V and the other warpgroup's products use the tensor cores. Three
+            # causal consumers: the steps without a mask, then those with one, in two loops (the
+            # mask's registers then stay out of the first: fewer spills at 160 registers).
+            n_loop = n_mine
+            if CAUSAL and CONSUMERS == 3:
+                n_plain = gl.maximum(gl.minimum(n_full, n_mine), 1)
+                for j in range(1, n_plain):
+                    st = (it + j) % STAGES
+                    k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
+                    sp = (it + j - 1) % STAGES
+                    v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
+                    s, acc, pa, m_i, l_i = _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0,
+                                                 seq_k, qk_scale, turns, k_turn, k_empty,
+                                                 v_empty, st, sp, CAUSAL, KV_SPLIT, PIN_WAIT, 1,
+                                                 WG)  # fmt: skip
+                    k_turn += 1
+                for j in range(n_plain, n_mine):
+                    st = (it + j) % STAGES
+                    k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
+                    sp = (it + j - 1) % STAGES
+                    v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
+                    s, acc, pa, m_i, l_i = _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0,
+                                                 seq_k, qk_scale, turns, k_turn, k_empty,
+                                                 v_empty, st, sp, CAUSAL, KV_SPLIT, PIN_WAIT, 2,
+                                                 WG)  # fmt: skip
+                    k_turn += 1
+                n_loop = 1  # (the loop below: no step)
+            for j in range(1, n_loop):
                 st = (it + j) % STAGES
                 k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
                 mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
