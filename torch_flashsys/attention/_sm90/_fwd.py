@@ -20,8 +20,8 @@ partitions:
   memory), the online softmax in base 2 with the scale inside the exponent, ``O += P V`` (P
   from registers). Within a warpgroup the softmax of tile j is written to run while the wgmma
   of ``P_{j-1} V_{j-1}`` is in flight (FA3's intra-warpgroup overlap), which takes ``PIN_WAIT``
-  in the compiled code (ptxas hoists the wait otherwise; see :func:`_consume`; measured slower,
-  so off); the warpgroups take turns to issue their products (a ring of turn barriers), so
+  in the compiled code (ptxas hoists the wait otherwise; see :func:`_consume`; on only where it
+  measured faster, ``_sm90.FWD_PIN_WAIT``); the warpgroups take turns to issue their products (a ring of turn barriers), so
   one's softmax runs while the others' matrix products use the tensor cores (inter-warpgroup
   overlap).
 
@@ -184,7 +184,9 @@ if AVAILABLE:
                       ROW_BOUND: gl.constexpr = False, MASK: gl.constexpr = 0):  # fmt: skip
         """Online softmax (base 2, scale in the exponent's FMA) of score tile j of rows r0.. :
         ``(p, alpha, m_new, l_new)``. Tiles from n_full on may cross the causal diagonal or the
-        end of the keys and are masked (qk_scale > 0: max(s) * qk_scale is the scaled max)."""
+        end of the keys and are masked (qk_scale > 0: max(s) * qk_scale is the scaled max);
+        ``MASK`` 1 / 2: never / always, known at compile time. ``ROW_BOUND``: the causal mask as
+        one bound per row (the three-consumer build's form, below)."""
         BLOCK_M: gl.constexpr = s.type.shape[0]
         BLOCK_N: gl.constexpr = s.type.shape[1]
         s_layout: gl.constexpr = s.type.layout
@@ -339,7 +341,6 @@ if AVAILABLE:
             # runs while P V and the other warpgroup's products use the tensor cores. Three
             # causal consumers: the steps without a mask, then those with one, in two loops (the
             # mask's registers then stay out of the first: fewer spills at 160 registers).
-            n_loop = n_mine
             if CAUSAL and CONSUMERS == 3:
                 n_plain = gl.maximum(gl.minimum(n_full, n_mine), 1)
                 for j in range(1, n_plain):
@@ -366,46 +367,46 @@ if AVAILABLE:
                                                  v_empty, st, sp, CAUSAL, KV_SPLIT, PIN_WAIT, 2,
                                                  WG)  # fmt: skip
                     k_turn += 1
-                n_loop = 1  # (the loop below: no step)
-            for j in range(1, n_loop):
-                st = (it + j) % STAGES
-                k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-                mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
-                sp = (it + j - 1) % STAGES
-                v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
-                mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
-                if PROBE == 3:
-                    c0, t = lap(c0, t, j)
-                _my_turn(turns, k_turn, WG)
-                if PROBE == 3:
-                    c1, t = lap(c1, t, j)
-                s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
-                acc = warpgroup_mma(pa, v, acc, is_async=True)
-                _pass_turn(turns, WG)
-                k_turn += 1
-                if PROBE == 3:
-                    c2, t = lap(c2, t, j)
-                s = warpgroup_mma_wait(1, deps=(s, q, k))[0]  # S_j done; P V may still run
-                if KV_SPLIT:
-                    mbarrier.arrive(k_empty.index(st), count=1)
-                if PROBE == 3:
-                    c3, t = lap(c3, t, j)
-                p, alpha, m_i, l_i = _softmax_tile(
-                    s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL, CONSUMERS == 3
-                )  # fmt: skip
-                if PROBE == 3:
-                    c4, t = lap(c4, t, j)
-                if PIN_WAIT:
-                    schedule_fence(j)
-                acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
-                _release_kv(k_empty, v_empty, sp, KV_SPLIT)  # every consumer releases them
-                if PROBE == 3:
-                    c5, t = lap(c5, t, j)
-                acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-                pa = gl.convert_layout(p.to(q.dtype), p_layout)
-                if PROBE == 3:
-                    c6, t = lap(c6, t, j)
-                    n_steps += 1
+            else:
+                for j in range(1, n_mine):
+                    st = (it + j) % STAGES
+                    k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
+                    sp = (it + j - 1) % STAGES
+                    v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
+                    mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
+                    if PROBE == 3:
+                        c0, t = lap(c0, t, j)
+                    _my_turn(turns, k_turn, WG)
+                    if PROBE == 3:
+                        c1, t = lap(c1, t, j)
+                    s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
+                    acc = warpgroup_mma(pa, v, acc, is_async=True)
+                    _pass_turn(turns, WG)
+                    k_turn += 1
+                    if PROBE == 3:
+                        c2, t = lap(c2, t, j)
+                    s = warpgroup_mma_wait(1, deps=(s, q, k))[0]  # S_j done; P V may still run
+                    if KV_SPLIT:
+                        mbarrier.arrive(k_empty.index(st), count=1)
+                    if PROBE == 3:
+                        c3, t = lap(c3, t, j)
+                    p, alpha, m_i, l_i = _softmax_tile(
+                        s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL
+                    )  # fmt: skip
+                    if PROBE == 3:
+                        c4, t = lap(c4, t, j)
+                    if PIN_WAIT:
+                        schedule_fence(j)
+                    acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
+                    _release_kv(k_empty, v_empty, sp, KV_SPLIT)  # every consumer releases them
+                    if PROBE == 3:
+                        c5, t = lap(c5, t, j)
+                    acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+                    pa = gl.convert_layout(p.to(q.dtype), p_layout)
+                    if PROBE == 3:
+                        c6, t = lap(c6, t, j)
+                        n_steps += 1
             mbarrier.arrive(q_empty.index(qb), count=1)  # every S of this tile is done
             sp = (it + n_mine - 1) % STAGES
             v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
@@ -481,8 +482,8 @@ if AVAILABLE:
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
               PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
               PIN_WAIT: gl.constexpr):  # fmt: skip
-        """Load warp: per tile, both query halves once their buffers are free, then the
-        key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
+        """Load warp: per tile, its query slices (one per consumer) once their buffers are free,
+        then the key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
         the stage's value tile's). ``DYNAMIC``: a program's first tile is its id, the next the
         number of programs plus a global counter's value before this warp adds one to it (the
         heaviest tiles left go to whichever program is free first), each handed to the
