@@ -7,8 +7,9 @@ FlexAttention, bf16, same inputs. The cases are dealt to parallel worker process
 runs every impl of its cases once (FlexAttention's and our kernels' compiles), then waits until
 every worker has done so, then times its cases taking turns on the GPU (a lock around every
 timing): no timed call shares the CPU with other processes' compiles, which had slowed the rows
-bound by host time per call (the 1024-token ones) by up to 1.7x from one run to the next. One row
-per (impl, case, mode).
+bound by host time per call (the 1024-token ones) by up to 1.7x from one run to the next. Each
+case's impls are timed in ROUNDS rounds of alternating order (the median reported). One row per
+(impl, case, mode).
 """
 
 from __future__ import annotations
@@ -103,22 +104,24 @@ def timed(row: dict, key: str, fn, device, scale: float = 1.0) -> dict:
     return row
 
 
-def time_modes(fn, q, k, v, dout, device, modes, reps: int = 2) -> dict:
-    """``fn(q, k, v)`` per mode with the harness timer: ``fwd`` (under no_grad), ``bwd`` (of one
-    forward, graph retained; on CUDA also ``mem_before_bwd_MiB``), ``fwd+bwd``."""
+def time_modes(fn, q, k, v, dout, device, modes, reps: int = 2, rep_ms: int = 100) -> dict:
+    """``fn(q, k, v)`` per mode with the harness timer (``rep_ms`` of calls on CUDA): ``fwd``
+    (under no_grad), ``bwd`` (of one forward, graph retained; on CUDA also
+    ``mem_before_bwd_MiB``), ``fwd+bwd``."""
     res = {}
     if "fwd" in modes:
         with torch.no_grad():
-            res["fwd"] = bench(lambda: fn(q, k, v), device, reps)
+            res["fwd"] = bench(lambda: fn(q, k, v), device, reps, rep_ms=rep_ms)
     if "bwd" in modes:
         out = fn(q, k, v)
         if device == "cuda":
             torch.cuda.synchronize()
             res["mem_before_bwd_MiB"] = torch.cuda.memory_allocated() / 2**20
-        res["bwd"] = bench(fwd_bwd(lambda *_: out, (q, k, v), dout, True), device, reps)
+        res["bwd"] = bench(fwd_bwd(lambda *_: out, (q, k, v), dout, True), device, reps,
+                           rep_ms=rep_ms)  # fmt: skip
         del out
     if "fwd+bwd" in modes:
-        res["fwd+bwd"] = bench(fwd_bwd(fn, (q, k, v), dout), device, reps)
+        res["fwd+bwd"] = bench(fwd_bwd(fn, (q, k, v), dout), device, reps, rep_ms=rep_ms)
     return res
 
 
@@ -161,26 +164,52 @@ def prepare_case(case, dtype=torch.bfloat16, device="cuda") -> tuple:
     return case, (q, k, v, dout), impls
 
 
-def time_case(prepared, device="cuda") -> list[dict]:
-    """The rows of a :func:`prepare_case` result: each impl's modes timed under the GPU lock."""
+# Rounds per case: the impls timed in turn, in alternating order, each for ROUND_MS per mode, and
+# the median of the rounds reported. On the H100 a long problem's time drifts by up to 10-25% over
+# a run (one impl timed once after a run of heavy ones measured slow: docs/benchmarks.md), so one
+# pass per impl compared impls at different points of that drift.
+ROUNDS = 3
+ROUND_MS = 50
+
+
+def time_case(prepared, device="cuda", rounds: int = ROUNDS) -> list[dict]:
+    """The rows of a :func:`prepare_case` result: each impl's modes timed under the GPU lock in
+    ``rounds`` rounds of alternating impl order (the lock held for one impl at a time, the
+    allocator's cache emptied inside it: no other worker's GPU work beside a timing); per mode
+    the median of the rounds, and their spread (max / min)."""
     (batch, heads, seq, dim, causal), (q, k, v, dout), impls = prepared
+    times: dict[str, dict[str, list[float]]] = {}
+    failed = {name: fn for name, fn in impls if isinstance(fn, Exception)}
+    for r in range(rounds):
+        for name, fn in impls[:: 1 if r % 2 == 0 else -1]:
+            if name in failed:
+                continue
+            try:
+                with _LOCK:
+                    try:
+                        timings = time_modes(fn, q, k, v, dout, device, MODES, rep_ms=ROUND_MS)
+                    finally:
+                        if device == "cuda":
+                            torch.cuda.empty_cache()
+            except Exception as exc:  # this impl cannot run this case: an empty ms, and why
+                failed[name] = exc
+                continue
+            for mode in MODES:
+                times.setdefault(name, {}).setdefault(mode, []).append(
+                    timings[mode]["median_ms"])  # fmt: skip
     rows = []
-    for name, fn in impls:
+    for name, _ in impls:
         base = {"impl": name, "batch": batch, "heads": heads, "seq": seq, "head_dim": dim,
                 "causal": causal}  # fmt: skip
-        try:
-            if isinstance(fn, Exception):
-                raise fn
-            with _LOCK:
-                timings = time_modes(fn, q, k, v, dout, device, MODES)
-            for mode in MODES:
-                ms = timings[mode]["median_ms"]
-                tflops = flops(q.shape, causal, mode) / ms / 1e9
-                rows.append({**base, "mode": mode, "ms": ms, "tflops": tflops})
-        except Exception as exc:  # this impl cannot run this case: an empty ms, and why
-            rows += [{**base, "mode": mode, "ms": None, "note": why(exc)} for mode in MODES]
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        if name in failed:
+            rows += [{**base, "mode": mode, "ms": None, "note": why(failed[name])}
+                     for mode in MODES]  # fmt: skip
+            continue
+        for mode in MODES:
+            ms = statistics.median(times[name][mode])
+            rows.append({**base, "mode": mode, "ms": ms,
+                         "tflops": flops(q.shape, causal, mode) / ms / 1e9,
+                         "spread": max(times[name][mode]) / min(times[name][mode])})  # fmt: skip
     return rows
 
 

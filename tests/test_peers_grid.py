@@ -56,7 +56,7 @@ _BARRIER = textwrap.dedent(
         mock.patch.object(_peers, "_BARRIER", barrier),
         mock.patch.object(_peers, "prepare_case", prepared),
         mock.patch.object(_peers, "time_case", timed),
-        mock.patch.object(_peers, "bench", lambda fn, device, reps=2: {"median_ms": 1.0}),
+        mock.patch.object(_peers, "bench", lambda fn, device, reps=2, rep_ms=100: {"median_ms": 1.0}),
     ):
         workers = [threading.Thread(target=lambda i=i: results.__setitem__(
             i, _peers.run_share(cases[i], torch.float32, "cpu"))) for i in range(2)]
@@ -129,3 +129,46 @@ def test_summary_gives_the_geomean_of_long_problems_beside_all():
     assert fwd["cases"] == 3 and fwd["worst"] == 2.0
     assert abs(fwd["geomean ours / fastest peer"] - 0.5) < 1e-12  # (2 * 0.5 * 0.125) ** (1/3)
     assert abs(fwd["geomean from 2048 tokens"] - 0.25) < 1e-12  # (0.5 * 0.125) ** (1/2)
+
+
+# time_case with time_modes replaced: each call logs its impl and returns the next of a list of
+# times (one per call, both modes alike); "flex" raises in its second round.
+_ROUNDS = textwrap.dedent(
+    """
+    import json
+    from unittest import mock
+    import torch
+    from benchmarks import _peers
+
+    order, times = [], iter([1.0, 5.0, 9.0, 7.0, 2.0, 3.0, 4.0, 6.0, 8.0])
+
+    def time_modes(fn, q, k, v, dout, device, modes, reps=2, rep_ms=100):
+        order.append(fn)
+        if fn == "flex" and order.count("flex") == 2:
+            raise RuntimeError("no kernel")
+        ms = next(times)
+        return {mode: {"median_ms": ms} for mode in modes}
+
+    q = torch.zeros(1, 2, 16, 8)
+    impls = [("ours", "ours"), ("cudnn", "cudnn"), ("flex", "flex"), ("bad", ValueError("x"))]
+    with mock.patch.object(_peers, "time_modes", time_modes):
+        rows = _peers.time_case(((1, 2, 16, 8, True), (q, q, q, q), impls), "cpu", rounds=3)
+    print(json.dumps({"order": order, "rows": rows}))
+    """
+)
+
+
+def test_each_case_is_timed_in_rounds_of_alternating_order():
+    """The impls of a case take turns in alternating order; each mode's row is the median of
+    the rounds, with their spread; an impl failing in any round, or not runnable, gets no ms."""
+    got = _run(_ROUNDS)
+    assert got["order"] == ["ours", "cudnn", "flex", "flex", "cudnn", "ours", "ours", "cudnn"]
+    rows = {(r["impl"], r["mode"]): r for r in got["rows"]}
+    assert [r["impl"] for r in got["rows"]] == ["ours"] * 2 + ["cudnn"] * 2 + ["flex"] * 2 + [
+        "bad"] * 2  # fmt: skip
+    for mode in ("fwd", "fwd+bwd"):
+        # ours: 1.0, 2.0, 3.0 (its rounds' times in call order); cudnn: 5.0, 7.0, 4.0
+        assert rows[("ours", mode)]["ms"] == 2.0 and rows[("ours", mode)]["spread"] == 3.0
+        assert rows[("cudnn", mode)]["ms"] == 5.0 and rows[("cudnn", mode)]["spread"] == 7.0 / 4.0
+        assert rows[("flex", mode)]["ms"] is None and "no kernel" in rows[("flex", mode)]["note"]
+        assert rows[("bad", mode)]["ms"] is None and "x" in rows[("bad", mode)]["note"]
