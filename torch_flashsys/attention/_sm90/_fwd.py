@@ -15,8 +15,8 @@ partitions:
   once its S is computed, a value tile once its P V is, with ``KV_SPLIT``); with ``DYNAMIC`` it
   also takes the tiles from the counter and hands them to the consumers;
 - two or three **consumer** warpgroups (``CONSUMERS``; three at head dim 64 without a causal
-  mask over 2048 rows, ``_sm90.FWD_CONSUMERS3_MIN``), each owning ``BLOCK_M`` (64) query rows
-  of the tile, run the FA2 loop on the tensor cores: ``S = Q K^T`` (both operands in shared
+  mask over 2048 rows and causal from 8192, ``_sm90.FWD_CONSUMERS3_MIN``), each owning
+  ``BLOCK_M`` (64) query rows of the tile, run the FA2 loop on the tensor cores: ``S = Q K^T`` (both operands in shared
   memory), the online softmax in base 2 with the scale inside the exponent, ``O += P V`` (P
   from registers). Within a warpgroup the softmax of tile j is written to run while the wgmma
   of ``P_{j-1} V_{j-1}`` is in flight (FA3's intra-warpgroup overlap), which takes ``PIN_WAIT``
