@@ -852,6 +852,33 @@ def test_three_consumers_match_float64_and_two(case, dtype):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=12, deadline=None)
+@given(case=cases(max_seq=700, head_dims=(64,), max_batch=3))
+@example(case=Case(2, 2, 2, 1000, 600, 64, True, None, False, False, seed=20))
+@example(case=Case(1, 2, 2, 500, 1300, 64, True, None, False, True, seed=21))
+def test_three_consumers_on_any_shape_match_float64_and_two(case, dtype):
+    """Three consumer warpgroups forced at every length (the default takes them from 2049 rows,
+    8192 causal) on drawn problems: query and key lengths apart (causal rows past the last key,
+    keys past the last row: the examples), GQA, 3-D and (B, L, H, D) layouts, a scale. Each runs
+    on the Hopper kernel, matches float64, and gives the bits of two consumers."""
+    q, k, v = case.make(dtype, "cuda", requires_grad=False)
+    results = []
+    for consumers, table in ((3, {(64, False): 0, (64, True): 0}), (2, {})):
+        with (mock.patch.object(_sm90, "FWD_CONSUMERS3_MIN", table), _fresh_plans() as built,
+              _counting_sm90_calls() as spy):  # fmt: skip
+            if consumers == 3:
+                check_against_reference(case, dtype, _run(case), device="cuda", grads=False)
+            results.append(_run(case)(q, k, v))
+            assert spy.call_count >= 1
+        forwards = [meta for meta in built if "CONSUMERS" in meta]
+        assert forwards and all(meta["CONSUMERS"] == consumers for meta in forwards)
+    (out3, lse3), (out2, lse2) = results
+    assert torch.equal(out3, out2) and torch.equal(lse3, lse2)
+
+
+@gpu
+@needs_sm90
 def test_the_dynamic_schedules_counter_is_left_at_zero_per_stream():
     """Each launch of the dynamic schedule leaves its stream's counter at zero (the launch's last
     addition stores zero back), so the next launch on the stream, or on another stream with its
