@@ -27,7 +27,7 @@ WORLD = 2
 JOBS = {
     "ours": 16,
     "sharded": 8,
-    "torch": 8,
+    "torch": 2,  # for the message only (torch's exits are not asserted on): a glimpse suffices
 }  # old code: each ours job aborted with probability ~0.1
 PARALLEL = 2  # jobs at a time (a busy machine is where the race shows)
 BOUND_S = 90.0  # a rank still running this long after its batch started is killed (counted)
