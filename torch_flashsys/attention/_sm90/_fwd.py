@@ -242,6 +242,30 @@ if AVAILABLE:
         return s, acc, pa, m_i, l_i
 
     @gluon.jit
+    def _steps(lo, hi, it, q, rings, s, acc, pa, m_i, l_i, k_turn, n_full, r0, seq_k, qk_scale,
+               CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr, PIN_WAIT: gl.constexpr,
+               MASK: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        """Key tiles ``lo`` to ``hi`` (exclusive) of the three-consumer causal loop, each a
+        :func:`_step` once its K and V have landed (``it``: the tile's first ring slot); the two
+        loops (without and with the mask) are this with MASK 1 and 2."""
+        k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns = rings
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.type.shape[3]
+        HEAD_DIM: gl.constexpr = k_smem.type.shape[4]
+        for j in range(lo, hi):
+            st = (it + j) % STAGES
+            k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
+            mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
+            sp = (it + j - 1) % STAGES
+            v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
+            mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
+            s, acc, pa, m_i, l_i = _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0, seq_k,
+                                         qk_scale, turns, k_turn, k_empty, v_empty, st, sp,
+                                         CAUSAL, KV_SPLIT, PIN_WAIT, MASK, WG)  # fmt: skip
+            k_turn += 1
+        return s, acc, pa, m_i, l_i, k_turn
+
+    @gluon.jit
     def _my_turn(turns, k, WG: gl.constexpr):
         """Wait until warpgroup WG may issue its k-th round of matrix products: the consumers
         take turns in a ring (warpgroup 0 first), so one's softmax runs while the others' wgmma
@@ -343,30 +367,13 @@ if AVAILABLE:
             # mask's registers then stay out of the first: fewer spills at 160 registers).
             if CAUSAL and CONSUMERS == 3:
                 n_plain = gl.maximum(gl.minimum(n_full, n_mine), 1)
-                for j in range(1, n_plain):
-                    st = (it + j) % STAGES
-                    k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-                    mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
-                    sp = (it + j - 1) % STAGES
-                    v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
-                    mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
-                    s, acc, pa, m_i, l_i = _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0,
-                                                 seq_k, qk_scale, turns, k_turn, k_empty,
-                                                 v_empty, st, sp, CAUSAL, KV_SPLIT, PIN_WAIT, 1,
-                                                 WG)  # fmt: skip
-                    k_turn += 1
-                for j in range(n_plain, n_mine):
-                    st = (it + j) % STAGES
-                    k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-                    mbarrier.wait(k_ready.index(st), ((it + j) // STAGES) & 1)
-                    sp = (it + j - 1) % STAGES
-                    v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
-                    mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
-                    s, acc, pa, m_i, l_i = _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0,
-                                                 seq_k, qk_scale, turns, k_turn, k_empty,
-                                                 v_empty, st, sp, CAUSAL, KV_SPLIT, PIN_WAIT, 2,
-                                                 WG)  # fmt: skip
-                    k_turn += 1
+                rings = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns)
+                s, acc, pa, m_i, l_i, k_turn = _steps(
+                    1, n_plain, it, q, rings, s, acc, pa, m_i, l_i, k_turn, n_full, r0, seq_k,
+                    qk_scale, CAUSAL, KV_SPLIT, PIN_WAIT, 1, WG)  # fmt: skip
+                s, acc, pa, m_i, l_i, k_turn = _steps(
+                    n_plain, n_mine, it, q, rings, s, acc, pa, m_i, l_i, k_turn, n_full, r0,
+                    seq_k, qk_scale, CAUSAL, KV_SPLIT, PIN_WAIT, 2, WG)  # fmt: skip
             else:
                 for j in range(1, n_mine):
                     st = (it + j) % STAGES
