@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
-from tests.attention.cases import assert_close
+from tests.attention.cases import assert_close, output_rounding_slack
 from tests.reference import modded_attention
 from torch_flashsys import flash_attention
 from torch_flashsys.attention._backend import triton_can_run_on
@@ -100,21 +100,32 @@ def check_packed(c, dtype, backend, device="cpu"):
         (lse[finite].double() - lse64[finite]).abs().max().item() < 1e-3 if finite.any() else True
     )
     dout = torch.randn(out.shape, generator=g).to(device=device, dtype=dtype)
+    slack = output_rounding_slack(out, out64, lse64, dout, q64, k64)
     out.backward(dout)
     out64.backward(dout.double())
     base.backward(dout)
     for name, ours, b, r in (("dq", q.grad, qb.grad, q64.grad), ("dk", k.grad, kb.grad, k64.grad),
                              ("dv", v.grad, vb.grad, v64.grad)):  # fmt: skip
-        assert_close(name, ours, b, r, dtype)
+        assert_close(name, ours, b, r, dtype, slack=slack[name])
+
+
+# A CI run drew this case: one key, dropout, fp16. Its exact dk is 0 and PyTorch's own is exactly
+# 0; ours carries the backward's designed D term (cases.output_rounding_slack), 0.0035 against a
+# tolerance of 0.002 before the rule counted it.
+SINGLE_KEY_DROPOUT = {"lens_q": [1], "lens_k": [1], "kv_heads": 1, "group": 2, "dims": (16, 24),
+                      "causal": False, "window": None, "softcap": None, "alibi": False,
+                      "dropout_p": 0.25, "seed": 803711}  # fmt: skip
 
 
 @given(case=packed_cases(), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+@example(case=SINGLE_KEY_DROPOUT, dtype=torch.float16)
 def test_torch_backend_packed_matches_per_sequence_float64(case, dtype):
     check_packed(case, dtype, "torch")
 
 
 @needs_interpreter
 @given(case=packed_cases(max_len=36), dtype=st.sampled_from([torch.float32, torch.float16]))
+@example(case=SINGLE_KEY_DROPOUT, dtype=torch.float16)
 def test_triton_backend_packed_matches_per_sequence_float64(case, dtype):
     check_packed(case, dtype, "triton")
 
