@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Must happen before anything imports triton: Triton decides at kernel-definition time whether to
@@ -40,3 +41,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(pytest.mark.skip(reason="needs 2 CUDA devices"))
+
+
+@pytest.fixture(autouse=True)
+def _return_cuda_memory(request):
+    """After a GPU test, its process hands its cached CUDA memory back to the driver. The GPU
+    suite runs in several processes (pytest-xdist) on one device, and the NCCL tests start rank
+    processes of their own: a worker that had run the 2**31-element test kept ~40 GB cached
+    afterwards, and four NCCL world-size-1 tests that ran beside it failed for want of memory
+    (H100, 2026-11-26)."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
