@@ -10,6 +10,9 @@ instead of stopping at the first, and counts which kernels ran:
   64 and 128, bf16 / fp16, causal or not, GQA, scale, 3-D and (B, L, H, D) layouts;
 - ``fused_all``: ``TORCH_FLASHSYS_SM90_BWD=fused`` (the fused backward on every problem the forward
   takes) and the forward on any key length, problems of 1-700 tokens (ragged tiles, few keys);
+- ``features`` and ``packed``: the GPU suite's feature and packed-batch properties (masks, dropout,
+  windows, softcap, ALiBi; ``cu_seqlens``), which run on the portable kernels (the count says
+  which reached the Hopper ones), up to 300 tokens;
 - ``deterministic``: under ``torch.use_deterministic_algorithms(True)``, the shapes where the
   ordered dQ sums run (head dim 64 causal, 128 causal or not, without GQA, 4096-4600 tokens;
   8192 for 128 causal is left out: its float64 reference is slow), each run twice and required
@@ -29,7 +32,8 @@ import time
 from unittest import mock
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--mode", choices=["default", "fused_all", "deterministic"], required=True)
+MODES = ["default", "fused_all", "deterministic", "features", "packed"]
+parser.add_argument("--mode", choices=MODES, required=True)
 parser.add_argument("--examples", type=int, default=100)
 parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random)")
 args = parser.parse_args()
@@ -42,12 +46,19 @@ from hypothesis import strategies as st  # noqa: E402
 
 import torch_flashsys.attention._sm90 as _sm90  # noqa: E402
 from tests.attention.cases import Case, check_against_reference, triton_run  # noqa: E402
+from tests.attention.test_features import check_features, feature_cases  # noqa: E402
+from tests.attention.test_varlen import check_packed, packed_cases  # noqa: E402
 
 LENGTHS = {"default": (1024, 2600), "fused_all": (1, 700), "deterministic": (4096, 4600)}
 
 
 @st.composite
 def problems(draw) -> tuple[Case, torch.dtype]:
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    if args.mode == "features":
+        return draw(feature_cases(max_seq=300, head_dims=(16, 64, 128))), dtype
+    if args.mode == "packed":
+        return draw(packed_cases(max_len=300, head_dims=(64, 128))), dtype
     lo, hi = LENGTHS[args.mode]
     deterministic = args.mode == "deterministic"
     head_dim = draw(st.sampled_from([64, 128]))
@@ -68,7 +79,7 @@ def problems(draw) -> tuple[Case, torch.dtype]:
         transposed=not rank3 and draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
-    return case, draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    return case, dtype
 
 
 def main() -> int:
@@ -93,6 +104,10 @@ def main() -> int:
                     with _deterministic():
                         check_against_reference(case, dtype, triton_run(case), device="cuda")
                         _same_bits_twice(case, dtype)
+                elif args.mode == "features":
+                    check_features(case, dtype, "triton", device="cuda")
+                elif args.mode == "packed":
+                    check_packed(case, dtype, "triton", device="cuda")
                 else:
                     check_against_reference(case, dtype, triton_run(case), device="cuda")
             except Exception as exc:  # every failure is recorded, none stops the run
