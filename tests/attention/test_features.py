@@ -232,7 +232,8 @@ def test_single_key_gradients_deviate_only_by_the_rounded_output(backend, dtype)
     """One key per row under dropout: the exact dS is 0 (P = 1), so the exact dq and dk are 0 and
     PyTorch's own gradients in the dtype are exactly 0, while ours take ``D = rowsum(dO * O)``
     from the rounded output (as flash-attn does). That designed term must be all of our error:
-    a CI run drew such a packed case and failed the tolerance before it counted the term."""
+    a full test run (the CI profile) drew such a packed case and failed the tolerance before it
+    counted the term."""
     case = FeatureCase(2, 2, 2, 7, 1, 16, False, "none", None, None, "none", 0.25, seed=803711)
     q, k, v, out, _, ref_kw = run_features(case, dtype, backend)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

@@ -109,9 +109,9 @@ def check_packed(c, dtype, backend, device="cpu"):
         assert_close(name, ours, b, r, dtype, slack=slack[name])
 
 
-# A CI run drew this case: one key, dropout, fp16. Its exact dk is 0 and PyTorch's own is exactly
-# 0; ours carries the backward's designed D term (cases.output_rounding_slack), 0.0035 against a
-# tolerance of 0.002 before the rule counted it.
+# A full test run (the CI profile) drew this case: one key, dropout, fp16. Its exact dk is 0 and
+# PyTorch's own is exactly 0; ours carries the backward's designed D term
+# (cases.output_rounding_slack), 0.0035 against a tolerance of 0.002 before the rule counted it.
 SINGLE_KEY_DROPOUT = {"lens_q": [1], "lens_k": [1], "kv_heads": 1, "group": 2, "dims": (16, 24),
                       "causal": False, "window": None, "softcap": None, "alibi": False,
                       "dropout_p": 0.25, "seed": 803711}  # fmt: skip
