@@ -6,6 +6,8 @@ test suite runs the Triton interpreter, and the stand-in driver must not leak in
     python -m tests.attention.sm90_offline            # one line per variant, exit 0 if all compile
     python -m tests.attention.sm90_offline backward   # the portable backward's compiles (counts)
     python -m tests.attention.sm90_offline schedule   # pinned waits: the SASS order (counts)
+    python -m tests.attention.sm90_offline precompile 64,1,bfloat16,2048 ...
+        # per (head dim, causal, dtype, first length): compiles after the queued builds
 """
 
 from __future__ import annotations
@@ -208,12 +210,93 @@ def backward_compiles(dtype: torch.dtype = torch.float16) -> tuple[int, int]:
     return together, len(misses) - together
 
 
+def _launches_at(n: int, d: int, causal: bool, dtype: torch.dtype, heads: int = 4,
+                 kv_heads: int = 2) -> list[tuple]:  # fmt: skip
+    """``(kernel, args, meta)`` of every kernel a fwd+bwd of a ``(1, heads, n, d)`` problem
+    launches on an H100 (no dLSE, not deterministic), with the arguments the library builds
+    from real (CPU) tensors: the forward's build by its length rules, then the fused backward
+    (preprocessing and fused kernel) or the portable one (dQ and dK/dV kernels)."""
+    from torch_flashsys.attention import _sm90
+    from torch_flashsys.attention._extras import CAUSAL, PLAIN
+    from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
+    from torch_flashsys.attention._triton_bwd import backward_launches
+
+    ex = CAUSAL if causal else PLAIN
+    q = torch.zeros(1, heads, n, d, dtype=dtype)
+    k = torch.zeros(1, kv_heads, n, d, dtype=dtype)
+    lse = torch.zeros(1, heads, n)
+    fwd = _sm90.forward_meta(q, causal, _sm90.dynamic_schedule(q, causal))
+    launches = [(attn_fwd_sm90, _sm90.launch_args(q, k, k, q, lse, 0.125, lse), fwd)]
+    if _sm90.fused_rule(q, k, ex, False):
+        acc = torch.zeros(1, heads, n, d)
+        launches += [
+            (_sm90.attn_bwd_prep, _sm90.prep_args((q, q, lse, lse, acc, acc), q, q, lse),
+             _sm90.prep_meta(d, False, False, 1)),
+            (_sm90.fused_kernel(d), _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, acc, 0.125),
+             _sm90.fused_constexprs(d, causal, dtype, heads // kv_heads)),
+        ]  # fmt: skip
+    else:
+        _, portable = backward_launches(q, q, k, k, q, lse, None, 0.125, ex, q, k, k, lse)
+        launches += [(c.kernel, args, plan.constexprs) for c, plan, args in portable]
+    return launches
+
+
+# Lengths a problem may have after the first call: every 97th from 1 to 20000 (crossing every
+# bound of the length rules, at points that are not the bounds themselves), and the bounds.
+LATER_LENGTHS = range(1, 20000, 97)
+
+
+def precompile_misses(d: int, causal: bool, dtype: torch.dtype, first: int) -> tuple[int, int]:
+    """Compiles ``(of the first call at `first` tokens and the builds it queues, of the calls at
+    other lengths after them)``, on the H100 path with background precompiling (``_precompile``'s
+    jobs run here in turn): later calls compile nothing when the queued builds are the ones the
+    length rules pick, with stand-in arguments that Triton specializes as the calls' own."""
+    from torch_flashsys.attention import _precompile, _sm90
+    from torch_flashsys.attention._extras import CAUSAL, PLAIN
+    from torch_flashsys.attention._triton_bwd import backward_builds
+
+    _sm90.FUSED_ENABLED = True  # (on every Triton: the H100's rules)
+    _sm90.fused_fits = lambda *args: True  # (CPU tensors: the kind's rule, not the device)
+    kernels = set()
+
+    def warm(kernel, args, meta) -> None:
+        kernels.add(kernel)
+        kernel.warmup(*args, grid=(1,), **meta)
+
+    def compiled() -> int:  # builds in the JIT caches of the kernels seen
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    for launch in _launches_at(first, d, causal, dtype):
+        warm(*launch)
+    q = torch.zeros(1, 4, first, d, dtype=dtype)
+    k = torch.zeros(1, 2, first, d, dtype=dtype)
+    lse = torch.zeros(1, 4, first)
+    jobs = _sm90.forward_jobs(_sm90.launch_args(q, k, k, q, lse, 0.125, lse), d, causal, -1)
+    jobs += backward_builds(q, q, k, k, q, lse, None, 0.125, CAUSAL if causal else PLAIN, False)
+    for job in jobs:
+        assert _precompile.usable(job.kernel)
+        warm(job.kernel, job.args, job.meta)
+    at_first = compiled()
+    for n in sorted({*LATER_LENGTHS, *_sm90.rule_lengths()}):
+        for launch in _launches_at(n, d, causal, dtype):
+            warm(*launch)
+    return at_first, compiled() - at_first
+
+
 if __name__ == "__main__":
     triton.runtime.driver.set_active(_Sm90Target())
     if sys.argv[1:] == ["schedule"]:
         lines, ok = schedule_lines()
         print("\n".join(lines))
         sys.exit(0 if ok else 1)
+    if sys.argv[1:2] == ["precompile"]:  # precompile D,CAUSAL,DTYPE,FIRST ...
+        for family in sys.argv[2:]:
+            d, causal, dtype, first = family.split(",")
+            at_first, later = precompile_misses(int(d), causal == "1", getattr(torch, dtype),
+                                                int(first))  # fmt: skip
+            print(f"{family}: compiles of the first call and its queued builds {at_first}, "
+                  f"of later calls {later}")  # fmt: skip
+        sys.exit(0)
     if sys.argv[1:] == ["backward"]:
         together, after = backward_compiles()
         print(f"backward kernels compiled together, after: {together}, {after}")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+import torch_flashsys.attention._precompile as _precompile
 from torch_flashsys.attention._backend import interpreter_active
 
 _MAX_ENTRIES = 4096  # distinct (shape, stride, flag) combinations kept per kernel
@@ -117,6 +118,7 @@ class LaunchCache:
                         *tail)  # fmt: skip
                     self.hits += 1
                     return
+                _precompile.claim(self.kernel, constexprs, args)  # (queued in the background?)
                 compiled = self.kernel[grid](*args, **constexprs)
                 if fast_launch_allowed():
                     self._remember(key, compiled, grid, args, constexprs)
@@ -176,6 +178,7 @@ def compile_together(launches: Sequence[tuple[LaunchCache, Callable, Sequence[An
     pool = ThreadPoolExecutor(len(launches), thread_name_prefix="torch_flashsys-compile")
     with pool, _ASYNC.AsyncCompileMode(pool):  # leaving: the compiles done, the threads joined
         for cache, grid, args, constexprs in launches:
+            _precompile.claim(cache.kernel, constexprs, args)
             cache.kernel.warmup(*args, grid=grid, **constexprs)
 
 

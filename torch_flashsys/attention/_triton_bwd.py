@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+import torch_flashsys.attention._precompile as _precompile
 import torch_flashsys.attention._sm90 as _sm90
-from torch_flashsys.attention._extras import CAUSAL, Extras
+from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
 from torch_flashsys.attention._launch import (
     LaunchCache,
     Plan,
@@ -379,7 +380,11 @@ def attention_backward(
     key determines (strides, lengths, grids, constexprs) is computed on the key's first call only.
     """
     if q.numel() and _sm90.fused_takes(q, k, v, dout, scale, ex):  # Hopper: the fused kernel
-        return _sm90.backward(dout, q, k, v, out, lse, dlse, scale, ex is CAUSAL)
+        planned = _sm90.planned
+        grads = _sm90.backward(dout, q, k, v, out, lse, dlse, scale, ex is CAUSAL)
+        if _sm90.planned != planned:  # a new launch key: maybe a new kind of problem
+            _precompile_builds(dout, q, k, v, out, lse, dlse, scale, ex)
+        return grads
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
@@ -398,7 +403,54 @@ def attention_backward(
         cache(plan, plan.grid, args, plan.constexprs)
     if hopper:
         _sm90.backward_dkdv(q, k, v, dout, lse, delta, dk, dv, scale, ex is CAUSAL)
+    if first and q.is_cuda:
+        _precompile_builds(dout, q, k, v, out, lse, dlse, scale, ex)
     return dq, dk, dv
+
+
+def _precompile_builds(dout, q, k, v, out, lse, dlse, scale, ex) -> None:
+    """After a new launch key: on the first one of its kind of problem, queue the backward builds
+    its other lengths take for the background (``_precompile``)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    kind = "causal" if ex is CAUSAL else "plain" if ex is PLAIN else kernel_extras(ex, q)[2]
+    family = ("backward", q.dtype, q.shape[-1], v.shape[-1], q.shape[1] // k.shape[1], kind,
+              dlse is None, deterministic, dot_precision(q.dtype), q.get_device())  # fmt: skip
+    if _precompile.first(family):
+        _precompile.submit(backward_builds(dout, q, k, v, out, lse, dlse, scale, ex,
+                                           deterministic))  # fmt: skip
+
+
+def backward_builds(dout, q, k, v, out, lse, dlse, scale, ex, deterministic: bool) -> list:
+    """Every build the backward of this kind of problem compiles at some length
+    (``_sm90.rule_lengths``), as background compile jobs with stand-in arguments: the portable
+    kernels' tiles where the portable backward runs, and the Hopper fused backward's builds where
+    it does."""
+    fused = False
+    tiles: dict[str, tuple] = {}
+    precision = dot_precision(q.dtype)
+    tensors, runtime, flags = kernel_extras(ex, q)
+    for n in _sm90.rule_lengths():
+        if _sm90.fused_rule(_sm90.with_length(q, n), _sm90.with_length(k, n), ex, deterministic):
+            fused = True
+            continue
+        plans = _plan(dout, q, k, v, out, q, k, v, dlse is not None, ex, runtime, flags,
+                      precision, tile_len=n)  # fmt: skip
+        tiles.setdefault(repr([p.constexprs for p in plans]), plans)
+    index, mock = q.get_device(), _precompile.stand_in
+    tail = (scale * LOG2E, scale, *runtime[6:])
+    rows = lse if dlse is None else dlse
+    jobs = []
+    for plan_dq, plan_dkdv in tiles.values():
+        dq_args = (q, k, v, out, dout, lse, rows, lse, q, *tensors, *plan_dq.ints, *tail)
+        dkdv_args = (q, k, v, dout, lse, lse, k, v, *tensors, *plan_dkdv.ints, *tail)
+        jobs += [_precompile.Job(_launch_dq.kernel, tuple(map(mock, dq_args)),
+                                 plan_dq.constexprs, index),
+                 _precompile.Job(_launch_dkdv.kernel, tuple(map(mock, dkdv_args)),
+                                 plan_dkdv.constexprs, index)]  # fmt: skip
+    if fused and _sm90.fused_fits(q, k, v, dout, scale, ex):
+        jobs += _sm90.fused_builds(q, k, v, dout, out, lse, dlse, scale, ex is CAUSAL,
+                                   deterministic)  # fmt: skip
+    return jobs
 
 
 def backward_launches(dout, q, k, v, out, lse, dlse, scale, ex, dq, dk, dv, delta):
@@ -424,7 +476,10 @@ def backward_launches(dout, q, k, v, out, lse, dlse, scale, ex, dq, dk, dv, delt
     return first, [(_launch_dq, plan_dq, dq_args), (_launch_dkdv, plan_dkdv, dkdv_args)]
 
 
-def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precision):
+def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precision,
+          tile_len: int | None = None):  # fmt: skip
+    """The dQ and dK/dV plans of a new launch key (``tile_len``: the length whose tile to take,
+    else the problem's own)."""
     n_heads, head_dim, n_kv_heads, dim_v = q.shape[1], q.shape[3], k.shape[1], v.shape[3]
     batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     qs, ks, vs, os_, dos, dqs, dks, dvs = (
@@ -433,7 +488,7 @@ def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precisio
     group = n_heads // n_kv_heads
     tl_len = tune_len(seq_q, seq_k)
     constexprs = kernel_constexprs(head_dim, dim_v, precision, flags._asdict())
-    tile = (q, constexprs, flags, max(seq_q, seq_k))
+    tile = (q, constexprs, flags, tile_len or max(seq_q, seq_k))
     dq_ints = (*qs, *ks, *vs, *os_, *dos, *dqs, *lse_strides, *runtime[:6],
                n_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
     dkdv_ints = (*qs, *ks, *vs, *dos, *dks, *dvs, *lse_strides, *runtime[:6],

@@ -37,6 +37,7 @@ import os
 
 import torch
 
+import torch_flashsys.attention._precompile as _precompile
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
 from torch_flashsys.attention._launch import (
     LaunchCache,
@@ -285,6 +286,7 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None,
     return desc
 
 
+planned = 0  # launch keys planned so far (a new key: its first call, compiling if need be)
 # launch key -> its launch (RawLaunch, or TritonLaunch): see _launch_planned
 _PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
 
@@ -366,15 +368,75 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
     def plan() -> tuple[tuple, dict]:
         consumers = forward_consumers(q, causal)
-        return forward_grid(q, causal, persistent, dynamic, consumers), {
-            **constexprs(d, causal, dynamic, query_buffers(q, causal), consumers),
+        return forward_grid(q, causal, persistent, dynamic, consumers), forward_meta(q, causal,
+                                                                                     dynamic)  # fmt: skip
+
+    args = functools.partial(launch_args, q, k, v, out, lse, scale, counter)
+    if _launch_planned(attn_fwd_sm90, _PLANS, forward_key(q, k, v, lse, causal, index, persistent,
+                                                          dynamic),
+                       index, launch_values(q, k, v, out, lse, scale, counter), args, plan
+                       ) and _precompile.first(("forward", d, causal, q.dtype, index)):  # fmt: skip
+        _precompile.submit(forward_jobs(args(True), d, causal, index))
+    return out, lse
+
+
+def forward_jobs(args: tuple, d: int, causal: bool, index: int) -> list:
+    """Background compile jobs (``_precompile``) of every forward build for head dim ``d`` and
+    the mask (:func:`forward_builds`), from one call's launch arguments ``args``."""
+    full = tuple(map(_precompile.stand_in, args))
+    return [_precompile.Job(attn_fwd_sm90, full, meta, index) for meta in forward_builds(d, causal)]
+
+
+def forward_meta(q: torch.Tensor, causal: bool, dynamic: bool) -> dict:
+    """The forward's constexprs and launch options for q's shape (``q``: anything with a 4-D
+    ``shape``), by the length rules above."""
+    consumers = forward_consumers(q, causal)
+    return {**constexprs(q.shape[3], causal, dynamic, query_buffers(q, causal), consumers),
             **launch_options(consumers)}  # fmt: skip
 
-    _launch_planned(attn_fwd_sm90, _PLANS, forward_key(q, k, v, lse, causal, index, persistent,
-                                                       dynamic),
-                    index, launch_values(q, k, v, out, lse, scale, counter),
-                    functools.partial(launch_args, q, k, v, out, lse, scale, counter), plan)  # fmt: skip
-    return out, lse
+
+class _Shape:
+    """A stand-in with just a ``shape``, for the length rules."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+
+@functools.cache
+def rule_lengths() -> tuple[int, ...]:
+    """Sequence lengths on both sides of every bound the length rules have (the forward's
+    builds, the fused backward's ranges) and of every power of two from 64 to 2**17 (the
+    portable kernels' tiles, from tables keyed on the nearest measured length), up to
+    RULE_LENGTH_MAX: evaluated at these, the rules pick every build they pick at any length."""
+    bounds = {PERSISTENT_CAUSAL_MAX, *FWD_DYNAMIC_MAX.values(), *FWD_QBUF2_MAX.values(),
+              *FWD_CONSUMERS3_MIN.values(), *(1 << e for e in range(6, 18))}  # fmt: skip
+    for rule in (FUSED_SEQ_Q, SPLIT_SEQ_Q, DETERMINISTIC_SEQ_Q, DETERMINISTIC_SPLIT_SEQ_Q):
+        for lo, hi in rule.values():
+            bounds |= {lo, hi + 1}
+    lengths = {1, *(max(1, n + delta) for n in bounds for delta in (-1, 0, 1))}
+    return tuple(sorted(n for n in lengths if n <= RULE_LENGTH_MAX))
+
+
+RULE_LENGTH_MAX = 1 << 21  # longer: the tables' "no bound" (1 << 30), no build compiled for it
+
+
+def with_length(t, n: int) -> _Shape:
+    """A stand-in of ``t``'s shape with ``n`` rows (dim -2)."""
+    return _Shape((*t.shape[:-2], n, t.shape[-1]))
+
+
+def forward_builds(d: int, causal: bool) -> list[dict]:
+    """Every build (constexprs and launch options) the forward takes for head dim ``d`` and the
+    mask at some length (:func:`rule_lengths`), each once."""
+    builds: list[dict] = []
+    for n in rule_lengths():
+        shape = _Shape((1, 1, n, d))
+        meta = forward_meta(shape, causal, dynamic_schedule(shape, causal))
+        if meta not in builds:
+            builds.append(meta)
+    return builds
 
 
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> the schedule's int32
@@ -419,7 +481,7 @@ def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None,
 
 
 def _launch_planned(kernel, plans: dict, key: tuple, index: int, values: tuple, args,
-                    plan) -> None:  # fmt: skip
+                    plan) -> bool:  # fmt: skip
     """Launch a Gluon ``kernel`` (or a plain Triton one: the backward's preprocessing). After
     the key's first call on the current device, the launch kept in ``plans[key]`` takes
     ``values`` (what changes between calls of the key: its tensors, in the descriptors' places
@@ -433,18 +495,21 @@ def _launch_planned(kernel, plans: dict, key: tuple, index: int, values: tuple, 
     the Gluon kernels' plain pointers are buffers the library allocates (the caching
     allocator's: aligned), their descriptors' tensors are checked by :func:`_tma_ok`; the
     preprocessing kernel's key has its inputs' alignment. CPU tensors (``index`` -1, the
-    interpreter) take the JIT every call."""
+    interpreter) take the JIT every call. True when the key was new (planned now)."""
     if index < 0:  # CPU tensors (the interpreter): the JIT, nothing kept
         grid, meta = plan()
         kernel[grid](*args(True), **meta)
-        return
+        return False
     entry = plans.get(key)
     current = index == torch.cuda.current_device()
     if entry is not None and current and not launch_hooks_set():
         entry(torch._C._cuda_getCurrentRawStream(index), values)
-        return
+        return False
     grid, meta = plan()
     full = args(True)
+    global planned
+    planned += 1
+    _precompile.claim(kernel, meta, full)  # (queued for the background, or being compiled there)
     with torch.cuda.device(index):
         compiled = kernel[grid](*full, **meta)
     if fast_launch_allowed() and current:
@@ -453,6 +518,7 @@ def _launch_planned(kernel, plans: dict, key: tuple, index: int, values: tuple, 
         launch = launch or TritonLaunch.build(compiled, grid, full, tail, values)
         if launch is not None:  # (None: the values are not the arguments' own: stay on the JIT)
             remember(plans, key, launch)
+    return entry is None
 
 
 def forget_launches() -> None:
@@ -549,15 +615,28 @@ def fused_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     backward (or FUSED_ALL), and dO a TMA operand of q's shape. Under deterministic algorithms
     the kernels run with ordered dQ sums, where DETERMINISTIC_SEQ_Q (head dim 64) and
     DETERMINISTIC_SPLIT_SEQ_Q (128) say."""
-    if not (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES):
+    if not fused_rule(q, k, ex, torch.are_deterministic_algorithms_enabled()):
         return False
-    if torch.are_deterministic_algorithms_enabled():
-        if not (FUSED_ALL or _deterministic_wins(q, k, ex)):
-            return False
-    elif not (FUSED_ALL or _fused_wins(q, k, ex)):
-        return False
+    return fused_fits(q, k, v, dout, scale, ex)
+
+
+def fused_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+               scale: float, ex: Extras) -> bool:  # fmt: skip
+    """The part of :func:`fused_takes` that does not depend on the lengths: the forward's rule,
+    and dO a TMA operand of q's shape and dtype."""
     return (dout.shape == q.shape and dout.dtype == q.dtype
             and forward_takes(q, k, v, scale, ex) and _tma_ok(dout))  # fmt: skip
+
+
+def fused_rule(q, k, ex: Extras, deterministic: bool) -> bool:
+    """The part of :func:`fused_takes` that depends on the problem's kind and lengths (``q``,
+    ``k``: anything with a 4-D ``shape``): the switch, the head dim, and the lengths where the
+    fused kernel runs (with ordered dQ sums when ``deterministic``)."""
+    if not (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES):
+        return False
+    if FUSED_ALL:
+        return True
+    return _deterministic_wins(q, k, ex) if deterministic else _fused_wins(q, k, ex)
 
 
 def _deterministic_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
@@ -622,16 +701,55 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     values = (out, dout, rows, delta, dq_acc, dq_acc if sem is None else sem)
 
     def args(descriptors: bool = True) -> tuple:
-        return (*values, *out.stride()[:3], *dout.stride()[:3], lse.stride(0), lse.stride(1),
-                heads, seq_q)  # fmt: skip
+        return prep_args(values, out, dout, lse)
 
     def plan() -> tuple[tuple, dict]:
-        return (n_blocks, batch * heads, 1), {
-            "HAS_DLSE": dlse is not None, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d,
-            "HAS_SEM": deterministic, "COPIES": copies}  # fmt: skip
+        return (n_blocks, batch * heads, 1), prep_meta(d, dlse is not None, deterministic, copies)
 
     _launch_planned(attn_bwd_prep, _PREP_PLANS, key, index, values, args, plan)
     return delta, dq_acc, sem
+
+
+def prep_args(values: tuple, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> tuple:
+    """The preprocessing kernel's runtime arguments: ``values`` (its six tensors), then the
+    strides and sizes."""
+    return (*values, *out.stride()[:3], *dout.stride()[:3], lse.stride(0), lse.stride(1),
+            out.shape[1], out.shape[2])  # fmt: skip
+
+
+def prep_meta(d: int, has_dlse: bool, deterministic: bool, copies: int) -> dict:
+    """The preprocessing kernel's constexprs."""
+    return {"HAS_DLSE": has_dlse, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d,
+            "HAS_SEM": deterministic, "COPIES": copies}  # fmt: skip
+
+
+def fused_builds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, scale: float,
+                 causal: bool, deterministic: bool) -> list:  # fmt: skip
+    """The builds :func:`backward` compiles for a problem of this kind (dtype, head dim, mask,
+    GQA, dLSE, deterministic), as background compile jobs with stand-in arguments
+    (``_precompile``): the preprocessing kernel, the fused kernel and, deterministic, the sum of
+    the dQ copies."""
+    mock = _precompile.stand_in
+    index, d = q.get_device(), q.shape[-1]
+    copies = DETERMINISTIC_CHAINS if deterministic else 1
+    acc = _precompile.mock(torch.float32, [copies * q.shape[0], *q.shape[1:]])  # contiguous
+    sem = _precompile.mock(torch.int32, [copies, *q.shape[:2]]) if deterministic else None
+    rows = lse if dlse is None else dlse
+    values = tuple(map(mock, (out, dout, rows, lse))) + (acc, acc if sem is None else sem)
+    group = q.shape[1] // k.shape[1]
+    jobs = [
+        _precompile.Job(attn_bwd_prep, prep_args(values, out, dout, lse),
+                        prep_meta(d, dlse is not None, deterministic, copies), index),
+        _precompile.Job(fused_kernel(d), tuple(map(mock, fused_launch_args(
+            q, k, v, dout, lse, lse, k, v, acc, scale, sem))),
+            fused_constexprs(d, causal, q.dtype, group, deterministic), index),
+    ]  # fmt: skip
+    if copies > 1:
+        meta = {"COPIES": copies, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d}
+        jobs.append(_precompile.Job(attn_bwd_dq_sum, (acc, mock(q), *q.stride()[:3], q.shape[1],
+                                                      q.shape[2]), meta, index))  # fmt: skip
+    return jobs
 
 
 _launch_dq_sum = LaunchCache(attn_bwd_dq_sum, n_tensors=2)

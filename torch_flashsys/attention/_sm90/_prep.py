@@ -9,7 +9,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["seq_q"])
+# Not specialized: the lengths, the row counts' strides (a multiple of 16 or not with the length:
+# a new build at every such change) and the head count. O's and dO's strides stay specialized:
+# with head dims of 64 and 128 they are multiples of 16 (vectorized loads).
+@triton.jit(do_not_specialize=["seq_q", "stride_lb", "stride_lh", "n_heads"])
 def attn_bwd_prep(
     Out, DO, DLSE, Delta, DQ, SEM, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, n_heads, seq_q, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -40,7 +43,7 @@ def attn_bwd_prep(
             tl.store(SEM + row * tl.num_programs(0) + tl.program_id(0), 0)
 
 
-@triton.jit(do_not_specialize=["seq_q"])
+@triton.jit(do_not_specialize=["seq_q", "n_heads"])
 def attn_bwd_dq_sum(
     ACC, DQ, stride_qb, stride_qh, stride_qm, n_heads, seq_q, COPIES: tl.constexpr,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
