@@ -5,6 +5,9 @@ Each family (dtype, head dim, causal, heads/key-value heads) runs in its own fre
 empty Triton cache: a first call at ``--first`` tokens, then one call at each of ``--lengths`` in
 that order, each timed (synchronized) and printed as it ends; a call that takes seconds compiled a
 kernel. The families run ``--parallel`` at a time (compile is CPU work: seconds stay seconds).
+``--settle``: after the first call, wait for the background compiles it queued
+(``_precompile.wait()``, a training loop's first steps) and print how long they took, as the
+length ``-1`` row (0 when precompiling is off or absent).
 
     PYTHONPATH=. python3 benchmarks/gpu_checks/new_lengths.py [--families ...] [--out CSV]
 """
@@ -26,7 +29,7 @@ FAMILIES = ["bfloat16,64,1,8,8", "bfloat16,64,0,8,8", "bfloat16,128,1,8,8", "bfl
 LENGTHS = "700,1024,1500,2049,3000,4096,8192,12000,16384,900"
 
 
-def child(family: str, first: int, lengths: str) -> None:
+def child(family: str, first: int, lengths: str, settle: bool) -> None:
     import torch
 
     from torch_flashsys import flash_attention
@@ -46,16 +49,26 @@ def child(family: str, first: int, lengths: str) -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    for n in [first, *map(int, lengths.split(","))]:
+    print(json.dumps([family, first, call(first)]), flush=True)
+    if settle:
+        t0 = time.perf_counter()
+        try:
+            from torch_flashsys.attention import _precompile
+
+            _precompile.wait()
+        except ImportError:  # a version without background compiles
+            pass
+        print(json.dumps([family, -1, time.perf_counter() - t0]), flush=True)
+    for n in map(int, lengths.split(",")):
         print(json.dumps([family, n, call(n)]), flush=True)
 
 
-def run_family(family: str, first: int, lengths: str) -> list[list]:
+def run_family(family: str, first: int, lengths: str, settle: bool) -> list[list]:
     with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache}
-        done = subprocess.run([sys.executable, __file__, "--child", family, "--first", str(first),
-                               "--lengths", lengths], env=env, capture_output=True, text=True,
-                              timeout=540)  # fmt: skip
+        cmd = [sys.executable, __file__, "--child", family, "--first", str(first), "--lengths",
+               lengths, *(["--settle"] if settle else [])]  # fmt: skip
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
     if done.returncode != 0:
         rows.append([family, -1, float("nan")])
@@ -70,21 +83,24 @@ def main() -> None:
     p.add_argument("--first", type=int, default=2048)
     p.add_argument("--lengths", default=LENGTHS)
     p.add_argument("--parallel", type=int, default=3)
+    p.add_argument("--settle", action="store_true", help="wait for background compiles first")
     p.add_argument("--out")
     args = p.parse_args()
     if args.child:
-        return child(args.child, args.first, args.lengths)
+        return child(args.child, args.first, args.lengths, args.settle)
     families = args.families.split(";")
     with ThreadPoolExecutor(args.parallel) as pool:
-        results = list(pool.map(lambda f: run_family(f, args.first, args.lengths), families))
+        results = list(pool.map(lambda f: run_family(f, args.first, args.lengths, args.settle),
+                                families))  # fmt: skip
     rows = [r for rs in results for r in rs]
     if args.out:
         with open(args.out, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["family", "length", "seconds"])
             w.writerows(rows)
+    settle = ["background"] if args.settle else []
     print("| family (dtype, d, causal, heads, kv) | first | " + " | ".join(
-        args.lengths.split(",")) + " |")  # fmt: skip
+        settle + args.lengths.split(",")) + " |")  # fmt: skip
     for fam, rs in zip(families, results, strict=True):
         print(f"| {fam} | " + " | ".join(f"{s:.3f}" for _, _, s in rs) + " |")
 
