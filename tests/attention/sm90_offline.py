@@ -225,8 +225,10 @@ def _launches_at(n: int, d: int, causal: bool, dtype: torch.dtype, heads: int = 
     q = torch.zeros(1, heads, n, d, dtype=dtype)
     k = torch.zeros(1, kv_heads, n, d, dtype=dtype)
     lse = torch.zeros(1, heads, n)
-    fwd = _sm90.forward_meta(q, causal, _sm90.dynamic_schedule(q, causal))
-    launches = [(attn_fwd_sm90, _sm90.launch_args(q, k, k, q, lse, 0.125, lse), fwd)]
+    dynamic = _sm90.dynamic_schedule(q, causal)
+    counter = torch.zeros(1, dtype=torch.int32) if dynamic else None  # as _sm90.forward
+    fwd = _sm90.forward_meta(q, causal, dynamic)
+    launches = [(attn_fwd_sm90, _sm90.launch_args(q, k, k, q, lse, 0.125, counter), fwd)]
     if _sm90.fused_rule(q, k, ex, False):
         acc = torch.zeros(1, heads, n, d)
         launches += [
@@ -271,7 +273,7 @@ def precompile_misses(d: int, causal: bool, dtype: torch.dtype, first: int) -> t
     q = torch.zeros(1, 4, first, d, dtype=dtype)
     k = torch.zeros(1, 2, first, d, dtype=dtype)
     lse = torch.zeros(1, 4, first)
-    jobs = _sm90.forward_jobs(_sm90.launch_args(q, k, k, q, lse, 0.125, lse), d, causal, -1)
+    jobs = _sm90.forward_jobs(q, k, k, q, lse, 0.125, causal, -1)  # as _sm90.forward queues them
     jobs += backward_builds(q, q, k, k, q, lse, None, 0.125, CAUSAL if causal else PLAIN, False)
     for job in jobs:
         assert _precompile.usable(job.kernel)

@@ -32,15 +32,20 @@ class _Kernel:
         self.calls.append(meta)
 
 
+def _fresh() -> list[tuple[str, object]]:
+    """The module's state, empty (and a short quiet time)."""
+    return [("_pending", type(_precompile._pending)()), ("_running", {}), ("_submitted", set()),
+            ("_families", set()), ("errors", []), ("_thread", None), ("_stopping", False),
+            ("_cond", threading.Condition()), ("_foreground", 0), ("_last_foreground", 0.0),
+            ("QUIET_S", 0.05)]  # fmt: skip
+
+
 @pytest.fixture
 def queue(monkeypatch):
     """A fresh queue, on under the interpreter too (the thread only calls ``warmup``)."""
     monkeypatch.setattr(_precompile, "ENABLED", True)
     monkeypatch.setattr(_precompile, "interpreter_active", lambda: False)
-    for name, value in [("_pending", type(_precompile._pending)()), ("_running", {}),
-                        ("_submitted", set()), ("_families", set()), ("errors", []),
-                        ("_thread", None), ("_stopping", False),
-                        ("_cond", threading.Condition())]:  # fmt: skip
+    for name, value in _fresh():
         monkeypatch.setattr(_precompile, name, value)
     yield _precompile
     _settle()
@@ -63,9 +68,7 @@ def test_each_build_compiles_once_in_the_order_queued(builds):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_precompile, "interpreter_active", lambda: False)
         mp.setattr(_precompile, "ENABLED", True)
-        for name, value in [("_pending", type(_precompile._pending)()), ("_running", {}),
-                            ("_submitted", set()), ("errors", []), ("_thread", None),
-                            ("_cond", threading.Condition())]:  # fmt: skip
+        for name, value in _fresh():
             mp.setattr(_precompile, name, value)
         kernel = _Kernel("k")
         for b in builds:  # one submit per build, and all of them again
@@ -150,3 +153,22 @@ def test_stand_ins_keep_no_memory_and_specialize_like_the_tensors():
     d = _precompile.stand_in(Desc(t))
     assert isinstance(d.base, MockTensor) and d.block_shape == [1, 64] and d.layout == "swizzled"
     assert _precompile.stand_in(7) == 7 and _precompile.stand_in(None) is None
+
+
+def test_nothing_compiles_in_the_background_while_the_caller_compiles(queue):
+    """Builds queued during a caller's compile (a first call's forward, before its backward)
+    start only QUIET_S after the caller's last compile has ended."""
+    kernel = _Kernel("k")
+    with queue.foreground():
+        queue.submit([_job(kernel, A=1)])
+        time.sleep(0.3)
+        assert not kernel.started.is_set()
+        with queue.foreground():  # nested (compile_together's launches)
+            pass
+        time.sleep(0.2)
+        assert not kernel.started.is_set()
+    ended = time.monotonic()
+    assert kernel.started.wait(10)
+    assert time.monotonic() - ended >= queue.QUIET_S * 0.9
+    _settle()
+    assert kernel.calls == [{"A": 1}]

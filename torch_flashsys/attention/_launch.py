@@ -118,8 +118,9 @@ class LaunchCache:
                         *tail)  # fmt: skip
                     self.hits += 1
                     return
-                _precompile.claim(self.kernel, constexprs, args)  # (queued in the background?)
-                compiled = self.kernel[grid](*args, **constexprs)
+                with _precompile.foreground():
+                    _precompile.claim(self.kernel, constexprs, args)  # (queued or compiling?)
+                    compiled = self.kernel[grid](*args, **constexprs)
                 if fast_launch_allowed():
                     self._remember(key, compiled, grid, args, constexprs)
                 return
@@ -176,7 +177,7 @@ def compile_together(launches: Sequence[tuple[LaunchCache, Callable, Sequence[An
     if any(hasattr(cache.kernel, "configs") for cache, *_ in launches):
         return  # the autotuner's warm-up would compile every config
     pool = ThreadPoolExecutor(len(launches), thread_name_prefix="torch_flashsys-compile")
-    with pool, _ASYNC.AsyncCompileMode(pool):  # leaving: the compiles done, the threads joined
+    with _precompile.foreground(), pool, _ASYNC.AsyncCompileMode(pool):  # leaving: compiled
         for cache, grid, args, constexprs in launches:
             _precompile.claim(cache.kernel, constexprs, args)
             cache.kernel.warmup(*args, grid=grid, **constexprs)

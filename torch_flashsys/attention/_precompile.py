@@ -24,10 +24,12 @@ opt-in autotuner (whose warm-up would benchmark).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -35,6 +37,7 @@ import torch
 from torch_flashsys.attention._backend import interpreter_active
 
 ENABLED = os.environ.get("TORCH_FLASHSYS_PRECOMPILE", "1") != "0"
+QUIET_S = 1.0  # seconds without a compile of the caller's before the background compiles
 
 
 class Job(NamedTuple):
@@ -61,6 +64,8 @@ _submitted: set[tuple] = set()  # every build ever queued (each once per process
 _families: set[tuple] = set()  # kinds of problems whose builds were queued (:func:`first`)
 _thread: threading.Thread | None = None
 _stopping = False
+_foreground = 0  # the caller's compiles in progress (:func:`foreground`)
+_last_foreground = 0.0  # when the last one ended (time.monotonic)
 # What failed to compile (a call that needs it compiles it again and raises there).
 errors: list[tuple[Job, BaseException]] = []
 
@@ -121,10 +126,16 @@ def submit(jobs: Iterable[Job]) -> None:
 
 
 def _work(cond: threading.Condition) -> None:
-    """The background thread: compile the queued builds in turn, end when none is left."""
+    """The background thread: compile the queued builds in turn, each once the caller has not
+    compiled anything for QUIET_S (:func:`foreground`), and end when none is left."""
     global _thread
     while True:
         with cond:
+            while not _stopping and _pending:
+                idle = time.monotonic() - _last_foreground
+                if _foreground == 0 and idle >= QUIET_S:
+                    break
+                cond.wait(None if _foreground else QUIET_S - idle)
             if _stopping or not _pending:
                 _thread = None
                 cond.notify_all()
@@ -133,13 +144,42 @@ def _work(cond: threading.Condition) -> None:
             _running[key] = job
         try:
             with torch.cuda.device(job.index):
-                job.kernel.warmup(*job.args, grid=(1, 1, 1), **job.meta)
+                _build_launcher(job.kernel.warmup(*job.args, grid=(1, 1, 1), **job.meta))
         except Exception as exc:  # the call that needs it compiles it and raises there
             errors.append((job, exc))
         finally:
             with cond:
                 del _running[key]
                 cond.notify_all()
+
+
+def _build_launcher(compiled: Any) -> None:
+    """Best effort: Triton builds a compiled kernel's C launcher (gcc, about 0.3 s, kept in its
+    on-disk cache) at the kernel's first launch; building it here leaves that launch a cache hit.
+    (``launcher_cls(src, metadata)``: Triton 3.6's API; another, or none, and nothing happens.)"""
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+    except Exception:  # (the launch builds it then)
+        pass
+
+
+@contextlib.contextmanager
+def foreground() -> Iterator[None]:
+    """Around a caller's own compile (a new launch key): the background thread starts no build
+    until QUIET_S after the last one ends, so that it does not slow the first call's compiles
+    (one step's forward and backward follow each other within it)."""
+    global _foreground, _last_foreground
+    with _cond:
+        _foreground += 1
+    try:
+        yield
+    finally:
+        with _cond:
+            _foreground -= 1
+            _last_foreground = time.monotonic()
+            _cond.notify_all()
 
 
 def claim(kernel: Any, meta: dict, args: tuple) -> None:
@@ -171,8 +211,8 @@ def _stop() -> None:
 
 
 def _after_fork_in_child() -> None:  # the thread does not exist in a forked child
-    global _thread, _cond
-    _thread, _cond = None, threading.Condition()
+    global _thread, _cond, _foreground
+    _thread, _cond, _foreground = None, threading.Condition(), 0
     _pending.clear()
     _running.clear()
     _submitted.clear()

@@ -376,15 +376,20 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
                                                           dynamic),
                        index, launch_values(q, k, v, out, lse, scale, counter), args, plan
                        ) and _precompile.first(("forward", d, causal, q.dtype, index)):  # fmt: skip
-        _precompile.submit(forward_jobs(args(True), d, causal, index))
+        _precompile.submit(forward_jobs(q, k, v, out, lse, scale, causal, index))
     return out, lse
 
 
-def forward_jobs(args: tuple, d: int, causal: bool, index: int) -> list:
-    """Background compile jobs (``_precompile``) of every forward build for head dim ``d`` and
-    the mask (:func:`forward_builds`), from one call's launch arguments ``args``."""
-    full = tuple(map(_precompile.stand_in, args))
-    return [_precompile.Job(attn_fwd_sm90, full, meta, index) for meta in forward_builds(d, causal)]
+def forward_jobs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, scale: float, causal: bool, index: int) -> list:  # fmt: skip
+    """Background compile jobs (``_precompile``) of every forward build for q's head dim and the
+    mask (:func:`forward_builds`), with stand-ins of one call's arguments: the dynamic schedule's
+    builds take an int32 counter, the others lse in its place (a pointer of another type: another
+    build)."""
+    counter = _precompile.mock(torch.int32, [1])
+    return [_precompile.Job(attn_fwd_sm90, tuple(map(_precompile.stand_in, launch_args(
+        q, k, v, out, lse, scale, counter if meta["DYNAMIC"] else None))), meta, index)
+            for meta in forward_builds(q.shape[-1], causal)]  # fmt: skip
 
 
 def forward_meta(q: torch.Tensor, causal: bool, dynamic: bool) -> dict:
@@ -509,8 +514,8 @@ def _launch_planned(kernel, plans: dict, key: tuple, index: int, values: tuple, 
     full = args(True)
     global planned
     planned += 1
-    _precompile.claim(kernel, meta, full)  # (queued for the background, or being compiled there)
-    with torch.cuda.device(index):
+    with _precompile.foreground(), torch.cuda.device(index):
+        _precompile.claim(kernel, meta, full)  # (queued for the background, or compiling there)
         compiled = kernel[grid](*full, **meta)
     if fast_launch_allowed() and current:
         tail = tuple(meta[name] for name in kernel.arg_names[len(full) :])
