@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import torch_flashsys.attention._precompile as _precompile
+
 
 def env_stamp() -> dict[str, str]:
     """Device, versions, date and command of this run."""
@@ -51,7 +53,11 @@ def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
 
 
 def sync() -> None:
-    """Wait for the GPU (when there is one): every timer ends its measurement with this."""
+    """Wait for the GPU (when there is one) and for torch_flashsys's background compiles (the
+    builds other lengths take, queued after a kind of problem's first call: a user's steady
+    state has them done, and they would share the CPU with what is timed): every timer ends
+    its warm-up and its measurement with this."""
+    _precompile.wait()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -80,6 +86,7 @@ def bench(fn: Callable, device: str | torch.device, reps: int = 2, rep_ms: int =
         return percentiles(samples_ms(fn, warmup=1, reps=reps))
     from triton.testing import do_bench
 
+    _precompile.wait()  # (see sync)
     p20, median, p80 = do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
     return {"median_ms": median, "p20_ms": p20, "p80_ms": p80}
 

@@ -26,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from benchmarks._harness import bench, why
+from benchmarks._harness import bench, sync, why
 
 # (batch, heads, seq) x head_dim x causal
 SHAPES = [(4, 16, 1024), (4, 16, 2048), (4, 16, 4096), (1, 16, 8192), (1, 16, 16384)]
@@ -222,6 +222,7 @@ def run_share(cases, dtype=torch.bfloat16, device="cuda") -> list[list[dict]]:
     """A grid worker's share: compile every case, wait for the other workers to have compiled
     theirs (the barrier), then time the cases; their rows, case by case."""
     prepared = [prepare_case(case, dtype, device) for case in cases]
+    sync()  # (our background compiles done before any worker times)
     if _BARRIER is not None:
         with contextlib.suppress(threading.BrokenBarrierError):
             _BARRIER.wait(timeout=BARRIER_TIMEOUT_S)
