@@ -1,7 +1,8 @@
 """What the background compiles cost the caller: in a fresh process (empty Triton cache), a first
 fwd+bwd, then the same call in a loop for ``--seconds``, each call's synchronized wall time;
-medians per window of time since the first call ended, with background compiles on
-(``TORCH_FLASHSYS_PRECOMPILE=1``, the default) and off, one process each, one after the other.
+medians per window of time since the first call ended, and the calls each window held, with
+background compiles on (``TORCH_FLASHSYS_PRECOMPILE=1``, the default) and off, one process each,
+one after the other in ``--order`` (on, off, off, on: the machine's warming up is shared).
 A (4, 16, 2048, 64) causal bf16 call is host-bound on the H100 box: the compiles' share of the
 GIL shows in its time.
 
@@ -48,11 +49,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--child", action="store_true")
     p.add_argument("--seconds", type=float, default=20)
+    p.add_argument("--order", default="1,0,0,1", help="TORCH_FLASHSYS_PRECOMPILE per process")
     args = p.parse_args()
     if args.child:
         return child(args.seconds)
-    rows = {}
-    for on in ("1", "0"):
+    rows = []
+    for on in args.order.split(","):
         with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache, "TORCH_FLASHSYS_PRECOMPILE": on}
             done = subprocess.run([sys.executable, __file__, "--child", "--seconds",
@@ -61,11 +63,11 @@ def main() -> None:
         if done.returncode != 0:
             print(done.stderr[-2000:], file=sys.stderr)
             continue
-        rows[on] = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append((on, json.loads(done.stdout.strip().splitlines()[-1])))
     windows = [(a, b) for a, b in itertools.pairwise(WINDOWS) if a < args.seconds]
     print("| precompile | first call s | " + " | ".join(f"{a}-{b} s: median ms (calls)"
                                                      for a, b in windows) + " |")  # fmt: skip
-    for on, r in rows.items():
+    for on, r in rows:
         cells = []
         for a, b in windows:
             ms = [dt * 1e3 for t, dt in r["times"] if a <= t < b]
