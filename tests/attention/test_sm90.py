@@ -1242,3 +1242,46 @@ def test_later_lengths_find_their_builds_compiled(tmp_path, d, causal):
     assert done.returncode == 0, done.stderr[-3000:]
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("errors 0 ") and line.endswith(" later 0"), done.stdout
+
+
+_CAPTURE_SCRIPT = """
+import time, torch
+from torch_flashsys import flash_attention
+from torch_flashsys.attention import _precompile
+q, k, v = (torch.randn(2, 8, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+flash_attention(q, k, v, is_causal=True).sum().backward()  # the first call: builds queued
+x = [t.detach().clone() for t in (q, k, v)]
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):  # the capture's own warm-up, as CUDA graphs need
+    flash_attention(*x, is_causal=True)
+torch.cuda.current_stream().wait_stream(side)
+captured = busy = 0
+deadline = time.monotonic() + 60
+while (_precompile._pending or _precompile._running) and time.monotonic() < deadline:
+    busy += bool(_precompile._running)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # capture_error_mode "global": any thread's unsafe call fails it
+        out = flash_attention(*x, is_causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flash_attention(*x, is_causal=True))
+    captured += 1
+print("captures", captured, "while compiling", busy, "errors", len(_precompile.errors))
+"""
+
+
+@gpu
+@needs_sm90
+def test_graphs_captured_while_the_background_compiles(tmp_path):
+    """CUDA graphs captured (PyTorch's default, global capture mode: a CUDA call another thread
+    must not make during a capture fails it) while the background thread compiles the builds a
+    first call queued: every capture succeeds and replays the eager result (the thread only
+    compiles: no launch, allocation or stream work)."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": ROOT}
+    done = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    words = done.stdout.split()
+    captured, busy, errors = int(words[1]), int(words[4]), int(words[6])
+    assert captured >= 5 and busy >= 5 and errors == 0, done.stdout
