@@ -210,12 +210,13 @@ def backward_compiles(dtype: torch.dtype = torch.float16) -> tuple[int, int]:
     return together, len(misses) - together
 
 
-def _launches_at(n: int, d: int, causal: bool, dtype: torch.dtype, heads: int = 4,
-                 kv_heads: int = 2) -> list[tuple]:  # fmt: skip
+def _launches_at(n: int, d: int, causal: bool, dtype: torch.dtype, kv_heads: int = 2,
+                 deterministic: bool = False, heads: int = 4) -> list[tuple]:  # fmt: skip
     """``(kernel, args, meta)`` of every kernel a fwd+bwd of a ``(1, heads, n, d)`` problem
-    launches on an H100 (no dLSE, not deterministic), with the arguments the library builds
-    from real (CPU) tensors: the forward's build by its length rules, then the fused backward
-    (preprocessing and fused kernel) or the portable one (dQ and dK/dV kernels)."""
+    launches on an H100 (no dLSE; ``deterministic``: under deterministic algorithms), with the
+    arguments the library builds from real (CPU) tensors: the forward's build by its length
+    rules, then the fused backward (preprocessing, fused kernel and, deterministic, the sum of
+    the dQ copies) or the portable one (dQ and dK/dV kernels)."""
     from torch_flashsys.attention import _sm90
     from torch_flashsys.attention._extras import CAUSAL, PLAIN
     from torch_flashsys.attention._sm90._fwd import attn_fwd_sm90
@@ -229,17 +230,22 @@ def _launches_at(n: int, d: int, causal: bool, dtype: torch.dtype, heads: int = 
     counter = torch.zeros(1, dtype=torch.int32) if dynamic else None  # as _sm90.forward
     fwd = _sm90.forward_meta(q, causal, dynamic)
     launches = [(attn_fwd_sm90, _sm90.launch_args(q, k, k, q, lse, 0.125, counter), fwd)]
-    if _sm90.fused_rule(q, k, ex, False):
-        acc = torch.zeros(1, heads, n, d)
-        launches += [
-            (_sm90.attn_bwd_prep, _sm90.prep_args((q, q, lse, lse, acc, acc), q, q, lse),
-             _sm90.prep_meta(d, False, False, 1)),
-            (_sm90.fused_kernel(d), _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, acc, 0.125),
-             _sm90.fused_constexprs(d, causal, dtype, heads // kv_heads)),
-        ]  # fmt: skip
-    else:
+    if not _sm90.fused_rule(q, k, ex, deterministic):
         _, portable = backward_launches(q, q, k, k, q, lse, None, 0.125, ex, q, k, k, lse)
-        launches += [(c.kernel, args, plan.constexprs) for c, plan, args in portable]
+        return launches + [(c.kernel, args, plan.constexprs) for c, plan, args in portable]
+    copies = _sm90.DETERMINISTIC_CHAINS if deterministic else 1
+    acc = torch.zeros(copies, heads, n, d)
+    sem = torch.zeros(copies, heads, 1, dtype=torch.int32) if deterministic else None
+    launches += [
+        (_sm90.attn_bwd_prep, _sm90.prep_args((q, q, lse, lse, acc, acc if sem is None else sem),
+                                              q, q, lse),
+         _sm90.prep_meta(d, False, deterministic, copies)),
+        (_sm90.fused_kernel(d), _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, acc, 0.125, sem),
+         _sm90.fused_constexprs(d, causal, dtype, heads // kv_heads, deterministic)),
+    ]  # fmt: skip
+    if deterministic:
+        launches.append((_sm90.attn_bwd_dq_sum, (acc, q, *q.stride()[:3], heads, n),
+                         {"COPIES": copies, "BLOCK_M": _sm90.PREP_BLOCK, "HEAD_DIM": d}))  # fmt: skip
     return launches
 
 
@@ -248,7 +254,8 @@ def _launches_at(n: int, d: int, causal: bool, dtype: torch.dtype, heads: int = 
 LATER_LENGTHS = range(1, 20000, 97)
 
 
-def precompile_misses(d: int, causal: bool, dtype: torch.dtype, first: int) -> tuple[int, int]:
+def precompile_misses(d: int, causal: bool, dtype: torch.dtype, first: int, kv_heads: int = 2,
+                      deterministic: bool = False) -> tuple[int, int]:  # fmt: skip
     """Compiles ``(of the first call at `first` tokens and the builds it queues, of the calls at
     other lengths after them)``, on the H100 path with background precompiling (``_precompile``'s
     jobs run here in turn): later calls compile nothing when the queued builds are the ones the
@@ -268,19 +275,20 @@ def precompile_misses(d: int, causal: bool, dtype: torch.dtype, first: int) -> t
     def compiled() -> int:  # builds in the JIT caches of the kernels seen
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
-    for launch in _launches_at(first, d, causal, dtype):
+    for launch in _launches_at(first, d, causal, dtype, kv_heads, deterministic):
         warm(*launch)
     q = torch.zeros(1, 4, first, d, dtype=dtype)
-    k = torch.zeros(1, 2, first, d, dtype=dtype)
+    k = torch.zeros(1, kv_heads, first, d, dtype=dtype)
     lse = torch.zeros(1, 4, first)
+    ex = CAUSAL if causal else PLAIN
     jobs = _sm90.forward_jobs(q, k, k, q, lse, 0.125, causal, -1)  # as _sm90.forward queues them
-    jobs += backward_builds(q, q, k, k, q, lse, None, 0.125, CAUSAL if causal else PLAIN, False)
+    jobs += backward_builds(q, q, k, k, q, lse, None, 0.125, ex, deterministic)
     for job in jobs:
         assert _precompile.usable(job.kernel)
         warm(job.kernel, job.args, job.meta)
     at_first = compiled()
     for n in sorted({*LATER_LENGTHS, *_sm90.rule_lengths()}):
-        for launch in _launches_at(n, d, causal, dtype):
+        for launch in _launches_at(n, d, causal, dtype, kv_heads, deterministic):
             warm(*launch)
     return at_first, compiled() - at_first
 
@@ -292,10 +300,11 @@ if __name__ == "__main__":
         print("\n".join(lines))
         sys.exit(0 if ok else 1)
     if sys.argv[1:2] == ["precompile"]:  # precompile D,CAUSAL,DTYPE,FIRST ...
-        for family in sys.argv[2:]:
-            d, causal, dtype, first = family.split(",")
+        for family in sys.argv[2:]:  # D,CAUSAL,DTYPE,FIRST[,KV_HEADS[,det]] (4 query heads)
+            d, causal, dtype, first, *rest = family.split(",")
             at_first, later = precompile_misses(int(d), causal == "1", getattr(torch, dtype),
-                                                int(first))  # fmt: skip
+                                                int(first), int(rest[0]) if rest else 2,
+                                                rest[1:] == ["det"])  # fmt: skip
             print(f"{family}: compiles of the first call and its queued builds {at_first}, "
                   f"of later calls {later}")  # fmt: skip
         sys.exit(0)

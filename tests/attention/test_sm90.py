@@ -532,11 +532,18 @@ def test_builds_queued_after_a_first_call_serve_every_later_length():
     (``_precompile``: every forward build its length rules pick, and the backward's, fused or
     portable with each tile) are all that calls at any other length need: compiled for sm90
     without a GPU, with the jobs' stand-in arguments, then the launches the library builds from
-    real tensors at 220 other lengths (1 to 20000, every bound crossed) compile nothing. Before,
+    real tensors at 220 other lengths (1 to 20000, every bound crossed) compile nothing, under
+    deterministic algorithms too (the ordered sums' builds). Before,
     a warm process stopped 2.2-3.7 s at a first call at 700, 2049 or 8192 tokens after one at
     2048 (H100, docs/benchmarks.md); with nothing queued this check counts 3 later compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    families = ["64,1,bfloat16,2048", "128,1,float16,700", "128,0,bfloat16,4096"]
+    families = [
+        "64,1,bfloat16,2048",
+        "128,1,float16,700",
+        "128,0,bfloat16,4096",
+        "64,1,bfloat16,2048,4,det",
+        "128,1,float16,9000,4,det",
+    ]  # (deterministic)
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline", "precompile",
                            *families], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
