@@ -172,3 +172,40 @@ def test_nothing_compiles_in_the_background_while_the_caller_compiles(queue):
     assert time.monotonic() - ended >= queue.QUIET_S * 0.9
     _settle()
     assert kernel.calls == [{"A": 1}]
+
+
+_EXIT_SCRIPT = """
+import threading, time
+from torch_flashsys.attention import _precompile
+_precompile.interpreter_active = lambda: False
+_precompile.ENABLED, _precompile.QUIET_S = True, 0.0
+started = threading.Event()
+class Slow:
+    def warmup(self, *args, grid, **meta):
+        started.set()
+        time.sleep(2.0)
+kernel = Slow()
+_precompile.submit([_precompile.Job(kernel, (), {"N": n}, -1) for n in range(5)])
+assert started.wait(10)
+print("exiting", flush=True)
+"""
+
+
+def test_exit_waits_for_the_build_in_progress_only():
+    """A process that exits while builds are queued waits for the one being compiled (a compile
+    cut off at exit could crash it), not for the rest of the queue: about 2 s here (and the
+    interpreter's teardown), not 10."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": root})  # fmt: skip
+    line = proc.stdout.readline()  # printed once the first build is under way
+    start = time.monotonic()
+    proc.wait(60)
+    took = time.monotonic() - start
+    assert proc.returncode == 0 and line.startswith("exiting"), proc.stderr.read()[-2000:]
+    assert took < 7.0, took  # the build in progress (2 s), not the four queued behind it
