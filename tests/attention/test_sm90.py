@@ -537,13 +537,9 @@ def test_builds_queued_after_a_first_call_serve_every_later_length():
     a warm process stopped 2.2-3.7 s at a first call at 700, 2049 or 8192 tokens after one at
     2048 (H100, docs/benchmarks.md); with nothing queued this check counts 3 later compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    families = [
-        "64,1,bfloat16,2048",
-        "128,1,float16,700",
-        "128,0,bfloat16,4096",
-        "64,1,bfloat16,2048,4,det",
-        "128,1,float16,9000,4,det",
-    ]  # (deterministic)
+    # head dim 64 causal GQA (the forward's consumer counts, fused and portable backwards), 128
+    # causal from 700 (the dynamic schedule's counter), 128 causal deterministic (ordered sums)
+    families = ["64,1,bfloat16,2048", "128,1,float16,700", "128,1,float16,9000,4,det"]
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline", "precompile",
                            *families], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
