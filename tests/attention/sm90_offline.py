@@ -244,8 +244,8 @@ def _launches_at(n: int, d: int, causal: bool, dtype: torch.dtype, kv_heads: int
          _sm90.fused_constexprs(d, causal, dtype, heads // kv_heads, deterministic)),
     ]  # fmt: skip
     if deterministic:
-        launches.append((_sm90.attn_bwd_dq_sum, (acc, q, *q.stride()[:3], heads, n),
-                         {"COPIES": copies, "BLOCK_M": _sm90.PREP_BLOCK, "HEAD_DIM": d}))  # fmt: skip
+        launches.append((_sm90.attn_bwd_dq_sum, _sm90.dq_sum_args(acc, torch.empty_like(q)),
+                         _sm90.dq_sum_meta(d, copies)))  # fmt: skip
     return launches
 
 

@@ -750,10 +750,9 @@ def fused_builds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
             q, k, v, dout, lse, lse, k, v, acc, scale, sem))),
             fused_constexprs(d, causal, q.dtype, group, deterministic), index),
     ]  # fmt: skip
-    if copies > 1:
-        meta = {"COPIES": copies, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d}
-        jobs.append(_precompile.Job(attn_bwd_dq_sum, (acc, mock(q), *q.stride()[:3], q.shape[1],
-                                                      q.shape[2]), meta, index))  # fmt: skip
+    if copies > 1:  # (dQ takes q's layout)
+        jobs.append(_precompile.Job(attn_bwd_dq_sum, tuple(map(mock, dq_sum_args(acc, q))),
+                                    dq_sum_meta(d, copies), index))  # fmt: skip
     return jobs
 
 
@@ -766,11 +765,19 @@ def dq_sum(dq_acc: torch.Tensor, q: torch.Tensor, copies: int) -> torch.Tensor:
     batch, heads, seq_q, d = q.shape
     dq = torch.empty_like(q)
     key = (q.shape, dq.stride(), q.dtype, copies)
-    args = (dq_acc, dq, *dq.stride()[:3], heads, seq_q)
     grid = (triton_cdiv(seq_q, PREP_BLOCK), batch * heads)
-    meta = {"COPIES": copies, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d}
-    _launch_dq_sum(key, lambda meta: grid, args, meta)
+    _launch_dq_sum(key, lambda meta: grid, dq_sum_args(dq_acc, dq), dq_sum_meta(d, copies))
     return dq
+
+
+def dq_sum_args(dq_acc, dq) -> tuple:
+    """The dQ copies' sum kernel's runtime arguments (``dq``: q's shape and layout)."""
+    return (dq_acc, dq, *dq.stride()[:3], dq.shape[1], dq.shape[2])
+
+
+def dq_sum_meta(d: int, copies: int) -> dict:
+    """The dQ copies' sum kernel's constexprs."""
+    return {"COPIES": copies, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d}
 
 
 _FUSED_PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
