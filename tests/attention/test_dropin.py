@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.attention.cases import assert_close
 from tests.reference import attention_reference
@@ -373,6 +374,43 @@ def test_sdpa_override_routes_masked_and_other_calls(name, args, kwargs, flash_c
         out = F.scaled_dot_product_attention(*args, **kwargs)
     assert flash_calls.call_count == 1, name
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    dtypes=st.sampled_from([("f", "f", "b"), ("f", "b", "b"), ("b", "f", "f"), ("f", "f", "f")]),
+    causal=st.booleans(),
+    masked=st.booleans(),
+    group=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sdpa_override_routes_mixed_dtypes_under_autocast(dtypes, causal, masked, group, seed):
+    """Under ``torch.autocast`` SDPA casts query, key and value to the autocast dtype first, so
+    calls whose inputs differ in dtype are valid there: a Hugging Face Llama's query and key leave
+    the rotary embedding in float32 (its cos/sin follow the float32 embeddings) while value is
+    bfloat16. The override must route them (it checked the uncast inputs and sent every such call
+    back to SDPA, silently) and give what SDPA gives under autocast."""
+    gen = torch.Generator().manual_seed(seed)
+    kinds = {"f": torch.float32, "b": torch.bfloat16}
+    shapes = ((2, 2 * group, 7, 16), (2, 2, 7, 16), (2, 2, 7, 16))
+    q, k, v = (torch.randn(s, generator=gen).to(kinds[t]).requires_grad_()
+               for s, t in zip(shapes, dtypes, strict=True))  # fmt: skip
+    kwargs = {"is_causal": causal and not masked, "enable_gqa": group > 1}
+    if masked:
+        kwargs["attn_mask"] = torch.rand(2, 1, 7, 7, generator=gen) > 0.3
+        kwargs["attn_mask"][..., 0] = True  # every row sees a key
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ORIGINAL_SDPA(q, k, v, **kwargs)
+        spy = mock.MagicMock(wraps=_dropin.flash_attention)
+        with mock.patch.object(_dropin, "flash_attention", spy), sdpa_override(backend="torch"):
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert spy.call_count == 1, f"not routed: {dtypes}"
+    assert out.dtype == expected.dtype == torch.bfloat16
+    with sdpa_kernel([SDPBackend.MATH]):  # float64, on the inputs autocast rounds to bfloat16
+        ref = ORIGINAL_SDPA(*(t.detach().bfloat16().double() for t in (q, k, v)), **kwargs)
+    assert_close("autocast", out, expected, ref, torch.bfloat16)
+    out.float().sum().backward()
+    assert q.grad.dtype == q.dtype and v.grad.dtype == v.dtype
 
 
 def test_sdpa_override_mask_and_is_causal_compose(flash_calls):

@@ -18,6 +18,7 @@ from torch import nn
 
 from torch_flashsys.attention._backend import BACKENDS
 from torch_flashsys.attention._checks import check_inputs
+from torch_flashsys.attention._dispatch import autocast_inputs
 from torch_flashsys.attention.functional import flash_attention
 from torch_flashsys.attention.module import FlashAttention, _mha_unsupported_reason
 
@@ -160,8 +161,12 @@ def _make_router(original: Callable[..., torch.Tensor], backend: str) -> Callabl
             "scale": scale,
             "enable_gqa": enable_gqa,
         }
-        if not extra and _supported(query, key, value, args, backend):
-            return flash_attention(query, key, value, **args, backend=backend)
+        # Under autocast SDPA casts its inputs first, so inputs of mixed dtypes are valid there
+        # (a Hugging Face Llama's query and key leave the rotary embedding in float32): the
+        # check sees what flash_attention will compute on, as SDPA's does.
+        q, k, v = autocast_inputs(query, key, value)
+        if not extra and _supported(q, k, v, args, backend):
+            return flash_attention(q, k, v, **args, backend=backend)
         if enable_gqa:  # passed only when set: older torch versions lack the argument
             extra["enable_gqa"] = enable_gqa
         return original(
