@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--size", default="1.1B", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true",
+                        help="then one step of each under torch.profiler: the top kernels")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -144,6 +146,12 @@ def main() -> None:
         rows.append(row)
         print(f"{case}: first step sdpa {first['sdpa']:.0f} ms, ours {first['ours']:.0f} ms; "
               f"{row}", flush=True)  # fmt: skip
+        if args.profile:
+            for name in ("sdpa", "ours"):
+                with torch.profiler.profile() as prof:
+                    step(name == "ours")
+                table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=12)
+                print(f"--- {case} {name}: kernels by device time (one step)\n{table}", flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     meta = (f"{name}, torch {torch.__version__}, "
             f"transformers {__import__('transformers').__version__}")  # fmt: skip
