@@ -19,6 +19,7 @@ from torch_flashsys.attention._cache import cache_extras
 from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._dtensor import is_dtensor, local_inputs, wrap_outputs
 from torch_flashsys.attention._extras import Extras, make_extras
+from torch_flashsys.attention._padding import key_lengths, run_per_sequence
 from torch_flashsys.attention._varlen import nested_inputs, packed_problem, to_nested, unpack
 
 
@@ -54,6 +55,12 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         if cache_seqlens is not None:
             ex = cache_extras(query, key, attn_mask, mods, cache_seqlens)
             out, lse = _cached(query, key, value, ex, sm_scale, resolved)
+        elif (lengths := _right_padded(query, key, attn_mask, mods)) is not None:
+            out, lse = run_per_sequence(
+                lambda q, k, v: run(q, k, v, make_extras(q.shape, k.shape[-2], q.device, q.dtype,
+                                                         None, 0.0, True, None, None, None),
+                                    sm_scale, resolved),
+                query, key, value, lengths)  # fmt: skip
         elif query.dim() in (3, 4):
             q4_shape = query.shape if query.dim() == 4 else (1, *query.shape)
             ex = make_extras(q4_shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
@@ -61,6 +68,17 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         else:
             out, lse = _any_rank(query, key, value, attn_mask, mods, sm_scale, resolved)
     return (out, lse) if return_lse else out
+
+
+def _right_padded(query, key, attn_mask, mods: tuple) -> list[int] | None:
+    """Each sequence's key count where ``attn_mask`` (with ``is_causal``) is a right-padded
+    causal mask and nothing else modifies the scores (``_padding``); else None."""
+    if attn_mask is None or query.dim() != 4 or not isinstance(attn_mask, torch.Tensor):
+        return None
+    dropout_p, is_causal, window_size, softcap, alibi_slopes = mods
+    if dropout_p or window_size is not None or softcap or alibi_slopes is not None:
+        return None
+    return key_lengths(attn_mask, query.shape[0], query.shape[2], key.shape[2], is_causal)
 
 
 def run(query, key, value, ex: Extras, sm_scale: float, backend: str):

@@ -1,0 +1,164 @@
+"""Right-padded causal masks (what a Hugging Face model passes SDPA for right-padded batches) run
+as mask-free causal problems, one per sequence (``_padding``): recognized exactly, equal to the
+masked attention in float64 (outputs, lse and gradients), every other mask left to the mask path,
+and a mask changed in place never answered from the kept result."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.attention.cases import assert_close
+from tests.reference import modded_attention
+from torch_flashsys import flash_attention
+from torch_flashsys.attention import _dispatch, _padding
+from torch_flashsys.attention._backend import triton_can_run_on
+
+needs_interpreter = pytest.mark.skipif(
+    not triton_can_run_on(torch.device("cpu")),
+    reason="Triton kernels cannot run on CPU here (no triton or TRITON_INTERPRET unset)",
+)
+BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
+
+
+def padded_mask(lengths: list[int], seq: int) -> torch.Tensor:
+    """The (batch, 1, seq, seq) mask of causal attention over each sequence's first n_b keys."""
+    rows = torch.arange(seq)
+    causal = rows[None, :] <= rows[:, None]
+    keys = rows[None, None, :] < torch.tensor(lengths)[:, None, None]
+    return (causal[None] & keys)[:, None]
+
+
+def inputs(batch, heads, kv_heads, seq, dim, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, dim, generator=gen).to(dtype)
+    k = torch.randn(batch, kv_heads, seq, dim, generator=gen).to(dtype)
+    v = torch.randn(batch, kv_heads, seq, dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+@pytest.fixture
+def per_sequence():
+    """Counts the calls that took the per-sequence route."""
+    with mock.patch.object(_dispatch, "run_per_sequence", wraps=_dispatch.run_per_sequence) as spy:
+        yield spy
+
+
+def _check(q, k, v, mask, is_causal, backend, dtype, seed):
+    """flash_attention(mask) against the float64 masked reference, out, lse, dq, dk, dv: float64
+    to 1e-9, other dtypes by the tests' rule (PyTorch's own error in the dtype as baseline)."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = flash_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=group > 1,
+                               backend=backend, return_lse=True)  # fmt: skip
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    ours = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    refs, bases = [], []
+    for wide in (True, False):
+        qr, kr, vr = (t.detach().to(torch.float64 if wide else dtype).requires_grad_()
+                      for t in (q, k, v))  # fmt: skip
+        o, ref_lse = modded_attention(qr, kr, vr, attn_mask=mask, is_causal=is_causal)
+        grads = torch.autograd.grad(o, (qr, kr, vr), dout.to(o.dtype))
+        (refs if wide else bases).extend([o, *grads])
+        if wide:
+            torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+    for name, mine, ref, base in zip(("out", "dq", "dk", "dv"), ours, refs, bases, strict=True):
+        if dtype == torch.float64:
+            torch.testing.assert_close(mine, ref, atol=1e-9, rtol=1e-9, msg=name)
+        else:
+            assert_close(name, mine, base, ref, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=6, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    heads=st.sampled_from([(2, 2), (4, 2)]),
+    seq=st.integers(1, 40),
+    data=st.data(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_right_padded_causal_masks_run_per_sequence(backend, batch, heads, seq, data, seed):
+    """The mask as a Hugging Face model builds it (causal AND key padding, is_causal False), or
+    the key padding alone with is_causal=True: both are a causal problem on each sequence's first
+    n_b keys. Padded query rows see all n_b keys (their rows of the mask say so)."""
+    lengths = data.draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
+    form = data.draw(st.sampled_from(["hf", "padding and is_causal"]))
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    q, k, v = inputs(batch, heads[0], heads[1], seq, 16, seed, dtype)
+    mask = padded_mask(lengths, seq)
+    is_causal = form != "hf"
+    if is_causal:  # the padding alone, every row
+        mask = torch.arange(seq)[None, None, None, :] < torch.tensor(lengths)[:, None, None, None]
+        mask = mask.expand(batch, 1, seq, seq)
+    with mock.patch.object(_dispatch, "run_per_sequence", wraps=_dispatch.run_per_sequence) as spy:
+        _check(q, k, v, mask, is_causal, backend, dtype, seed)
+    assert spy.call_count == 1
+
+
+def _not_right_padded(seq: int) -> dict[str, tuple[torch.Tensor, bool]]:
+    """Masks the per-sequence route must leave to the mask path: (mask, is_causal)."""
+    hf = padded_mask([seq, seq - 2], seq)
+    flipped = hf.clone()
+    flipped[1, 0, 3, 1] = False  # one key hidden from one row
+    left = hf.flip(-1).flip(-2)  # left padding: the padded rows see no key
+    empty = padded_mask([seq, 1], seq).clone()
+    empty[1, 0, :, 0] = False  # a sequence with no key
+    return {
+        "one bit": (flipped, False),
+        "left padding": (left.contiguous(), False),
+        "no keys": (empty, False),
+        "padding without is_causal": (hf[:, :, -1:].expand(2, 1, seq, seq), False),
+        "per head": (hf.expand(2, 2, seq, seq), False),
+        "float": (torch.zeros(2, 1, seq, seq).masked_fill(~hf, float("-inf")), False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_not_right_padded(8)))
+def test_other_masks_take_the_mask_path(name, per_sequence):
+    mask, is_causal = _not_right_padded(8)[name]
+    q, k, v = inputs(2, 2, 2, 8, 16, 7, torch.float64)
+    _check(q, k, v, mask, is_causal, "torch", torch.float64, 7)
+    assert per_sequence.call_count == 0, name
+
+
+def test_a_mask_changed_in_place_is_looked_at_again(per_sequence):
+    """The lengths are kept per mask object; an in-place change (its version counter) or another
+    object is looked at again, so a stale answer never decides the route."""
+    seq = 12
+    q, k, v = inputs(2, 2, 2, seq, 16, 3, torch.float64)
+    mask = padded_mask([seq, 7], seq)
+    with mock.patch.object(_padding, "_lengths", wraps=_padding._lengths) as looked:
+        flash_attention(q, k, v, attn_mask=mask)
+        flash_attention(q, k, v, attn_mask=mask)  # a model's next layer: the same mask object
+        assert looked.call_count == 1 and per_sequence.call_count == 2
+        mask[1, 0, 9, 2] = False  # no longer right-padded causal
+        out = flash_attention(q, k, v, attn_mask=mask)
+        assert looked.call_count == 2 and per_sequence.call_count == 2
+    ref, _ = modded_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.gpu
+@settings(max_examples=12, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    heads=st.sampled_from([(4, 4), (8, 2)]),
+    dim=st.sampled_from([64, 128]),
+    seq=st.integers(_padding.MIN_SEQ_CUDA, 2600),
+    data=st.data(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_right_padded_masks_on_cuda_bfloat16(batch, heads, dim, seq, data, seed):
+    """bfloat16 on the GPU (the Hopper kernels where they take a sequence's problem), against the
+    float64 masked reference by the tests' rule; sequences as short as one key."""
+    lengths = data.draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
+    q, k, v = (t.cuda() for t in inputs(batch, heads[0], heads[1], seq, dim, seed, torch.bfloat16))
+    mask = padded_mask(lengths, seq).cuda()
+    with mock.patch.object(_dispatch, "run_per_sequence", wraps=_dispatch.run_per_sequence) as spy:
+        _check(q, k, v, mask, False, "auto", torch.bfloat16, seed)
+    assert spy.call_count == 1
