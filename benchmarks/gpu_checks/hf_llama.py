@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_flashsys
-from torch_flashsys.attention import _dropin, _precompile
+from torch_flashsys.attention import _dropin, _padding, _precompile
 
 COLUMNS = ["model", "context", "batch", "padded", "compiled", "sdpa_ms", "ours_ms", "ours / sdpa",
            "rounds", "routed_per_step", "left_to_sdpa_per_step"]  # fmt: skip
@@ -87,11 +87,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--size", default="1.1B", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--min-seq", type=int, default=None,
+                        help="_padding.MIN_SEQ_CUDA: where padded masks take the per-sequence "
+                        "route (a huge value: the mask path alone)")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help="then one step of each under torch.profiler: the top kernels")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.min_seq is not None:
+        _padding.MIN_SEQ_CUDA = args.min_seq
     model, opt = build(args.size, device)
 
     def sync() -> None:

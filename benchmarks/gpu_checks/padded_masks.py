@@ -59,7 +59,7 @@ def bench_shape(shape: str, dim: int) -> list[dict]:
     impls = {"sdpa (mask)": (sdpa, None), "ours, mask path": (ours, 1 << 40),
              "ours, per sequence": (ours, 0)}  # fmt: skip
     ref = sdpa().float()
-    rows = []
+    rows, default = [], _padding.MIN_SEQ_CUDA
     for impl, (fn, threshold) in impls.items():
         if threshold is not None:
             _padding.MIN_SEQ_CUDA = threshold
@@ -79,7 +79,7 @@ def bench_shape(shape: str, dim: int) -> list[dict]:
         }
         rows.append(row)
         print(row, flush=True)
-    _padding.MIN_SEQ_CUDA = 1024
+    _padding.MIN_SEQ_CUDA = default
     return rows
 
 

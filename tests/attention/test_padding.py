@@ -44,7 +44,9 @@ def inputs(batch, heads, kv_heads, seq, dim, seed, dtype):
 @pytest.fixture
 def per_sequence():
     """Counts the calls that took the per-sequence route."""
-    with mock.patch.object(_dispatch, "run_per_sequence", wraps=_dispatch.run_per_sequence) as spy:
+    with mock.patch.object(
+        _dispatch, "_run_right_padded", wraps=_dispatch._run_right_padded
+    ) as spy:
         yield spy
 
 
@@ -55,7 +57,8 @@ def _check(q, k, v, mask, is_causal, backend, dtype, seed):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = flash_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=group > 1,
                                backend=backend, return_lse=True)  # fmt: skip
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    dout = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=dtype)
     ours = (out, *torch.autograd.grad(out, (q, k, v), dout))
     refs, bases = [], []
     for wide in (True, False):
@@ -95,7 +98,9 @@ def test_right_padded_causal_masks_run_per_sequence(backend, batch, heads, seq, 
     if is_causal:  # the padding alone, every row
         mask = torch.arange(seq)[None, None, None, :] < torch.tensor(lengths)[:, None, None, None]
         mask = mask.expand(batch, 1, seq, seq)
-    with mock.patch.object(_dispatch, "run_per_sequence", wraps=_dispatch.run_per_sequence) as spy:
+    with mock.patch.object(
+        _dispatch, "_run_right_padded", wraps=_dispatch._run_right_padded
+    ) as spy:
         _check(q, k, v, mask, is_causal, backend, dtype, seed)
     assert spy.call_count == 1
 
@@ -143,6 +148,26 @@ def test_a_mask_changed_in_place_is_looked_at_again(per_sequence):
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
 
 
+def test_double_backward_through_the_per_sequence_route(per_sequence):
+    """create_graph=True: the gradients are differentiable (the mask's differentiable backward),
+    and their own gradients are the masked attention's."""
+    seq, lengths = 10, [10, 6]
+    mask = padded_mask(lengths, seq)
+    q, k, v = (t.requires_grad_() for t in inputs(2, 2, 2, seq, 8, 5, torch.float64))
+    w = torch.randn(2, 2, seq, 8, dtype=torch.float64)
+
+    def second_order(attend):
+        out = attend(q, k, v)
+        dq, dk = torch.autograd.grad((out * w).sum(), (q, k), create_graph=True)
+        return torch.autograd.grad((dq * dq).sum() + (dk * w).sum(), (q, k, v))
+
+    ours = second_order(lambda *t: flash_attention(*t, attn_mask=mask))
+    assert per_sequence.call_count == 1
+    refs = second_order(lambda *t: modded_attention(*t, attn_mask=mask)[0])
+    for mine, ref in zip(ours, refs, strict=True):
+        torch.testing.assert_close(mine, ref, atol=1e-9, rtol=1e-9)
+
+
 @pytest.mark.gpu
 @settings(max_examples=12, deadline=None)
 @given(
@@ -159,6 +184,8 @@ def test_right_padded_masks_on_cuda_bfloat16(batch, heads, dim, seq, data, seed)
     lengths = data.draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
     q, k, v = (t.cuda() for t in inputs(batch, heads[0], heads[1], seq, dim, seed, torch.bfloat16))
     mask = padded_mask(lengths, seq).cuda()
-    with mock.patch.object(_dispatch, "run_per_sequence", wraps=_dispatch.run_per_sequence) as spy:
+    with mock.patch.object(
+        _dispatch, "_run_right_padded", wraps=_dispatch._run_right_padded
+    ) as spy:
         _check(q, k, v, mask, False, "auto", torch.bfloat16, seed)
     assert spy.call_count == 1

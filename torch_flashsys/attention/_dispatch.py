@@ -14,12 +14,12 @@ import math
 
 import torch
 
-from torch_flashsys.attention._autograd import torch_attention
+from torch_flashsys.attention._autograd import TORCH, apply, torch_attention
 from torch_flashsys.attention._cache import cache_extras
 from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._dtensor import is_dtensor, local_inputs, wrap_outputs
 from torch_flashsys.attention._extras import Extras, make_extras
-from torch_flashsys.attention._padding import key_lengths, run_per_sequence
+from torch_flashsys.attention._padding import key_lengths, per_sequence
 from torch_flashsys.attention._varlen import nested_inputs, packed_problem, to_nested, unpack
 
 
@@ -56,11 +56,8 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             ex = cache_extras(query, key, attn_mask, mods, cache_seqlens)
             out, lse = _cached(query, key, value, ex, sm_scale, resolved)
         elif (lengths := _right_padded(query, key, attn_mask, mods)) is not None:
-            out, lse = run_per_sequence(
-                lambda q, k, v: run(q, k, v, make_extras(q.shape, k.shape[-2], q.device, q.dtype,
-                                                         None, 0.0, True, None, None, None),
-                                    sm_scale, resolved),
-                query, key, value, lengths)  # fmt: skip
+            out, lse = _run_right_padded(query, key, value, attn_mask, is_causal, lengths,
+                                         sm_scale, resolved)  # fmt: skip
         elif query.dim() in (3, 4):
             q4_shape = query.shape if query.dim() == 4 else (1, *query.shape)
             ex = make_extras(q4_shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
@@ -78,7 +75,25 @@ def _right_padded(query, key, attn_mask, mods: tuple) -> list[int] | None:
     dropout_p, is_causal, window_size, softcap, alibi_slopes = mods
     if dropout_p or window_size is not None or softcap or alibi_slopes is not None:
         return None
+    if _functorch_active():  # vmap/grad transforms: the mask path
+        return None
     return key_lengths(attn_mask, query.shape[0], query.shape[2], key.shape[2], is_causal)
+
+
+def _run_right_padded(query, key, value, attn_mask, is_causal: bool, lengths: list[int],
+                      sm_scale: float, backend: str):  # fmt: skip
+    """A right-padded causal mask's problem: causal and mask-free where no sequence is padded,
+    else each sequence's causal problem on its keys (``_padding.per_sequence``)."""
+    shape, seq_k, device, dtype = query.shape, key.shape[-2], query.device, query.dtype
+    if all(n == seq_k for n in lengths):
+        causal = make_extras(shape, seq_k, device, dtype, None, 0.0, True, None, None, None)
+        return run(query, key, value, causal, sm_scale, backend)
+    masked = make_extras(shape, seq_k, device, dtype, attn_mask, 0.0, is_causal, None, None, None)
+    if backend == "triton":
+        from torch_flashsys.attention._ops import TRITON as base
+    else:
+        base = TORCH
+    return apply(query, key, value, sm_scale, masked, per_sequence(base, lengths))
 
 
 def run(query, key, value, ex: Extras, sm_scale: float, backend: str):
@@ -143,3 +158,6 @@ def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+_functorch_active = torch._C._are_functorch_transforms_active

@@ -7,15 +7,18 @@ which the mask-free kernels run (the Hopper path included) without reading L x L
 computing the padded keys' tiles. :func:`key_lengths` recognizes such a mask (one comparison on
 the mask's device and one synchronization per mask tensor: the lengths slice the keys, so the
 host needs them; a model passes one mask object to all its layers, and the result is kept for
-it); :func:`run_per_sequence` runs the sequences one call each.
+it); :func:`per_sequence` runs the sequences one kernel call each, in one autograd node.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 
 import torch
+
+from torch_flashsys.attention._autograd import Kernels
+from torch_flashsys.attention._extras import CAUSAL, Extras
+from torch_flashsys.attention._tensors import empty_like_layout
 
 # The shortest sequences (query rows) the per-sequence route takes on a GPU: each sequence is a
 # call of its own, and below this its host time outweighs the mask path's extra work (H100,
@@ -71,16 +74,33 @@ def _lengths(mask: torch.Tensor, is_causal: bool) -> list[int] | None:
     return found[1:] if found[0] else None
 
 
-def run_per_sequence(call: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``call(q, k, v)`` -> ``(out, lse)``, a causal problem without a mask, on each sequence's
-    query rows and first n_b keys; the outputs stacked along the batch (an unpadded batch: one
-    call). Gradients flow through the slices and the stacking."""
-    if all(n == key.shape[-2] for n in lengths):
-        return call(query, key, value)
-    outs, lses = [], []
-    for b, n in enumerate(lengths):
-        out, lse = call(query[b : b + 1], key[b : b + 1, :, :n], value[b : b + 1, :, :n])
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+def per_sequence(base: Kernels, lengths: list[int]) -> Kernels:
+    """A backend pair (``_autograd.Kernels``) that runs ``base`` on each sequence's causal problem
+    (its query rows, its first n_b keys) and writes the results into whole-batch tensors: one
+    autograd node for the batch (slicing under autograd would add a zero-filled batch-sized
+    gradient per sequence). The Extras it is called with (the mask's) serve the differentiable
+    backward under ``create_graph=True``; these kernels ignore them. Keys past n_b get zero dK
+    and dV (no query sees them)."""
+
+    def forward(q, k, v, scale: float, ex: Extras):
+        out = lse = None
+        for b, n in enumerate(lengths):
+            o, m = base.forward(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], scale,
+                                CAUSAL)  # fmt: skip
+            if out is None:  # (the dtypes the backend returns: float64 on the PyTorch one)
+                out = empty_like_layout(q, v.shape[-1]).to(o.dtype)
+                lse = m.new_empty(q.shape[:-1])
+            out[b : b + 1] = o
+            lse[b : b + 1] = m
+        return out, lse
+
+    def backward(dout, q, k, v, out, lse, dlse, scale: float, ex: Extras):
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for b, n in enumerate(lengths):
+            s = slice(b, b + 1)
+            grads = base.backward(dout[s], q[s], k[s, :, :n], v[s, :, :n], out[s], lse[s],
+                                  None if dlse is None else dlse[s], scale, CAUSAL)  # fmt: skip
+            dq[s], dk[s, :, :n], dv[s, :, :n] = grads
+        return dq, dk, dv
+
+    return Kernels(forward, backward)
