@@ -18,6 +18,7 @@ from triton.testing import do_bench
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _padding, _precompile
 
+PROFILE = False
 SHAPES = "16x32/8x512,8x32/8x1024,4x32/8x2048,2x32/8x4096,1x32/8x8192,4x16/16x2048"
 
 
@@ -68,6 +69,13 @@ def bench_shape(shape: str, dim: int) -> list[dict]:
         _precompile.wait()
         fwd = do_bench(fn)
         both = do_bench(lambda fn=fn: fwd_bwd(fn))
+        if PROFILE:
+            with torch.profiler.profile() as prof:
+                for _ in range(3):
+                    fwd_bwd(fn)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=14)
+            print(f"--- {shape} {impl}: 3 x fwd+bwd\n{table}", flush=True)
         row = {
             "shape": shape,
             "dim": dim,
@@ -87,8 +95,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also a torch.profiler table of each impl's fwd+bwd (kernels)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     rows = [row for shape in args.shapes.split(",") for row in bench_shape(shape, args.dim)]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape, d | lengths | impl | fwd ms | fwd+bwd ms | / SDPA fwd+bwd |")
