@@ -148,6 +148,47 @@ def test_a_mask_changed_in_place_is_looked_at_again(per_sequence):
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
 
 
+@settings(max_examples=10, deadline=None)
+@given(seq=st.integers(2, 30), data=st.data())
+def test_masks_are_checked_in_blocks_of_rows(seq, data):
+    """The check walks the mask in blocks of rows (bounded temporaries): a right-padded mask is
+    found whatever the block size, and one changed bit anywhere is not."""
+    lengths = data.draw(st.lists(st.integers(1, seq), min_size=1, max_size=3))
+    mask = padded_mask(lengths, seq)[:, 0]
+    block = data.draw(st.integers(1, seq))
+    with mock.patch.object(_padding, "BLOCK_ELEMENTS", block * len(lengths) * seq):
+        assert _padding._lengths(mask, False) == lengths
+        b, i, j = (data.draw(st.integers(0, n - 1)) for n in (len(lengths), seq, seq))
+        mask[b, i, j] = ~mask[b, i, j]
+        assert _padding._lengths(mask, False) == plainly_right_padded(mask)
+
+
+def plainly_right_padded(mask: torch.Tensor) -> list[int] | None:
+    """The lengths of a (batch, L, L) right-padded causal mask, or None, by building each
+    sequence's mask from its last row's count and comparing."""
+    lengths = [int(row[-1].sum()) for row in mask]
+    if min(lengths) < 1 or not torch.equal(mask, padded_mask(lengths, mask.shape[-1])[:, 0]):
+        return None
+    return lengths
+
+
+def test_masks_made_under_inference_mode(per_sequence):
+    """Inference tensors have no version counter: such a mask is looked at on every call (never
+    kept), and the route still runs."""
+    with torch.inference_mode():
+        q, k, v = inputs(2, 2, 2, 9, 16, 11, torch.float64)
+        mask = padded_mask([9, 4], 9)
+        outs = [flash_attention(q, k, v, attn_mask=mask) for _ in range(2)]
+        mask[1, 0, 7, 1] = False  # changed in place: the next call follows it
+        changed = flash_attention(q, k, v, attn_mask=mask)
+    assert per_sequence.call_count == 2
+    for out in outs:
+        torch.testing.assert_close(
+            out, modded_attention(q, k, v, attn_mask=padded_mask([9, 4], 9))[0]
+        )
+    torch.testing.assert_close(changed, modded_attention(q, k, v, attn_mask=mask)[0])
+
+
 def test_double_backward_through_the_per_sequence_route(per_sequence):
     """create_graph=True: the gradients are differentiable (the mask's differentiable backward),
     and their own gradients are the masked attention's."""

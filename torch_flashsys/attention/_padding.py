@@ -25,6 +25,8 @@ from torch_flashsys.attention._tensors import empty_like_layout
 # ``benchmarks/gpu_checks/padded_masks.py``, docs/benchmarks.md). On CPUs every length gains.
 MIN_SEQ_CUDA = 1024
 
+BLOCK_ELEMENTS = 1 << 24  # the mask check's temporaries: at most about this many elements
+
 # The last mask looked at: (weak reference, version counter, data pointer, causal) -> its lengths
 # (None: not a right-padded causal mask). A model's layers all pass the same mask object.
 _last: tuple[weakref.ref, int, int, bool, list[int] | None] | None = None
@@ -47,6 +49,8 @@ def key_lengths(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
         return None
     if mask.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
+    if mask.is_inference():  # no version counter to tell an in-place change: never kept
+        return _lengths(mask[:, 0], is_causal)
     last = _last
     if (last is not None and last[0]() is mask and last[1] == mask._version
             and last[2] == mask.data_ptr() and last[3] == is_causal):  # fmt: skip
@@ -62,15 +66,22 @@ def _plain_tensor(t: torch.Tensor) -> bool:
 
 
 def _lengths(mask: torch.Tensor, is_causal: bool) -> list[int] | None:
-    """:func:`key_lengths` of a (batch, L, L) boolean mask, computed on its device."""
-    seq = mask.shape[-1]
-    rows = torch.arange(seq, device=mask.device)
-    causal = rows[None, :] <= rows[:, None]  # key j <= query row i
-    seen = mask & causal if is_causal else mask
-    n = seen[:, -1, :].sum(-1)  # the last row sees every key the sequence has
-    expected = causal[None] & (rows[None, None, :] < n[:, None, None])
-    same = torch.all(seen == expected).view(1) & torch.all(n >= 1).view(1)
-    found = torch.cat([same.long(), n.long()]).tolist()  # the one synchronization
+    """:func:`key_lengths` of a (batch, L, L) boolean mask, computed on its device in blocks of
+    rows (at most ~16M elements per temporary: a 32k-token mask is already 1 GB)."""
+    batch, seq = mask.shape[0], mask.shape[-1]
+    keys = torch.arange(seq, device=mask.device)
+    n = mask[:, -1, :].sum(-1)  # the last row sees every key its sequence has (causal or not)
+    same = (n >= 1).all()
+    rows_per_block = max(1, BLOCK_ELEMENTS // (batch * seq))
+    for r0 in range(0, seq, rows_per_block):
+        rows = keys[r0 : r0 + rows_per_block]
+        causal = keys[None, :] <= rows[:, None]  # key j <= query row i
+        seen = mask[:, r0 : r0 + rows_per_block]
+        if is_causal:
+            seen = seen & causal
+        expected = causal[None] & (keys[None, None, :] < n[:, None, None])
+        same = same & (seen == expected).all()
+    found = torch.cat([same.view(1).long(), n.long()]).tolist()  # the one synchronization
     return found[1:] if found[0] else None
 
 
