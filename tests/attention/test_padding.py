@@ -76,6 +76,7 @@ def _check(q, k, v, mask, is_causal, backend, dtype, seed):
             assert_close(name, mine, base, ref, dtype)
 
 
+@pytest.mark.parametrize("how", ["per_sequence", "packed"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=6, deadline=None)
 @given(
@@ -85,10 +86,12 @@ def _check(q, k, v, mask, is_causal, backend, dtype, seed):
     data=st.data(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_right_padded_causal_masks_run_per_sequence(backend, batch, heads, seq, data, seed):
+def test_right_padded_causal_masks_run_without_the_mask(how, backend, batch, heads, seq, data,
+                                                        seed):  # fmt: skip
     """The mask as a Hugging Face model builds it (causal AND key padding, is_causal False), or
     the key padding alone with is_causal=True: both are a causal problem on each sequence's first
-    n_b keys. Padded query rows see all n_b keys (their rows of the mask say so)."""
+    n_b keys, run one call per sequence or as one packed problem (``how``; a GPU chooses by
+    length). Padded query rows see all n_b keys (their rows of the mask say so)."""
     lengths = data.draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
     form = data.draw(st.sampled_from(["hf", "padding and is_causal"]))
     dtype = torch.float32 if backend == "triton" else torch.float64
@@ -98,9 +101,8 @@ def test_right_padded_causal_masks_run_per_sequence(backend, batch, heads, seq, 
     if is_causal:  # the padding alone, every row
         mask = torch.arange(seq)[None, None, None, :] < torch.tensor(lengths)[:, None, None, None]
         mask = mask.expand(batch, 1, seq, seq)
-    with mock.patch.object(
-        _dispatch, "_run_right_padded", wraps=_dispatch._run_right_padded
-    ) as spy:
+    routed = mock.patch.object(_dispatch, "_run_right_padded", wraps=_dispatch._run_right_padded)
+    with routed as spy, mock.patch.object(_dispatch, "route", lambda q: how):
         _check(q, k, v, mask, is_causal, backend, dtype, seed)
     assert spy.call_count == 1
 

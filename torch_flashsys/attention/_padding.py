@@ -7,7 +7,8 @@ which the mask-free kernels run (the Hopper path included) without reading L x L
 computing the padded keys' tiles. :func:`key_lengths` recognizes such a mask (one comparison on
 the mask's device and one synchronization per mask tensor: the lengths slice the keys, so the
 host needs them; a model passes one mask object to all its layers, and the result is kept for
-it); :func:`per_sequence` runs the sequences one kernel call each, in one autograd node.
+it); :func:`per_sequence` runs the sequences one kernel call each, in one autograd node, and
+:func:`packed_layout` lays them out as one packed (cu_seqlens) problem (:func:`route` chooses).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from torch_flashsys.attention._autograd import Kernels
 from torch_flashsys.attention._extras import CAUSAL, Extras
 from torch_flashsys.attention._tensors import empty_like_layout
 
-# The shortest sequences (query rows) the per-sequence route takes on a GPU: each sequence is a
-# call of its own, and below this its host time outweighs the mask path's extra work (H100,
-# ``benchmarks/gpu_checks/padded_masks.py``, docs/benchmarks.md). On CPUs every length gains.
+# On a GPU, sequences (query rows) of at least PER_SEQUENCE_MIN_SEQ_CUDA run one causal call each
+# (the Hopper kernels where they take them; a training step hides each call's host time there:
+# H100, docs/benchmarks.md), shorter ones from MIN_SEQ_CUDA as one packed call (cu_seqlens, the
+# portable kernels: one call's host time), shorter still on the mask path
+# (``benchmarks/gpu_checks/padded_masks.py``). On CPUs every length runs per sequence.
+PER_SEQUENCE_MIN_SEQ_CUDA = 1024
 MIN_SEQ_CUDA = 1024
 
 BLOCK_ELEMENTS = 1 << 24  # the mask check's temporaries: at most about this many elements
@@ -58,6 +62,38 @@ def key_lengths(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
     lengths = _lengths(mask[:, 0], is_causal)
     _last = (weakref.ref(mask), mask._version, mask.data_ptr(), is_causal, lengths)
     return lengths
+
+
+def route(query: torch.Tensor) -> str:
+    """How a right-padded problem runs: ``"per_sequence"`` or ``"packed"``."""
+    if query.is_cuda and query.shape[-2] < PER_SEQUENCE_MIN_SEQ_CUDA:
+        return "packed"
+    return "per_sequence"
+
+
+# The last lengths packed: (lengths, seq, device) -> (cu_seqlens_q, cu_seqlens_k, key rows).
+_layout: tuple[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+
+def packed_layout(lengths: list[int], seq: int, device: torch.device,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The packed problem of a right-padded batch: int32 cumulative lengths of the queries (all
+    ``seq`` rows of each sequence, padded ones included) and of the keys (n_b each), and the int64
+    rows of the (batch x seq) keys that remain, on ``device``; kept for the last lengths (a
+    model's layers share them; one host-to-device copy per batch)."""
+    global _layout
+    key = (tuple(lengths), seq, device)
+    last = _layout
+    if last is not None and last[0] == key:
+        return last[1]
+    n = torch.tensor(lengths)
+    cu_q = torch.arange(len(lengths) + 1, dtype=torch.int32) * seq
+    cu_k = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_k[1:] = n.cumsum(0)
+    rows = torch.cat([torch.arange(b * seq, b * seq + m) for b, m in enumerate(lengths)])
+    found = (cu_q.to(device), cu_k.to(device), rows.to(device))
+    _layout = (key, found)
+    return found
 
 
 def _plain_tensor(t: torch.Tensor) -> bool:
