@@ -88,8 +88,11 @@ def main() -> None:
     parser.add_argument("--size", default="1.1B", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--min-seq", type=int, default=None,
-                        help="_padding.MIN_SEQ_CUDA: where padded masks take the per-sequence "
-                        "route (a huge value: the mask path alone)")  # fmt: skip
+                        help="_padding.MIN_SEQ_CUDA: where padded masks run without the mask "
+                        "(a huge value: the mask path alone)")  # fmt: skip
+    parser.add_argument("--per-sequence-min-seq", type=int, default=None,
+                        help="_padding.PER_SEQUENCE_MIN_SEQ_CUDA: from where one call per "
+                        "sequence, below it one packed call")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help="then one step of each under torch.profiler: the top kernels")  # fmt: skip
     parser.add_argument("--out", default=None)
@@ -97,6 +100,8 @@ def main() -> None:
     device = torch.device(args.device)
     if args.min_seq is not None:
         _padding.MIN_SEQ_CUDA = args.min_seq
+    if args.per_sequence_min_seq is not None:
+        _padding.PER_SEQUENCE_MIN_SEQ_CUDA = args.per_sequence_min_seq
     model, opt = build(args.size, device)
 
     def sync() -> None:

@@ -19,7 +19,7 @@ from torch_flashsys import flash_attention
 from torch_flashsys.attention import _padding, _precompile
 
 PROFILE = False
-SHAPES = "16x32/8x512,8x32/8x1024,4x32/8x2048,2x32/8x4096,1x32/8x8192,4x16/16x2048"
+SHAPES = "32x32/8x256,16x32/8x512,8x32/8x1024,4x32/8x2048,2x32/8x4096,1x32/8x8192,4x16/16x2048"
 
 
 def padded_mask(lengths: list[int], seq: int, device) -> torch.Tensor:
@@ -57,13 +57,14 @@ def bench_shape(shape: str, dim: int) -> list[dict]:
     def fwd_bwd(fn):
         fn().backward(dout)
 
-    impls = {"sdpa (mask)": (sdpa, None), "ours, mask path": (ours, 1 << 40),
-             "ours, per sequence": (ours, 0)}  # fmt: skip
+    big = 1 << 40  # (MIN_SEQ_CUDA, PER_SEQUENCE_MIN_SEQ_CUDA) of each of ours
+    impls = {"sdpa (mask)": (sdpa, None), "ours, mask path": (ours, (big, big)),
+             "ours, packed": (ours, (0, big)), "ours, per sequence": (ours, (0, 0))}  # fmt: skip
     ref = sdpa().float()
-    rows, default = [], _padding.MIN_SEQ_CUDA
-    for impl, (fn, threshold) in impls.items():
-        if threshold is not None:
-            _padding.MIN_SEQ_CUDA = threshold
+    rows, default = [], (_padding.MIN_SEQ_CUDA, _padding.PER_SEQUENCE_MIN_SEQ_CUDA)
+    for impl, (fn, thresholds) in impls.items():
+        if thresholds is not None:
+            _padding.MIN_SEQ_CUDA, _padding.PER_SEQUENCE_MIN_SEQ_CUDA = thresholds
         err = (fn().float() - ref).abs().max().item()
         fwd_bwd(fn)
         _precompile.wait()
@@ -87,7 +88,7 @@ def bench_shape(shape: str, dim: int) -> list[dict]:
         }
         rows.append(row)
         print(row, flush=True)
-    _padding.MIN_SEQ_CUDA = default
+    _padding.MIN_SEQ_CUDA, _padding.PER_SEQUENCE_MIN_SEQ_CUDA = default
     return rows
 
 

@@ -222,13 +222,14 @@ def test_double_backward_through_the_per_sequence_route(per_sequence):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_right_padded_masks_on_cuda_bfloat16(batch, heads, dim, seq, data, seed):
-    """bfloat16 on the GPU (the Hopper kernels where they take a sequence's problem), against the
-    float64 masked reference by the tests' rule; sequences as short as one key."""
+    """bfloat16 on the GPU, one call per sequence (the Hopper kernels where they take its
+    problem) or packed (the portable kernels), against the float64 masked reference by the
+    tests' rule; sequences as short as one key."""
     lengths = data.draw(st.lists(st.integers(1, seq), min_size=batch, max_size=batch))
+    how = data.draw(st.sampled_from(["per_sequence", "packed"]))
     q, k, v = (t.cuda() for t in inputs(batch, heads[0], heads[1], seq, dim, seed, torch.bfloat16))
     mask = padded_mask(lengths, seq).cuda()
-    with mock.patch.object(
-        _dispatch, "_run_right_padded", wraps=_dispatch._run_right_padded
-    ) as spy:
+    routed = mock.patch.object(_dispatch, "_run_right_padded", wraps=_dispatch._run_right_padded)
+    with routed as spy, mock.patch.object(_dispatch, "route", lambda q: how):
         _check(q, k, v, mask, False, "auto", torch.bfloat16, seed)
     assert spy.call_count == 1
