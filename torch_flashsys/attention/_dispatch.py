@@ -10,6 +10,7 @@ local heads (``_dtensor``), nested tensors and packed batches as (1, heads, tota
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -56,8 +57,8 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             ex = cache_extras(query, key, attn_mask, mods, cache_seqlens)
             out, lse = _cached(query, key, value, ex, sm_scale, resolved)
         elif (lengths := _right_padded(query, key, attn_mask, mods)) is not None:
-            out, lse = _run_right_padded(query, key, value, attn_mask, is_causal, scale,
-                                         enable_gqa, lengths, sm_scale, resolved)  # fmt: skip
+            out, lse = _run_right_padded(query, key, value, attn_mask, is_causal, lengths,
+                                         sm_scale, resolved)  # fmt: skip
         elif query.dim() in (3, 4):
             q4_shape = query.shape if query.dim() == 4 else (1, *query.shape)
             ex = make_extras(q4_shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
@@ -80,8 +81,8 @@ def _right_padded(query, key, attn_mask, mods: tuple) -> list[int] | None:
     return key_lengths(attn_mask, query.shape[0], query.shape[2], key.shape[2], is_causal)
 
 
-def _run_right_padded(query, key, value, attn_mask, is_causal: bool, scale, enable_gqa: bool,
-                      lengths: list[int], sm_scale: float, backend: str):  # fmt: skip
+def _run_right_padded(query, key, value, attn_mask, is_causal: bool, lengths: list[int],
+                      sm_scale: float, backend: str):  # fmt: skip
     """A right-padded causal mask's problem: causal and mask-free where no sequence is padded,
     else each sequence's causal problem on its keys, one call each (``_padding.per_sequence``)
     or as one packed problem (``_padding.route`` chooses)."""
@@ -90,7 +91,7 @@ def _run_right_padded(query, key, value, attn_mask, is_causal: bool, scale, enab
         causal = make_extras(shape, seq_k, device, dtype, None, 0.0, True, None, None, None)
         return run(query, key, value, causal, sm_scale, backend)
     if route(query) == "packed":
-        return _run_packed(query, key, value, scale, enable_gqa, lengths, backend)
+        return _run_packed(query, key, value, sm_scale, lengths, backend)
     masked = make_extras(shape, seq_k, device, dtype, attn_mask, 0.0, is_causal, None, None, None)
     if backend == "triton":
         from torch_flashsys.attention._ops import TRITON as base
@@ -99,18 +100,22 @@ def _run_right_padded(query, key, value, attn_mask, is_causal: bool, scale, enab
     return apply(query, key, value, sm_scale, masked, per_sequence(base, lengths))
 
 
-def _run_packed(query, key, value, scale, enable_gqa: bool, lengths: list[int], backend: str):
+def _run_packed(query, key, value, sm_scale: float, lengths: list[int], backend: str):
     """The right-padded batch as one packed causal problem: every sequence's ``seq`` query rows
     (padded ones included: they see the sequence's n_b keys, top-left causal), its first n_b keys
     gathered; the results viewed back as (batch, heads, seq, ...) in the (batch, seq, heads)
-    order the packing reads (free for a projection's layout)."""
-    batch, heads, seq, _ = query.shape
+    order the packing reads (free for a projection's layout). The cumulative lengths are built
+    here (``_padding.packed_layout``), so ``_varlen``'s checks of a user's are skipped."""
+    batch, heads, seq, dim = query.shape
     cu_q, cu_k, rows = packed_layout(lengths, seq, query.device)
-    q3 = query.transpose(1, 2).reshape(batch * seq, heads, -1)
+    q3 = query.transpose(1, 2).reshape(batch * seq, heads, dim)
     k3, v3 = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], -1).index_select(0, rows)
               for t in (key, value))  # fmt: skip
-    out, lse = _packed(q3, k3, v3, None, 0.0, True, scale, enable_gqa, None, None, None, backend,
-                       cu_q, cu_k, seq, max(lengths))  # fmt: skip
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q3, k3, v3))
+    ex = make_extras((batch, heads, seq, dim), max(lengths), query.device, query.dtype, None, 0.0,
+                     True, None, None, None)  # fmt: skip
+    ex = dataclasses.replace(ex, cu_q=cu_q, cu_k=cu_k, max_q=seq, max_k=max(lengths))
+    out, lse = unpack(*run(q4, k4, v4, ex, sm_scale, backend))
     return out.view(batch, seq, heads, -1).transpose(1, 2), lse.view(batch, seq, heads).transpose(
         1, 2
     )
