@@ -27,7 +27,7 @@ from torch_flashsys.attention._tensors import empty_like_layout
 # portable kernels: one call's host time), shorter still on the mask path
 # (``benchmarks/gpu_checks/padded_masks.py``). On CPUs every length runs per sequence.
 PER_SEQUENCE_MIN_SEQ_CUDA = 1024
-MIN_SEQ_CUDA = 1024
+MIN_SEQ_CUDA = 512
 
 BLOCK_ELEMENTS = 1 << 24  # the mask check's temporaries: at most about this many elements
 
