@@ -191,9 +191,11 @@ def test_masks_made_under_inference_mode(per_sequence):
     torch.testing.assert_close(changed, modded_attention(q, k, v, attn_mask=mask)[0])
 
 
-def test_double_backward_through_the_per_sequence_route(per_sequence):
-    """create_graph=True: the gradients are differentiable (the mask's differentiable backward),
-    and their own gradients are the masked attention's."""
+@pytest.mark.parametrize("how", ["per_sequence", "packed"])
+def test_double_backward_through_both_routes(how, per_sequence):
+    """create_graph=True: the gradients are differentiable (per sequence: the mask's
+    differentiable backward; packed: the packed problem's), and their own gradients are the
+    masked attention's."""
     seq, lengths = 10, [10, 6]
     mask = padded_mask(lengths, seq)
     q, k, v = (t.requires_grad_() for t in inputs(2, 2, 2, seq, 8, 5, torch.float64))
@@ -204,7 +206,8 @@ def test_double_backward_through_the_per_sequence_route(per_sequence):
         dq, dk = torch.autograd.grad((out * w).sum(), (q, k), create_graph=True)
         return torch.autograd.grad((dq * dq).sum() + (dk * w).sum(), (q, k, v))
 
-    ours = second_order(lambda *t: flash_attention(*t, attn_mask=mask))
+    with mock.patch.object(_dispatch, "route", lambda q: how):
+        ours = second_order(lambda *t: flash_attention(*t, attn_mask=mask))
     assert per_sequence.call_count == 1
     refs = second_order(lambda *t: modded_attention(*t, attn_mask=mask)[0])
     for mine, ref in zip(ours, refs, strict=True):

@@ -115,10 +115,9 @@ def _run_packed(query, key, value, sm_scale: float, lengths: list[int], backend:
     ex = make_extras((batch, heads, seq, dim), max(lengths), query.device, query.dtype, None, 0.0,
                      True, None, None, None)  # fmt: skip
     ex = dataclasses.replace(ex, cu_q=cu_q, cu_k=cu_k, max_q=seq, max_k=max(lengths))
-    out, lse = unpack(*run(q4, k4, v4, ex, sm_scale, backend))
-    return out.view(batch, seq, heads, -1).transpose(1, 2), lse.view(batch, seq, heads).transpose(
-        1, 2
-    )
+    out, lse = unpack(*run(q4, k4, v4, ex, sm_scale, backend))  # (total, heads, ...)
+    out = out.view(batch, seq, heads, -1).transpose(1, 2)
+    return out, lse.view(batch, seq, heads).transpose(1, 2)
 
 
 def run(query, key, value, ex: Extras, sm_scale: float, backend: str):
