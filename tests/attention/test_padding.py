@@ -174,6 +174,22 @@ def plainly_right_padded(mask: torch.Tensor) -> list[int] | None:
     return lengths
 
 
+def test_alternating_masks_are_each_looked_at_once(per_sequence):
+    """A model whose layers alternate masks (full and sliding-window layers) passes a few mask
+    objects in turn: each is looked at once, whether right-padded or not."""
+    seq = 12
+    q, k, v = inputs(2, 2, 2, seq, 16, 13, torch.float64)
+    padded = padded_mask([seq, 8], seq)
+    window = padded & (torch.arange(seq)[None, :] > torch.arange(seq)[:, None] - 4)
+    with mock.patch.object(_padding, "_lengths", wraps=_padding._lengths) as looked:
+        for _ in range(3):
+            for mask in (padded, window):
+                out = flash_attention(q, k, v, attn_mask=mask)
+                ref, _ = modded_attention(q, k, v, attn_mask=mask)
+                torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    assert looked.call_count == 2 and per_sequence.call_count == 3
+
+
 def test_masks_made_under_inference_mode(per_sequence):
     """Inference tensors have no version counter: such a mask is looked at on every call (never
     kept), and the route still runs."""

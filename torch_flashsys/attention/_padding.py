@@ -31,9 +31,11 @@ MIN_SEQ_CUDA = 512
 
 BLOCK_ELEMENTS = 1 << 24  # the mask check's temporaries: at most about this many elements
 
-# The last mask looked at: (weak reference, version counter, data pointer, causal) -> its lengths
-# (None: not a right-padded causal mask). A model's layers all pass the same mask object.
-_last: tuple[weakref.ref, int, int, bool, list[int] | None] | None = None
+# The last masks looked at, newest first: (weak reference, version counter, data pointer, causal,
+# its lengths or None: not a right-padded causal mask). A model's layers pass the same mask
+# object, or a few alternating ones (sliding-window and full layers): each is looked at once.
+_seen: list[tuple[weakref.ref, int, int, bool, list[int] | None]] = []
+KEPT_MASKS = 4
 
 
 def key_lengths(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
@@ -43,7 +45,7 @@ def key_lengths(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
     exactly at keys j <= i with j < n_b, every n_b >= 1. None otherwise, for CUDA sequences
     shorter than MIN_SEQ_CUDA, and where the answer would need a synchronization that cannot
     happen (a CUDA graph being captured, a traced or compiled region)."""
-    global _last
+    global _seen
     if mask.is_cuda and seq_q < MIN_SEQ_CUDA:
         return None
     if (mask.dtype != torch.bool or mask.dim() != 4 or seq_q != seq_k
@@ -55,12 +57,13 @@ def key_lengths(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
         return None
     if mask.is_inference():  # no version counter to tell an in-place change: never kept
         return _lengths(mask[:, 0], is_causal)
-    last = _last
-    if (last is not None and last[0]() is mask and last[1] == mask._version
-            and last[2] == mask.data_ptr() and last[3] == is_causal):  # fmt: skip
-        return last[4]
+    version, address, seen = mask._version, mask.data_ptr(), _seen
+    for ref, v, a, c, lengths in seen:
+        if ref() is mask and v == version and a == address and c == is_causal:
+            return lengths
     lengths = _lengths(mask[:, 0], is_causal)
-    _last = (weakref.ref(mask), mask._version, mask.data_ptr(), is_causal, lengths)
+    entry = (weakref.ref(mask), version, address, is_causal, lengths)
+    _seen = [entry, *(e for e in seen if e[0]() is not None)][:KEPT_MASKS]
     return lengths
 
 
