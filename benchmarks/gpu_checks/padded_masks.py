@@ -18,7 +18,6 @@ from triton.testing import do_bench
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _padding, _precompile
 
-PROFILE = False
 SHAPES = "32x32/8x256,16x32/8x512,8x32/8x1024,4x32/8x2048,2x32/8x4096,1x32/8x8192,4x16/16x2048"
 
 
@@ -29,7 +28,7 @@ def padded_mask(lengths: list[int], seq: int, device) -> torch.Tensor:
     return (causal[None] & keys)[:, None]
 
 
-def bench_shape(shape: str, dim: int) -> list[dict]:
+def bench_shape(shape: str, dim: int, profile: bool = False) -> list[dict]:
     """The three implementations on one ``BxHQ/HKVxL`` problem (lengths 50-100% of L, one full)."""
     b, heads, seq = shape.split("x")
     b, seq = int(b), int(seq)
@@ -70,7 +69,7 @@ def bench_shape(shape: str, dim: int) -> list[dict]:
         _precompile.wait()
         fwd = do_bench(fn)
         both = do_bench(lambda fn=fn: fwd_bwd(fn))
-        if PROFILE:
+        if profile:
             with torch.profiler.profile() as prof:
                 for _ in range(3):
                     fwd_bwd(fn)
@@ -103,9 +102,11 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
-    rows = [row for shape in args.shapes.split(",") for row in bench_shape(shape, args.dim)]
+    rows = [
+        row
+        for shape in args.shapes.split(",")
+        for row in bench_shape(shape, args.dim, args.profile)
+    ]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print("| shape, d | lengths | impl | fwd ms | fwd+bwd ms | / SDPA fwd+bwd |")
     print("|---|---|---|---|---|---|")

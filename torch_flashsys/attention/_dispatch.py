@@ -10,7 +10,6 @@ local heads (``_dtensor``), nested tensors and packed batches as (1, heads, tota
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -21,7 +20,14 @@ from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._dtensor import is_dtensor, local_inputs, wrap_outputs
 from torch_flashsys.attention._extras import Extras, make_extras
 from torch_flashsys.attention._padding import key_lengths, packed_layout, per_sequence, route
-from torch_flashsys.attention._varlen import nested_inputs, packed_problem, to_nested, unpack
+from torch_flashsys.attention._varlen import (
+    nested_inputs,
+    packed_extras,
+    packed_problem,
+    packed_views,
+    to_nested,
+    unpack,
+)
 
 
 def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window_size,
@@ -111,11 +117,8 @@ def _run_packed(query, key, value, sm_scale: float, lengths: list[int], backend:
     q3 = query.transpose(1, 2).reshape(batch * seq, heads, dim)
     k3, v3 = (t.transpose(1, 2).reshape(batch * seq, t.shape[1], -1).index_select(0, rows)
               for t in (key, value))  # fmt: skip
-    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q3, k3, v3))
-    ex = make_extras((batch, heads, seq, dim), max(lengths), query.device, query.dtype, None, 0.0,
-                     True, None, None, None)  # fmt: skip
-    ex = dataclasses.replace(ex, cu_q=cu_q, cu_k=cu_k, max_q=seq, max_k=max(lengths))
-    out, lse = unpack(*run(q4, k4, v4, ex, sm_scale, backend))  # (total, heads, ...)
+    ex = packed_extras(q3, cu_q, cu_k, seq, max(lengths), 0.0, True, None, None, None)
+    out, lse = unpack(*run(*packed_views(q3, k3, v3), ex, sm_scale, backend))  # (total, heads, ..)
     out = out.view(batch, seq, heads, -1).transpose(1, 2)
     return out, lse.view(batch, seq, heads).transpose(1, 2)
 

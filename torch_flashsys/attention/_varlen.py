@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from torch_flashsys.attention._checks import NAME, check_inputs, fail, softmax_scale
-from torch_flashsys.attention._extras import make_extras
+from torch_flashsys.attention._extras import Extras, make_extras
 
 
 def _check_cu(cu: object, name: str, total: int, device: torch.device) -> torch.Tensor:
@@ -90,7 +90,7 @@ def packed_problem(
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             fail(ValueError, f"{name} must be None or an int >= 0, got {m!r}")
-    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    q4, k4, v4 = packed_views(query, key, value)
     resolved = check_inputs(
         q4, k4, v4, None, dropout_p, is_causal, scale, enable_gqa, backend, window_size, softcap,
         None,
@@ -112,14 +112,26 @@ def packed_problem(
                           f"(sequences, heads) = ({n_seqs}, {heads}), got {shape}")  # fmt: skip
     max_q = _check_values(cu_q, "cu_seqlens_q", query.shape[0], max_seqlen_q)
     max_k = _check_values(cu_k, "cu_seqlens_k", key.shape[0], max_seqlen_k)
-    ex = make_extras(
-        (n_seqs, heads, max_q, query.shape[-1]), max_k, query.device, query.dtype, None, dropout_p,
-        is_causal, window_size, softcap, alibi_slopes,
-    )  # fmt: skip
-    ex = dataclasses.replace(ex, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
+    ex = packed_extras(query, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, window_size, softcap,
+                       alibi_slopes)  # fmt: skip
     if n_seqs == 0:  # (an empty total already chose the PyTorch backend in check_inputs)
         resolved = "torch"
     return q4, k4, v4, ex, softmax_scale(scale, query.shape[-1]), resolved
+
+
+def packed_views(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Packed (total, heads, dim) tensors as the (1, heads, total, dim) views the kernels take."""
+    return tuple(t.transpose(0, 1).unsqueeze(0) for t in tensors)
+
+
+def packed_extras(query: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+                  max_k: int, *mods) -> Extras:  # fmt: skip
+    """The Extras of a packed problem with valid cumulative lengths: ``make_extras``'s for its
+    (sequences, heads, max_q, dim) shape and ``mods`` (dropout_p, is_causal, window_size,
+    softcap, alibi_slopes), with the lengths."""
+    shape = (cu_q.numel() - 1, query.shape[1], max_q, query.shape[-1])
+    ex = make_extras(shape, max_k, query.device, query.dtype, None, *mods)
+    return dataclasses.replace(ex, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k)
 
 
 def unpack(out4: torch.Tensor, lse4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
