@@ -194,6 +194,8 @@ FUSED_VARIANTS = {
     "rs dK": {"DK_RS": True},
     "pinned dP wait": {"PIN_WAIT": True},  # _sm90.BWD_PIN_WAIT
     "no dQ (probe)": {"PROBE": 2},
+    "chunks of 64 programs": {"ORDER": _sm90.chunked(64)},
+    "chunks of 256 programs": {"ORDER": _sm90.chunked(256)},
 }
 VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
                   (4, 32, 8, 2048, 64, True)]  # fmt: skip
@@ -203,7 +205,9 @@ SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
                   # spilled): a step's reduction no longer waits for the last one to be read
                   "1 dS pair": {"NBUF": 1},
                   "1 dS pair, 2 dQ tiles": {"NBUF": 1, "DQ_BUFS": 2},
-                  "pinned dP wait": {"PIN_WAIT": True}}  # fmt: skip
+                  "pinned dP wait": {"PIN_WAIT": True},
+                  "chunks of 64 programs": {"ORDER": _sm90.chunked(64)},
+                  "chunks of 256 programs": {"ORDER": _sm90.chunked(256)}}  # fmt: skip
 
 
 def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
@@ -213,8 +217,7 @@ def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
     d = k.shape[-1]
     kernel = _sm90.fused_kernel(d)
     deterministic = extra.get("DETERMINISTIC", False)
-    meta = {**_sm90.fused_constexprs(d, causal, q.dtype, q.shape[1] // k.shape[1],
-                                     deterministic), **extra}  # fmt: skip
+    meta = {**_sm90.fused_constexprs(d, causal, q.dtype, deterministic), **extra}
     copies = meta.get("CHAINS", 1)
     delta, dq_acc, sem = _sm90.backward_prep(o2, dout, lse, None, deterministic, copies)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -433,6 +436,8 @@ def main() -> None:
     p.add_argument("--shapes", type=_shapes,
                    help="default mode: these problems instead, e.g. 4x16/16x2048x64c,1x16/4x16384x128 "
                         "(batch x heads/kv heads x length x head dim, c: causal)")  # fmt: skip
+    p.add_argument("--only",
+                   help="--variants: these variants alone (names, comma-separated)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="portable against fused backward under deterministic algorithms, the "
                         "unordered one and cuDNN beside them; then the ordered kernel's program "
@@ -477,9 +482,14 @@ def main() -> None:
                COLUMNS, args.out)  # fmt: skip
         return
     if args.variants:
-        shapes = VARIANT_SHAPES if args.head_dim == 64 else [
-            (*shape[:4], 128, shape[5]) for shape in VARIANT_SHAPES]  # fmt: skip
-        rows = [r for shape in shapes for r in variant_rows(shape)]
+        shapes = args.shapes or [(*shape[:4], args.head_dim, shape[5])
+                                 for shape in VARIANT_SHAPES]  # fmt: skip
+        rows = []
+        for shape in shapes:
+            variants = SPLIT_VARIANTS if shape[4] in _sm90.SPLIT_HEAD_DIMS else FUSED_VARIANTS
+            if args.only:
+                variants = {name: variants[name] for name in args.only.split(",")}
+            rows += variant_rows(shape, variants)
         columns = ("shape", "variant", "kernel_ms", "tflops", "max_grad_diff_vs_portable")
         report("Fused Hopper backward: compile-time variants", rows, columns, args.out)
         return

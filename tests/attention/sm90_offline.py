@@ -241,7 +241,7 @@ def _launches_at(n: int, d: int, causal: bool, dtype: torch.dtype, kv_heads: int
                                               q, q, lse),
          _sm90.prep_meta(d, False, deterministic, copies)),
         (_sm90.fused_kernel(d), _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, acc, 0.125, sem),
-         _sm90.fused_constexprs(d, causal, dtype, heads // kv_heads, deterministic)),
+         _sm90.fused_constexprs(d, causal, dtype, deterministic)),
     ]  # fmt: skip
     if deterministic:
         launches.append((_sm90.attn_bwd_dq_sum, _sm90.dq_sum_args(acc, torch.empty_like(q)),

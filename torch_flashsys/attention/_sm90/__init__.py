@@ -184,8 +184,22 @@ SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reducti
 # Program orders of the backward kernels (``_bwd._program_tile``'s ORDER bits): the heaviest
 # causal key tiles of every head first, one head's key tiles after another, or (a bit beside
 # either) the lightest first.
-HEADS_FIRST, KEYS_FIRST, LIGHTEST_FIRST = 0, 1, 2
-SPLIT_ORDER = KEYS_FIRST  # the split kernel, causal too (H100: 1-13% faster than HEADS_FIRST)
+HEADS_FIRST, KEYS_FIRST, LIGHTEST_FIRST, CHUNKED = 0, 1, 2, 4
+CHUNK_SHIFT = 8  # with CHUNKED, ORDER >> CHUNK_SHIFT: programs per chunk
+
+
+def chunked(programs: int) -> int:
+    """The ORDER of chunks of heads in turn, ``programs`` programs' worth of (batch, key/value
+    head) pairs a chunk (at least one), each chunk's heaviest key tiles first."""
+    return CHUNKED | programs << CHUNK_SHIFT
+
+
+# Causal problems (both fused kernels, not deterministic): chunks of about one wave of programs on
+# the H100's 132 SMs (``benchmarks/sm90_bwd.py --variants``: against the better of keys first and
+# heads first, 2-26% faster from 1024 to 8192 tokens, d 64 and 128, GQA or not; equal at 16384,
+# where a chunk is one head, i.e. keys first).
+CAUSAL_ORDER = chunked(128)
+SPLIT_ORDER = KEYS_FIRST  # the split kernel without a causal mask
 # Deterministic (ordered dQ sums, head dim 64; docs/attention.md): causal, the lightest key tiles
 # first, as the sums' order needs (a key tile's predecessors must start before it).
 DETERMINISTIC_CAUSAL_ORDER = LIGHTEST_FIRST | KEYS_FIRST
@@ -742,13 +756,12 @@ def fused_builds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     sem = _precompile.mock(torch.int32, [copies, *q.shape[:2]]) if deterministic else None
     rows = lse if dlse is None else dlse
     values = tuple(map(mock, (out, dout, rows, lse))) + (acc, acc if sem is None else sem)
-    group = q.shape[1] // k.shape[1]
     jobs = [
         _precompile.Job(attn_bwd_prep, prep_args(values, out, dout, lse),
                         prep_meta(d, dlse is not None, deterministic, copies), index),
         _precompile.Job(fused_kernel(d), tuple(map(mock, fused_launch_args(
             q, k, v, dout, lse, lse, k, v, acc, scale, sem))),
-            fused_constexprs(d, causal, q.dtype, group, deterministic), index),
+            fused_constexprs(d, causal, q.dtype, deterministic), index),
     ]  # fmt: skip
     if copies > 1:  # (dQ takes q's layout)
         jobs.append(_precompile.Job(attn_bwd_dq_sum, tuple(map(mock, dq_sum_args(acc, q))),
@@ -811,26 +824,28 @@ def fused_kernel(d: int):
     return attn_bwd_split_sm90 if d in SPLIT_HEAD_DIMS else attn_bwd_sm90
 
 
-def fused_constexprs(d: int, causal: bool, dtype: torch.dtype, group: int = 1,
+def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
                      deterministic: bool = False) -> dict:  # fmt: skip
     """The fused kernel's compile-time arguments, every one (the direct launch passes them all),
     and launch options, for head dim ``d`` and ``group`` query heads per key/value head. The
-    variants beside the defaults: ``benchmarks/sm90_bwd.py --variants``. Program order (head
-    dim 64): one head's key tiles after another without a causal mask or GQA, else the heaviest
-    key tiles of every head first (``benchmarks/gpu_checks/order_ab.py``, docs/benchmarks.md);
-    ``deterministic`` (head dim 64: ordered dQ sums), causal: DETERMINISTIC_CAUSAL_ORDER."""
+    variants beside the defaults: ``benchmarks/sm90_bwd.py --variants``. Program order: causal,
+    CAUSAL_ORDER (chunks of heads, heaviest key tiles first in each); else one head's key tiles
+    after another (docs/benchmarks.md); ``deterministic`` (ordered dQ sums), causal:
+    DETERMINISTIC_CAUSAL_ORDER."""
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
     ordered = {"DETERMINISTIC": deterministic,
                "CHAINS": DETERMINISTIC_CHAINS if deterministic else 1,
                "SIGNAL_LAG": DETERMINISTIC_SIGNAL_LAG if deterministic else 0}  # fmt: skip
     if d in SPLIT_HEAD_DIMS:
-        order = DETERMINISTIC_CAUSAL_ORDER if deterministic and causal else SPLIT_ORDER
+        order = CAUSAL_ORDER if causal else SPLIT_ORDER
+        if deterministic and causal:
+            order = DETERMINISTIC_CAUSAL_ORDER
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
                 "DQ_BUFS": SPLIT_DQ_BUFS, "ORDER": order, **ordered, "PIN_WAIT": BWD_PIN_WAIT,
                 "num_warps": NUM_WARPS, "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
-    order = KEYS_FIRST if not causal or group == 1 else HEADS_FIRST
+    order = CAUSAL_ORDER if causal else KEYS_FIRST
     if deterministic and causal:
         order = DETERMINISTIC_CAUSAL_ORDER
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
@@ -852,9 +867,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     index = q.get_device()
 
     def plan() -> tuple[tuple, dict]:
-        return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype,
-                                                  q.shape[1] // k.shape[1],
-                                                  deterministic)  # fmt: skip
+        return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype, deterministic)
 
     _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS,
                     backward_key(q, k, v, dout, lse, dk, dv, causal, index, deterministic), index,
