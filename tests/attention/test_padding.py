@@ -42,6 +42,14 @@ def inputs(batch, heads, kv_heads, seq, dim, seed, dtype):
 
 
 @pytest.fixture
+def kept_on_cpu():
+    """CPU masks' answers kept as CUDA masks' are (on CPUs they are looked at every call), so
+    that the keeping is tested here."""
+    with mock.patch.object(_padding, "KEPT_DEVICES", frozenset({"cuda", "cpu"})):
+        yield
+
+
+@pytest.fixture
 def per_sequence():
     """Counts the calls that took the per-sequence route."""
     with mock.patch.object(
@@ -133,7 +141,7 @@ def test_other_masks_take_the_mask_path(name, per_sequence):
     assert per_sequence.call_count == 0, name
 
 
-def test_a_mask_changed_in_place_is_looked_at_again(per_sequence):
+def test_a_mask_changed_in_place_is_looked_at_again(per_sequence, kept_on_cpu):
     """The lengths are kept per mask object; an in-place change (its version counter) or another
     object is looked at again, so a stale answer never decides the route."""
     seq = 12
@@ -148,6 +156,42 @@ def test_a_mask_changed_in_place_is_looked_at_again(per_sequence):
         assert looked.call_count == 2 and per_sequence.call_count == 2
     ref, _ = modded_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_cpu_masks_are_looked_at_on_every_call(per_sequence):
+    """A write PyTorch does not count (through ``.data``, a NumPy alias, a kernel of another
+    library) leaves a mask's version counter as it was: a CPU mask is looked at on every call
+    (no synchronization to save), so a buffer refilled that way is never answered from a kept
+    result."""
+    seq = 12
+    q, k, v = inputs(2, 2, 2, seq, 16, 5, torch.float64)
+    mask = padded_mask([seq, 7], seq)
+    for lengths in ([seq, 7], [5, seq], [3, 9]):  # refilled in place, its version unchanged
+        mask.data.copy_(padded_mask(lengths, seq))
+        out = flash_attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(out, modded_attention(q, k, v, attn_mask=mask)[0],
+                                   atol=1e-10, rtol=1e-10)  # fmt: skip
+    mask.data[1, 0, 9, 2] = False  # no longer right-padded causal: the mask path
+    out = flash_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, modded_attention(q, k, v, attn_mask=mask)[0], atol=1e-10,
+                               rtol=1e-10)  # fmt: skip
+    assert per_sequence.call_count == 3
+
+
+def test_padded_masks_switch_is_read_at_import():
+    """``TORCH_FLASHSYS_PADDED_MASKS=0`` (read at import) leaves every mask to the mask path."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from torch_flashsys.attention import _padding; import torch; "
+            "print(_padding.ENABLED, _padding.key_lengths(torch.ones(1, 1, 4, 4, dtype=torch.bool)"
+            ".tril(), 1, 4, 4, False))")  # fmt: skip
+    for value, expected in (("0", "False None"), ("1", "True [4]")):
+        env = {**os.environ, "TORCH_FLASHSYS_PADDED_MASKS": value}
+        got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.split("\n")[-2]  # fmt: skip
+        assert got == expected, (value, got)
 
 
 @settings(max_examples=10, deadline=None)
@@ -174,7 +218,7 @@ def plainly_right_padded(mask: torch.Tensor) -> list[int] | None:
     return lengths
 
 
-def test_alternating_masks_are_each_looked_at_once(per_sequence):
+def test_alternating_masks_are_each_looked_at_once(per_sequence, kept_on_cpu):
     """A model whose layers alternate masks (full and sliding-window layers) passes a few mask
     objects in turn: each is looked at once, whether right-padded or not."""
     seq = 12

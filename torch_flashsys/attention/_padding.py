@@ -6,13 +6,14 @@ n_b - 1). That is exactly flash_attention's top-left causal mask on sequence b's
 which the mask-free kernels run (the Hopper path included) without reading L x L mask values or
 computing the padded keys' tiles. :func:`key_lengths` recognizes such a mask (one comparison on
 the mask's device and one synchronization per mask tensor: the lengths slice the keys, so the
-host needs them; a model passes one mask object to all its layers, and the result is kept for
-it); :func:`per_sequence` runs the sequences one kernel call each, in one autograd node, and
+host needs them; a model passes one mask object to all its layers, and for a CUDA mask the
+result is kept for it); :func:`per_sequence` runs the sequences one kernel call each, in one autograd node, and
 :func:`packed_layout` lays them out as one packed (cu_seqlens) problem (:func:`route` chooses).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -31,6 +32,14 @@ MIN_SEQ_CUDA = 512
 
 BLOCK_ELEMENTS = 1 << 24  # the mask check's temporaries: at most about this many elements
 
+# TORCH_FLASHSYS_PADDED_MASKS=0 (read at import): every mask takes the mask path.
+ENABLED = os.environ.get("TORCH_FLASHSYS_PADDED_MASKS", "1") != "0"
+# The devices whose masks' answers are kept (per object, version counter and address): CUDA, where
+# looking costs a synchronization. There a write PyTorch does not count (through ``.data``, a
+# DLPack alias, another library's kernel) is not seen (docs/attention.md). A CPU mask is looked
+# at on every call: nothing to save, and a buffer refilled through a NumPy alias is seen.
+KEPT_DEVICES = frozenset({"cuda"})
+
 # The last masks looked at, newest first: (weak reference, version counter, data pointer, causal,
 # its lengths or None: not a right-padded causal mask). A model's layers pass the same mask
 # object, or a few alternating ones (sliding-window and full layers): each is looked at once.
@@ -42,11 +51,12 @@ def key_lengths(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
                 is_causal: bool) -> list[int] | None:  # fmt: skip
     """Each sequence's key count n_b when ``mask`` (with ``is_causal``: together with the causal
     mask) is a right-padded causal mask of shape (batch, 1, seq_q, seq_k), seq_q == seq_k: True
-    exactly at keys j <= i with j < n_b, every n_b >= 1. None otherwise, for CUDA sequences
-    shorter than MIN_SEQ_CUDA, and where the answer would need a synchronization that cannot
-    happen (a CUDA graph being captured, a traced or compiled region)."""
+    exactly at keys j <= i with j < n_b, every n_b >= 1. None otherwise, when switched off
+    (ENABLED), for CUDA sequences shorter than MIN_SEQ_CUDA, and where the answer would need a
+    synchronization that cannot happen (a CUDA graph being captured, a traced or compiled
+    region). Kept for the last KEPT_MASKS mask objects on KEPT_DEVICES."""
     global _seen
-    if mask.is_cuda and seq_q < MIN_SEQ_CUDA:
+    if not ENABLED or (mask.is_cuda and seq_q < MIN_SEQ_CUDA):
         return None
     if (mask.dtype != torch.bool or mask.dim() != 4 or seq_q != seq_k
             or tuple(mask.shape) != (batch, 1, seq_q, seq_k) or seq_q == 0):  # fmt: skip
@@ -55,8 +65,8 @@ def key_lengths(mask: torch.Tensor, batch: int, seq_q: int, seq_k: int,
         return None
     if mask.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    if mask.is_inference():  # no version counter to tell an in-place change: never kept
-        return _lengths(mask[:, 0], is_causal)
+    if mask.is_inference() or mask.device.type not in KEPT_DEVICES:  # looked at every call
+        return _lengths(mask[:, 0], is_causal)  # (inference tensors have no version counter)
     version, address, seen = mask._version, mask.data_ptr(), _seen
     for ref, v, a, c, lengths in seen:
         if ref() is mask and v == version and a == address and c == is_causal:
