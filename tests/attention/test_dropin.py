@@ -413,6 +413,83 @@ def test_sdpa_override_routes_mixed_dtypes_under_autocast(dtypes, causal, masked
     assert q.grad.dtype == q.dtype and v.grad.dtype == v.dtype
 
 
+def _padded_mask(lengths: list[int], seq: int) -> torch.Tensor:
+    """A Hugging Face model's right-padded causal mask: (batch, 1, seq, seq), key j seen by query
+    row i where j <= i and j < the sequence's length."""
+    rows = torch.arange(seq)
+    keys = rows[None, None, :] < torch.tensor(lengths)[:, None, None]
+    return ((rows[None, :] <= rows[:, None])[None] & keys)[:, None]
+
+
+def _mask_calls(seq: int, device: str = "cpu", dtype=torch.float32):
+    """(name, kwargs, routed with backend="auto" where masks are left to SDPA) of masked calls
+    on (2, 4, seq, 32) inputs."""
+    g = torch.Generator().manual_seed(seq)
+    padded = _padded_mask([seq, seq // 2], seq)
+    other = torch.rand(2, 1, seq, seq, generator=g) > 0.4
+    other[..., 0] = True
+    return [
+        ("right-padded causal", {"attn_mask": padded.to(device)}, True),
+        ("random bool", {"attn_mask": other.to(device)}, False),
+        ("float", {"attn_mask": torch.randn(seq, seq, generator=g).to(device, dtype)}, False),
+        ("mask and is_causal", {"attn_mask": other.to(device), "is_causal": True}, True),
+        ("no mask, causal", {"is_causal": True}, True),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("index", range(len(_mask_calls(12))))
+def test_sdpa_override_leaves_masks_to_sdpa_where_it_is_faster(backend, index):
+    """On a GPU (here: the CPU standing in for it), with backend="auto", a call with a mask and
+    without is_causal stays on SDPA (its masked kernels beat the mask path) unless the mask is a
+    right-padded causal mask that runs one call per sequence; an explicit backend routes every
+    supported call; either way the result is SDPA's."""
+    seq = 12
+    name, kwargs, routed = _mask_calls(seq)[index]
+    q, k, v = (torch.randn(2, 4, seq, 32) for _ in range(3))
+    spy = mock.MagicMock(wraps=_dropin.flash_attention)
+    left = mock.patch.object(_dropin, "MASKS_LEFT_TO_SDPA_ON", frozenset({"cpu"}))
+    with left, mock.patch.object(_dropin, "flash_attention", spy), sdpa_override(backend=backend):
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert spy.call_count == (1 if routed or backend != "auto" else 0), name
+    if "is_causal" in kwargs and "attn_mask" in kwargs:
+        kwargs = {"attn_mask": kwargs["attn_mask"] & torch.ones(seq, seq, dtype=torch.bool).tril()}
+    torch.testing.assert_close(out, ORIGINAL_SDPA(q, k, v, **kwargs), atol=2e-5, rtol=1e-5)
+
+
+def test_sdpa_override_leaves_padded_masks_with_dropout_to_sdpa():
+    """With dropout a right-padded mask takes flash_attention's mask path (the per-sequence
+    calls have no dropout), so such a call stays on SDPA where masks are left to it."""
+    q = torch.randn(2, 4, 12, 32)
+    spy = mock.MagicMock(wraps=_dropin.flash_attention)
+    left = mock.patch.object(_dropin, "MASKS_LEFT_TO_SDPA_ON", frozenset({"cpu"}))
+    with left, mock.patch.object(_dropin, "flash_attention", spy), sdpa_override():
+        F.scaled_dot_product_attention(q, q, q, attn_mask=_padded_mask([12, 5], 12),
+                                       dropout_p=0.3)  # fmt: skip
+        assert spy.call_count == 0
+        F.scaled_dot_product_attention(q, q, q, attn_mask=_padded_mask([12, 5], 12))
+        assert spy.call_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seq", [700, 1024])
+def test_sdpa_override_on_cuda_leaves_masks_to_sdpa_but_padded_batches(seq):
+    """On the GPU, bf16: a right-padded causal mask from 1024 tokens runs on flash_attention,
+    shorter ones and other masks stay on SDPA; outputs match SDPA's to bf16 rounding."""
+    q, k, v = (torch.randn(2, 4, seq, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for name, kwargs, routed in _mask_calls(seq, "cuda", torch.bfloat16):
+        spy = mock.MagicMock(wraps=_dropin.flash_attention)
+        with mock.patch.object(_dropin, "flash_attention", spy), sdpa_override():
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        mask_only = "attn_mask" in kwargs and not kwargs.get("is_causal")
+        assert spy.call_count == int(routed and (seq >= 1024 or not mask_only)), (name, seq)
+        if "is_causal" in kwargs and "attn_mask" in kwargs:
+            both = torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril()
+            kwargs = {"attn_mask": kwargs["attn_mask"] & both}
+        torch.testing.assert_close(out, ORIGINAL_SDPA(q, k, v, **kwargs), atol=2e-2, rtol=2e-2)
+
+
 def test_sdpa_override_mask_and_is_causal_compose(flash_calls):
     """Both apply, as SDPA's CPU kernel does (its math path refuses the pair)."""
     q = torch.randn(1, 1, 6, 16)

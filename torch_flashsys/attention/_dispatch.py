@@ -62,7 +62,7 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         if cache_seqlens is not None:
             ex = cache_extras(query, key, attn_mask, mods, cache_seqlens)
             out, lse = _cached(query, key, value, ex, sm_scale, resolved)
-        elif (lengths := _right_padded(query, key, attn_mask, mods)) is not None:
+        elif (lengths := right_padded(query, key, attn_mask, mods)) is not None:
             out, lse = _run_right_padded(query, key, value, attn_mask, is_causal, lengths,
                                          sm_scale, resolved)  # fmt: skip
         elif query.dim() in (3, 4):
@@ -74,7 +74,7 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     return (out, lse) if return_lse else out
 
 
-def _right_padded(query, key, attn_mask, mods: tuple) -> list[int] | None:
+def right_padded(query, key, attn_mask, mods: tuple) -> list[int] | None:
     """Each sequence's key count where ``attn_mask`` (with ``is_causal``) is a right-padded
     causal mask and nothing else modifies the scores (``_padding``); else None."""
     if attn_mask is None or query.dim() != 4 or not isinstance(attn_mask, torch.Tensor):

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_flashsys.attention import _padding
 from torch_flashsys.attention._backend import BACKENDS
 from torch_flashsys.attention._checks import check_inputs
-from torch_flashsys.attention._dispatch import autocast_inputs
+from torch_flashsys.attention._dispatch import autocast_inputs, right_padded
 from torch_flashsys.attention.functional import flash_attention
 from torch_flashsys.attention.module import FlashAttention, _mha_unsupported_reason
 
@@ -149,6 +150,28 @@ def _supported(query: Any, key: Any, value: Any, args: dict[str, Any], backend: 
     return True
 
 
+# Devices where, with backend="auto", a masked call stays on SDPA unless its mask is a
+# right-padded causal one that runs one causal call per sequence (``_padding``): on the H100 the
+# portable mask path took 1.5-2.3x the time of SDPA's masked kernels, and the packed route for
+# 512-1023 tokens made a Hugging Face Llama step 1.025x SDPA's (docs/benchmarks.md).
+MASKS_LEFT_TO_SDPA_ON = frozenset({"cuda"})
+
+
+def _faster_than_sdpa(query, key, args: dict[str, Any], backend: str) -> bool:
+    """Whether a supported call goes to flash_attention: always, but for a masked call on
+    MASKS_LEFT_TO_SDPA_ON with ``backend="auto"`` and without ``is_causal`` (SDPA raises on a
+    mask with is_causal in some of its backends: such calls keep running here), which goes only
+    where its mask is a right-padded causal mask run one call per sequence."""
+    mask = args["attn_mask"]
+    if (mask is None or backend != "auto" or args["is_causal"]
+            or query.device.type not in MASKS_LEFT_TO_SDPA_ON):  # fmt: skip
+        return True
+    if query.dim() != 4 or _padding.route(query) != "per_sequence":
+        return False
+    mods = (args["dropout_p"], False, None, None, None)
+    return right_padded(query, key, mask, mods) is not None
+
+
 def _make_router(original: Callable[..., torch.Tensor], backend: str) -> Callable[..., Any]:
     # functools.wraps gives the router SDPA's own signature and annotations.
     @functools.wraps(original)
@@ -165,7 +188,8 @@ def _make_router(original: Callable[..., torch.Tensor], backend: str) -> Callabl
         # (a Hugging Face Llama's query and key leave the rotary embedding in float32): the
         # check sees what flash_attention will compute on, as SDPA's does.
         q, k, v = autocast_inputs(query, key, value)
-        if not extra and _supported(q, k, v, args, backend):
+        if not extra and _supported(q, k, v, args, backend) and _faster_than_sdpa(q, k, args,
+                                                                                 backend):  # fmt: skip
             return flash_attention(q, k, v, **args, backend=backend)
         if enable_gqa:  # passed only when set: older torch versions lack the argument
             extra["enable_gqa"] = enable_gqa
@@ -238,7 +262,12 @@ def sdpa_override(*, backend: str = "auto") -> Iterator[None]:
     with a divisible head count, and (for the Triton backend) head dims 16..256 in multiples of
     8; a mask together with ``is_causal`` applies both (as SDPA's CPU kernel does; its math path
     raises). Everything else (broadcast batch dims, nested tensors, float64 with
-    ``backend="triton"``, unknown keyword arguments) goes to the original SDPA unchanged. Results
+    ``backend="triton"``, unknown keyword arguments) goes to the original SDPA unchanged. On a
+    GPU with ``backend="auto"``, a call with a mask and without ``is_causal`` stays on SDPA,
+    whose masked kernels are faster than flash_attention's mask path, unless the mask is a
+    right-padded causal mask (a Hugging Face model's padded batches) of at least
+    ``_padding.PER_SEQUENCE_MIN_SEQ_CUDA`` (1024) tokens, which flash_attention runs without
+    the mask (docs/attention.md). Results
     of routed calls match SDPA to floating-point rounding (with dropout: in distribution, the
     random numbers differ); gradients flow through both.
 
