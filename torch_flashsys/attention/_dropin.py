@@ -188,8 +188,8 @@ def _make_router(original: Callable[..., torch.Tensor], backend: str) -> Callabl
         # (a Hugging Face Llama's query and key leave the rotary embedding in float32): the
         # check sees what flash_attention will compute on, as SDPA's does.
         q, k, v = autocast_inputs(query, key, value)
-        if not extra and _supported(q, k, v, args, backend) and _faster_than_sdpa(q, k, args,
-                                                                                 backend):  # fmt: skip
+        routed = not extra and _supported(q, k, v, args, backend)
+        if routed and _faster_than_sdpa(q, k, args, backend):
             return flash_attention(q, k, v, **args, backend=backend)
         if enable_gqa:  # passed only when set: older torch versions lack the argument
             extra["enable_gqa"] = enable_gqa

@@ -7,8 +7,9 @@ which the mask-free kernels run (the Hopper path included) without reading L x L
 computing the padded keys' tiles. :func:`key_lengths` recognizes such a mask (one comparison on
 the mask's device and one synchronization per mask tensor: the lengths slice the keys, so the
 host needs them; a model passes one mask object to all its layers, and for a CUDA mask the
-result is kept for it); :func:`per_sequence` runs the sequences one kernel call each, in one autograd node, and
-:func:`packed_layout` lays them out as one packed (cu_seqlens) problem (:func:`route` chooses).
+result is kept for it); :func:`per_sequence` runs the sequences one kernel call each, in one
+autograd node, and :func:`packed_layout` lays them out as one packed (cu_seqlens) problem
+(:func:`route` chooses).
 """
 
 from __future__ import annotations

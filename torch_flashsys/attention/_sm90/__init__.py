@@ -182,8 +182,8 @@ SPLIT_REGS = (240, 24)  # per thread: each consumer warpgroup, the load warp (4 
 SPLIT_NBUF = 2  # dS^T buffer pairs
 SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reductions
 # Program orders of the backward kernels (``_bwd._program_tile``'s ORDER bits): the heaviest
-# causal key tiles of every head first, one head's key tiles after another, or (a bit beside
-# either) the lightest first.
+# causal key tiles of every head first, one head's key tiles after another, (a bit beside either)
+# the lightest first, or chunks of heads in turn, each chunk heads first (``chunked``).
 HEADS_FIRST, KEYS_FIRST, LIGHTEST_FIRST, CHUNKED = 0, 1, 2, 4
 CHUNK_SHIFT = 8  # with CHUNKED, ORDER >> CHUNK_SHIFT: programs per chunk
 
@@ -196,8 +196,8 @@ def chunked(programs: int) -> int:
 
 # Causal problems (both fused kernels, not deterministic): chunks of about one wave of programs on
 # the H100's 132 SMs (``benchmarks/sm90_bwd.py --variants``: against the better of keys first and
-# heads first, 2-26% faster from 1024 to 8192 tokens, d 64 and 128, GQA or not; equal at 16384,
-# where a chunk is one head, i.e. keys first).
+# heads first, 1-9% faster from 1024 to 8192 tokens, 14% and 26% on two problems of few programs,
+# d 64 and 128, GQA or not; equal at 16384, where a chunk is one head, i.e. keys first).
 CAUSAL_ORDER = chunked(128)
 SPLIT_ORDER = KEYS_FIRST  # the split kernel without a causal mask
 # Deterministic (ordered dQ sums, head dim 64; docs/attention.md): causal, the lightest key tiles
@@ -827,7 +827,7 @@ def fused_kernel(d: int):
 def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
                      deterministic: bool = False) -> dict:  # fmt: skip
     """The fused kernel's compile-time arguments, every one (the direct launch passes them all),
-    and launch options, for head dim ``d`` and ``group`` query heads per key/value head. The
+    and launch options, for head dim ``d``. The
     variants beside the defaults: ``benchmarks/sm90_bwd.py --variants``. Program order: causal,
     CAUSAL_ORDER (chunks of heads, heaviest key tiles first in each); else one head's key tiles
     after another (docs/benchmarks.md); ``deterministic`` (ordered dQ sums), causal:

@@ -89,7 +89,7 @@ if AVAILABLE:
         heads (at least one head) in turn, each chunk heads first, so that the heaviest tiles of
         a chunk start first and the grid ends on light ones, while the heads in flight, about a
         chunk's, keep their Q, dO and dQ sums in L2 (with about one wave of programs a chunk:
-        2-26% faster than the better of the two orders above from 1024 to 8192 tokens, H100,
+        1-26% faster than the better of the two orders above from 1024 to 8192 tokens, H100,
         ``benchmarks/sm90_bwd.py --variants``)."""
         pid = gl.program_id(0)
         n_kb = gl.num_programs(0) // n_bhk
