@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_flashsys.attention import _padding
 from torch_flashsys.attention._backend import BACKENDS
 from torch_flashsys.attention._checks import check_inputs
 from torch_flashsys.attention._dispatch import autocast_inputs, right_padded
+from torch_flashsys.attention._padding import route
 from torch_flashsys.attention.functional import flash_attention
 from torch_flashsys.attention.module import FlashAttention, _mha_unsupported_reason
 
@@ -151,9 +151,9 @@ def _supported(query: Any, key: Any, value: Any, args: dict[str, Any], backend: 
 
 
 # Devices where, with backend="auto", a masked call stays on SDPA unless its mask is a
-# right-padded causal one that runs one causal call per sequence (``_padding``): on the H100 the
-# portable mask path took 1.5-2.3x the time of SDPA's masked kernels, and the packed route for
-# 512-1023 tokens made a Hugging Face Llama step 1.025x SDPA's (docs/benchmarks.md).
+# right-padded causal one that runs one causal call per sequence (``_padding.route``): on the
+# H100 the portable mask path took 1.5-2.3x the time of SDPA's masked kernels, and the packed
+# route for 512-1023 tokens made a Hugging Face Llama step 1.025x SDPA's (docs/benchmarks.md).
 MASKS_LEFT_TO_SDPA_ON = frozenset({"cuda"})
 
 
@@ -166,7 +166,7 @@ def _faster_than_sdpa(query, key, args: dict[str, Any], backend: str) -> bool:
     if (mask is None or backend != "auto" or args["is_causal"]
             or query.device.type not in MASKS_LEFT_TO_SDPA_ON):  # fmt: skip
         return True
-    if query.dim() != 4 or _padding.route(query) != "per_sequence":
+    if query.dim() != 4 or route(query) != "per_sequence":
         return False
     mods = (args["dropout_p"], False, None, None, None)
     return right_padded(query, key, mask, mods) is not None
