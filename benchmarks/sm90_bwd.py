@@ -186,6 +186,9 @@ def deterministic_rows(shape) -> list[dict]:
 # Compile-time variants of the fused kernel (--variants): the program order, atomics for the dQ
 # sums, dS^T as the dK product's register operand, and a measurement-only cut (PROBE 2: no dQ
 # work at all; wrong dQ).
+# Causal program orders beside the default chunks of about 128 programs (both kernels).
+CHUNK_VARIANTS = {"chunks of 64 programs": {"ORDER": _sm90.chunked(64)},
+                  "chunks of 256 programs": {"ORDER": _sm90.chunked(256)}}  # fmt: skip
 FUSED_VARIANTS = {
     "default": {},
     "keys first": {"ORDER": _sm90.KEYS_FIRST},
@@ -194,8 +197,7 @@ FUSED_VARIANTS = {
     "rs dK": {"DK_RS": True},
     "pinned dP wait": {"PIN_WAIT": True},  # _sm90.BWD_PIN_WAIT
     "no dQ (probe)": {"PROBE": 2},
-    "chunks of 64 programs": {"ORDER": _sm90.chunked(64)},
-    "chunks of 256 programs": {"ORDER": _sm90.chunked(256)},
+    **CHUNK_VARIANTS,
 }
 VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
                   (4, 32, 8, 2048, 64, True)]  # fmt: skip
@@ -205,9 +207,7 @@ SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
                   # spilled): a step's reduction no longer waits for the last one to be read
                   "1 dS pair": {"NBUF": 1},
                   "1 dS pair, 2 dQ tiles": {"NBUF": 1, "DQ_BUFS": 2},
-                  "pinned dP wait": {"PIN_WAIT": True},
-                  "chunks of 64 programs": {"ORDER": _sm90.chunked(64)},
-                  "chunks of 256 programs": {"ORDER": _sm90.chunked(256)}}  # fmt: skip
+                  "pinned dP wait": {"PIN_WAIT": True}, **CHUNK_VARIANTS}  # fmt: skip
 
 
 def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):

@@ -8,13 +8,13 @@ difference, its float32 sums having no fixed order), then ``do_bench`` medians o
 and fwd+bwd and the CUDA time of one fwd+bwd's kernels, over three rounds in alternating order
 (a long problem's time drifts over a run), with the median and spread (max / min) of the rounds.
 
-    PYTHONPATH=. python3 benchmarks/gpu_checks/rule_ab.py [--studies consumers,split_order]
+    PYTHONPATH=. python3 benchmarks/gpu_checks/rule_ab.py [--studies consumers,causal_order]
         [--out rule_ab.csv]
 
 Studies: ``consumers`` (three consumer warpgroups in the causal head-dim-64 forward from 8192
-rows, ``FWD_CONSUMERS3_MIN``), ``split_order`` (the head-dim-128 fused backward's program order,
-``SPLIT_ORDER``: one head's key tiles after another against the heaviest key tiles of every head
-first).
+rows, ``FWD_CONSUMERS3_MIN``), ``causal_order`` (the head-dim-128 fused backward's causal program
+order, ``CAUSAL_ORDER``: chunks of heads against one head's key tiles after another and the
+heaviest key tiles of every head first).
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ STUDIES = {  # name: (problems (batch, heads, kv heads, length, head dim, causal
          "three from 8192": {"FWD_CONSUMERS3_MIN": {**_sm90.FWD_CONSUMERS3_MIN,
                                                     (64, True): 8192}}},
     ),
-    "split_order": (
+    "causal_order": (
         [(4, 16, 16, 2048, 128, True), (8, 16, 16, 2048, 128, True),
          (4, 16, 16, 4096, 128, True), (1, 16, 16, 16384, 128, True)],
-        {"keys first (default)": {}, "heads first": {"SPLIT_ORDER": _sm90.HEADS_FIRST}},
+        {"chunks of heads (default)": {}, "keys first": {"CAUSAL_ORDER": _sm90.KEYS_FIRST},
+         "heads first": {"CAUSAL_ORDER": _sm90.HEADS_FIRST}},
     ),
 }  # fmt: skip
 

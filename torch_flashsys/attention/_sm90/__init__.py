@@ -827,27 +827,24 @@ def fused_kernel(d: int):
 def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
                      deterministic: bool = False) -> dict:  # fmt: skip
     """The fused kernel's compile-time arguments, every one (the direct launch passes them all),
-    and launch options, for head dim ``d``. The
-    variants beside the defaults: ``benchmarks/sm90_bwd.py --variants``. Program order: causal,
-    CAUSAL_ORDER (chunks of heads, heaviest key tiles first in each); else one head's key tiles
-    after another (docs/benchmarks.md); ``deterministic`` (ordered dQ sums), causal:
+    and launch options, for head dim ``d``. The variants beside the defaults:
+    ``benchmarks/sm90_bwd.py --variants``. Program order: causal, CAUSAL_ORDER (chunks of heads,
+    heaviest key tiles first in each); else one head's key tiles after another (SPLIT_ORDER at
+    head dim 128; docs/benchmarks.md); ``deterministic`` (ordered dQ sums), causal:
     DETERMINISTIC_CAUSAL_ORDER."""
     ds_layout = gl.NVMMASharedLayout.get_default_for([BWD_BLOCK, BWD_BLOCK],
                                                      getattr(gl, _GL_DTYPES[dtype]))  # fmt: skip
     ordered = {"DETERMINISTIC": deterministic,
                "CHAINS": DETERMINISTIC_CHAINS if deterministic else 1,
                "SIGNAL_LAG": DETERMINISTIC_SIGNAL_LAG if deterministic else 0}  # fmt: skip
+    order = CAUSAL_ORDER if causal else SPLIT_ORDER if d in SPLIT_HEAD_DIMS else KEYS_FIRST
+    if deterministic and causal:
+        order = DETERMINISTIC_CAUSAL_ORDER
     if d in SPLIT_HEAD_DIMS:
-        order = CAUSAL_ORDER if causal else SPLIT_ORDER
-        if deterministic and causal:
-            order = DETERMINISTIC_CAUSAL_ORDER
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
                 "DQ_BUFS": SPLIT_DQ_BUFS, "ORDER": order, **ordered, "PIN_WAIT": BWD_PIN_WAIT,
                 "num_warps": NUM_WARPS, "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
-    order = CAUSAL_ORDER if causal else KEYS_FIRST
-    if deterministic and causal:
-        order = DETERMINISTIC_CAUSAL_ORDER
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA or deterministic,
