@@ -82,6 +82,15 @@ def cases(draw, max_seq: int = 40, head_dims=(16, 24, 32, 48, 64), max_batch: in
     )
 
 
+def padded_mask(lengths: list[int], seq: int) -> torch.Tensor:
+    """The (batch, 1, seq, seq) mask of causal attention over each sequence's first n_b keys
+    (a Hugging Face model's right-padded causal mask)."""
+    rows = torch.arange(seq)
+    causal = rows[None, :] <= rows[:, None]
+    keys = rows[None, None, :] < torch.tensor(lengths)[:, None, None]
+    return (causal[None] & keys)[:, None]
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 

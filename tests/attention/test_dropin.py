@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tests.attention.cases import assert_close
+from tests.attention.cases import assert_close, padded_mask
 from tests.reference import attention_reference
 from torch_flashsys.attention import FlashAttention, _dropin
 from torch_flashsys.attention import module as attention_module
@@ -413,19 +413,11 @@ def test_sdpa_override_routes_mixed_dtypes_under_autocast(dtypes, causal, masked
     assert q.grad.dtype == q.dtype and v.grad.dtype == v.dtype
 
 
-def _padded_mask(lengths: list[int], seq: int) -> torch.Tensor:
-    """A Hugging Face model's right-padded causal mask: (batch, 1, seq, seq), key j seen by query
-    row i where j <= i and j < the sequence's length."""
-    rows = torch.arange(seq)
-    keys = rows[None, None, :] < torch.tensor(lengths)[:, None, None]
-    return ((rows[None, :] <= rows[:, None])[None] & keys)[:, None]
-
-
 def _mask_calls(seq: int, device: str = "cpu", dtype=torch.float32):
     """(name, kwargs, routed with backend="auto" where masks are left to SDPA) of masked calls
     on (2, 4, seq, 32) inputs."""
     g = torch.Generator().manual_seed(seq)
-    padded = _padded_mask([seq, seq // 2], seq)
+    padded = padded_mask([seq, seq // 2], seq)
     other = torch.rand(2, 1, seq, seq, generator=g) > 0.4
     other[..., 0] = True
     return [
@@ -464,10 +456,10 @@ def test_sdpa_override_leaves_padded_masks_with_dropout_to_sdpa():
     spy = mock.MagicMock(wraps=_dropin.flash_attention)
     left = mock.patch.object(_dropin, "MASKS_LEFT_TO_SDPA_ON", frozenset({"cpu"}))
     with left, mock.patch.object(_dropin, "flash_attention", spy), sdpa_override():
-        F.scaled_dot_product_attention(q, q, q, attn_mask=_padded_mask([12, 5], 12),
+        F.scaled_dot_product_attention(q, q, q, attn_mask=padded_mask([12, 5], 12),
                                        dropout_p=0.3)  # fmt: skip
         assert spy.call_count == 0
-        F.scaled_dot_product_attention(q, q, q, attn_mask=_padded_mask([12, 5], 12))
+        F.scaled_dot_product_attention(q, q, q, attn_mask=padded_mask([12, 5], 12))
         assert spy.call_count == 1
 
 

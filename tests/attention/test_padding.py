@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.attention.cases import assert_close
+from tests.attention.cases import assert_close, padded_mask
 from tests.reference import modded_attention
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _dispatch, _padding
@@ -23,14 +23,6 @@ needs_interpreter = pytest.mark.skipif(
     reason="Triton kernels cannot run on CPU here (no triton or TRITON_INTERPRET unset)",
 )
 BACKENDS = ["torch", pytest.param("triton", marks=needs_interpreter)]
-
-
-def padded_mask(lengths: list[int], seq: int) -> torch.Tensor:
-    """The (batch, 1, seq, seq) mask of causal attention over each sequence's first n_b keys."""
-    rows = torch.arange(seq)
-    causal = rows[None, :] <= rows[:, None]
-    keys = rows[None, None, :] < torch.tensor(lengths)[:, None, None]
-    return (causal[None] & keys)[:, None]
 
 
 def inputs(batch, heads, kv_heads, seq, dim, seed, dtype):
