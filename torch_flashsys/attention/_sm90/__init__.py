@@ -233,6 +233,14 @@ FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's 
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
 FUSED_NBUF = 4  # dS^T buffers between the consumers and the dQ warpgroup (shared memory 199 KB)
 FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
+# dQ converted inside the fused kernels (not deterministic): the warpgroups that add dQ tell a
+# converter warp when a step's float32 sums have landed; it counts the query tile's int32 counter
+# up, and the one that counts last converts the tile into dQ (instead of a conversion kernel after
+# the backward). CONVERT_RING: landed steps the converter may lag behind; CONVERT_REGS: its
+# registers per thread.
+FUSED_CONVERT = True
+CONVERT_RING = 8
+CONVERT_REGS = 24
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
 BWD_STAGES = {64: 4, 128: 3}  # Q/dO ring depth per head dim (shared memory: 96 / 160 KB)
 BWD_PIPELINE = True  # keep one step's dV/dK products in flight while the next S^T, dP^T issue
@@ -698,11 +706,13 @@ PREP_BLOCK = 64  # query rows per program: BWD_BLOCK, the fused kernel's query t
 
 def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                   dlse: torch.Tensor | None, deterministic: bool = False, copies: int = 1,
+                  slots: int = 0,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``(delta, dq_acc, sem)``: D = rowsum(dO * O) - dLSE in lse's layout, a zeroed float32
     (copies x B, H, L, d) buffer for the fused kernel's dQ sums (``copies``: the deterministic
-    kernel's CHAINS), and (``deterministic``, else None) the ordered sums' zeroed int32
-    counters, one per (copy x batch, head, tile of BWD_BLOCK query rows). A planned launch
+    kernel's CHAINS), and zeroed int32 counters (else None): ``deterministic``, the ordered
+    sums', one per (copy x batch, head, tile of BWD_BLOCK query rows); ``slots`` (not
+    deterministic), the in-kernel conversion's, ``slots`` per such tile. A planned launch
     after the first call of a key (as the Gluon kernels'): Triton specializes a kernel on each
     pointer's 16-byte alignment, so the key has that of the three inputs (the buffers made here
     are the caching allocator's, always aligned)."""
@@ -710,20 +720,22 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     delta = torch.empty_like(lse)
     dq_acc = out.new_empty((copies * batch, heads, seq_q, d), dtype=torch.float32)
     n_blocks = triton_cdiv(seq_q, PREP_BLOCK)
-    sem = (out.new_empty((copies * batch, heads, n_blocks), dtype=torch.int32)
-           if deterministic else None)  # fmt: skip
+    slots = 1 if deterministic else slots
+    sem = (out.new_empty((copies * batch, heads, n_blocks, slots), dtype=torch.int32)
+           if slots else None)  # fmt: skip
     rows = lse if dlse is None else dlse
     index = out.get_device()
     aligned = pointer_alignment((out.data_ptr(), dout.data_ptr(), rows.data_ptr()))
     key = (out.shape, out.stride(), dout.stride(), lse.stride(), rows.stride(), out.dtype,
-           dlse is None, deterministic, copies, index, aligned)  # fmt: skip
+           dlse is None, deterministic, copies, slots, index, aligned)  # fmt: skip
     values = (out, dout, rows, delta, dq_acc, dq_acc if sem is None else sem)
 
     def args(descriptors: bool = True) -> tuple:
         return prep_args(values, out, dout, lse)
 
     def plan() -> tuple[tuple, dict]:
-        return (n_blocks, batch * heads, 1), prep_meta(d, dlse is not None, deterministic, copies)
+        return (n_blocks, batch * heads, 1), prep_meta(d, dlse is not None, deterministic, copies,
+                                                       slots)  # fmt: skip
 
     _launch_planned(attn_bwd_prep, _PREP_PLANS, key, index, values, args, plan)
     return delta, dq_acc, sem
@@ -736,10 +748,12 @@ def prep_args(values: tuple, out: torch.Tensor, dout: torch.Tensor, lse: torch.T
             out.shape[1], out.shape[2])  # fmt: skip
 
 
-def prep_meta(d: int, has_dlse: bool, deterministic: bool, copies: int) -> dict:
-    """The preprocessing kernel's constexprs."""
+def prep_meta(d: int, has_dlse: bool, deterministic: bool, copies: int, slots: int = 0) -> dict:
+    """The preprocessing kernel's constexprs (``slots``: counters per query tile, see
+    :func:`backward_prep`)."""
     return {"HAS_DLSE": has_dlse, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d,
-            "HAS_SEM": deterministic, "COPIES": copies}  # fmt: skip
+            "HAS_SEM": deterministic or slots > 0, "COPIES": copies,
+            "SEM_SLOTS": 1 if deterministic else max(slots, 1)}  # fmt: skip
 
 
 def fused_builds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -752,15 +766,16 @@ def fused_builds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     mock = _precompile.stand_in
     index, d = q.get_device(), q.shape[-1]
     copies = DETERMINISTIC_CHAINS if deterministic else 1
+    slots = fused_slots(d, deterministic)
     acc = _precompile.mock(torch.float32, [copies * q.shape[0], *q.shape[1:]])  # contiguous
-    sem = _precompile.mock(torch.int32, [copies, *q.shape[:2]]) if deterministic else None
+    sem = _precompile.mock(torch.int32, [copies, *q.shape[:2], slots]) if slots else None
     rows = lse if dlse is None else dlse
     values = tuple(map(mock, (out, dout, rows, lse))) + (acc, acc if sem is None else sem)
     jobs = [
         _precompile.Job(attn_bwd_prep, prep_args(values, out, dout, lse),
-                        prep_meta(d, dlse is not None, deterministic, copies), index),
+                        prep_meta(d, dlse is not None, deterministic, copies, slots), index),
         _precompile.Job(fused_kernel(d), tuple(map(mock, fused_launch_args(
-            q, k, v, dout, lse, lse, k, v, acc, scale, sem))),
+            q, k, v, dout, lse, lse, k, v, acc, scale, sem, dq=q))),
             fused_constexprs(d, causal, q.dtype, deterministic), index),
     ]  # fmt: skip
     if copies > 1:  # (dQ takes q's layout)
@@ -799,23 +814,34 @@ _FUSED_PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
 def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                       lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                       dq_acc: torch.Tensor, scale: float, sem: torch.Tensor | None = None,
-                      descriptors: bool = True) -> tuple:  # fmt: skip
+                      descriptors: bool = True, dq: torch.Tensor | None = None,
+                      ) -> tuple:  # fmt: skip
     """The fused kernel's runtime arguments: the dK/dV kernel's, with the dQ buffer (contiguous
-    float32 (B, H, L, d)) inserted, and the deterministic sums' counters (``sem`` from
-    :func:`backward_prep`; unused, the dQ buffer stands in)."""
+    float32 (B, H, L, d)) inserted, the counters of :func:`backward_prep` (``sem``; unused, the
+    dQ buffer stands in) and dQ with its batch, head and row strides (``dq``, in q's dtype: what
+    the kernel converts the sums into when CONVERT; unused, q and zero strides stand in)."""
     args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale, descriptors)
     d = q.shape[-1]  # the split kernel: each consumer adds half of a dQ row
     dq_desc = _descriptor(dq_acc, BWD_BLOCK, d // 2 if d in SPLIT_HEAD_DIMS else d, descriptors)
-    return (*args[:16], dq_acc, dq_desc, dq_acc if sem is None else sem, *args[16:])
+    out = (q, 0, 0, 0) if dq is None else (dq, *dq.stride()[:3])
+    return (*args[:16], dq_acc, dq_desc, dq_acc if sem is None else sem, *out, *args[16:])
 
 
 def fused_launch_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                         lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor,
                         dv: torch.Tensor, dq_acc: torch.Tensor, scale: float,
-                        sem: torch.Tensor | None = None) -> tuple:  # fmt: skip
+                        sem: torch.Tensor | None = None,
+                        dq: torch.Tensor | None = None) -> tuple:  # fmt: skip
     """What of :func:`fused_launch_args` changes between calls of one launch key."""
     return (q, k, v, dout, lse, delta, dk, dv, dq_acc, dq_acc, dq_acc if sem is None else sem,
-            scale * LOG2E, scale)  # fmt: skip
+            q if dq is None else dq, scale * LOG2E, scale)  # fmt: skip
+
+
+def fused_slots(d: int, deterministic: bool) -> int:
+    """The fused backward's counters per query tile (:func:`backward_prep`'s ``slots``): one,
+    the in-kernel dQ conversion's (FUSED_CONVERT, not deterministic), else none (the
+    deterministic kernel's are its own). ``d``: the head dim (every fused kernel converts)."""
+    return 1 if FUSED_CONVERT and not deterministic else 0
 
 
 def fused_kernel(d: int):
@@ -840,6 +866,8 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
     order = CAUSAL_ORDER if causal else SPLIT_ORDER if d in SPLIT_HEAD_DIMS else KEYS_FIRST
     if deterministic and causal:
         order = DETERMINISTIC_CAUSAL_ORDER
+    ordered.update(CONVERT=fused_slots(d, deterministic) > 0, NCONV=CONVERT_RING,
+                   CONVERT_REGS=CONVERT_REGS)  # fmt: skip
     if d in SPLIT_HEAD_DIMS:
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
@@ -859,7 +887,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     the preprocessing kernel, the fused kernel, then dQ's float32 sums converted."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     copies = DETERMINISTIC_CHAINS if deterministic else 1
-    delta, dq_acc, sem = backward_prep(out, dout, lse, dlse, deterministic, copies)
+    slots = fused_slots(k.shape[-1], deterministic)
+    delta, dq_acc, sem = backward_prep(out, dout, lse, dlse, deterministic, copies, slots)
+    dq = torch.empty_like(q) if slots else None  # (converted by the kernel)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     index = q.get_device()
 
@@ -868,9 +898,12 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS,
                     backward_key(q, k, v, dout, lse, dk, dv, causal, index, deterministic), index,
-                    fused_launch_values(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale, sem),
+                    fused_launch_values(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale, sem,
+                                        dq),
                     functools.partial(fused_launch_args, q, k, v, dout, lse, delta, dk, dv,
-                                      dq_acc, scale, sem), plan)  # fmt: skip
+                                      dq_acc, scale, sem, dq=dq), plan)  # fmt: skip
+    if dq is not None:
+        return dq, dk, dv
     if copies > 1:  # the chains' sums, added in a fixed order
         return dq_sum(dq_acc, q, copies), dk, dv
     return torch.empty_like(q).copy_(dq_acc), dk, dv

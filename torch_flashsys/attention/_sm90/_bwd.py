@@ -63,6 +63,9 @@ _INTEGER_ARGS = [
     "group",
     "seq_q",
     "seq_k",
+    "stride_ob",
+    "stride_oh",
+    "stride_on",
 ]
 
 if AVAILABLE:
@@ -186,6 +189,148 @@ if AVAILABLE:
         else:
             gl.inline_asm_elementwise("cp.async.bulk.wait_group 3;\n mov.u32 $0, $1;", "=r,r",
                                       [x], dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+    # dQ converted inside the fused kernels (CONVERT): the warpgroups that add dQ tell a converter
+    # warp (ring ``landed``) when a step's bulk reductions have landed in global memory; it counts
+    # the query tile's int32 counter up (zeroed by the preprocessing kernel) and, when it counts
+    # last, reads the tile's float32 sums back (TMA, into a staging tile), converts them and stores
+    # them into dQ. The math warps only wait for their own reductions, a step late.
+    @gluon.jit
+    def _count_tile(counter):
+        """Lane 0: order the landed reductions this warp was told of (an mbarrier wait) before a
+        release-acquire addition of one to the int32 at ``counter`` (GPU scope); every lane gets
+        the count before it, and a proxy fence orders it before the TMA reads that follow."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 t, o;\n"
+            "mov.u32 t, %laneid; setp.eq.u32 p, t, 0; mov.u32 o, 0;\n"
+            "@p fence.proxy.async.global;\n"
+            "@p atom.acq_rel.gpu.global.add.u32 o, [$1], 1;\n"
+            "shfl.sync.idx.b32 $0, o, 0, 31, -1;\n"
+            "bar.warp.sync -1;\n"
+            "fence.proxy.async.global; }",
+            "=r,l", [counter.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _opaque(x):
+        """``x`` (an int32 scalar), through a move the compiler cannot see through or hoist."""
+        return gl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _contributions(m0, seq_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N2: gl.constexpr):  # fmt: skip
+        """How many key tiles (programs) add into query tile ``m0``'s dQ: all of them, or
+        causal those up to the one that holds its last row's diagonal."""
+        n_kb = gl.cdiv(seq_k, BLOCK_N2)
+        need = n_kb
+        if CAUSAL:
+            need = gl.minimum((m0 + BLOCK_M - 1) // BLOCK_N2, n_kb - 1) + 1
+        return need
+
+    @gluon.jit
+    def _landed(step, convs):
+        """A warpgroup that adds dQ, after issuing step ``step``'s reduction: the step before's
+        have landed (waited for here, one step late: the math rarely waits), so say so on the
+        converter's ring (once the converter has taken the ring slot's last use)."""
+        conv_landed, conv_free = convs[0], convs[1]
+        NCONV: gl.constexpr = conv_landed.type.shape[0]
+        _bulk_wait(step, 1)
+        thread_barrier()
+        if step >= 1:
+            done = step - 1
+            mbarrier.wait(conv_free.index(done % NCONV), ((done // NCONV) & 1) ^ 1)
+            mbarrier.arrive(conv_landed.index(done % NCONV), count=1)
+
+    @gluon.jit
+    def _landed_tail(n_steps, convs):
+        """After the last step: its reductions landed; say so (as :func:`_landed`)."""
+        conv_landed, conv_free = convs[0], convs[1]
+        NCONV: gl.constexpr = conv_landed.type.shape[0]
+        _bulk_wait(n_steps, 0)
+        thread_barrier()
+        if n_steps >= 1:
+            done = n_steps - 1
+            mbarrier.wait(conv_free.index(done % NCONV), ((done // NCONV) & 1) ^ 1)
+            mbarrier.arrive(conv_landed.index(done % NCONV), count=1)
+
+    @gluon.jit
+    def _conv_rings(NCONV: gl.constexpr, ADDERS: gl.constexpr, dq_desc):
+        """The converter's rings (``landed``: ADDERS arrivals, the warpgroups that add dQ;
+        ``free``: the converter's), its TMA barrier and its float32 staging tile."""
+        conv_landed = gl.allocate_shared_memory(gl.int64, [NCONV, 1], mbarrier.MBarrierLayout())
+        conv_free = gl.allocate_shared_memory(gl.int64, [NCONV, 1], mbarrier.MBarrierLayout())
+        conv_loaded = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NCONV):
+            mbarrier.init(conv_landed.index(i), count=ADDERS)
+            mbarrier.init(conv_free.index(i), count=1)
+        mbarrier.init(conv_loaded, count=1)
+        staging = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+        return conv_landed, conv_free, conv_loaded, staging
+
+    @gluon.jit
+    def _dq_converter(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
+                      ORDER: gl.constexpr, SEM, cvt, convs):  # fmt: skip
+        """The converter warp (CONVERT): per step of its program, once the step's dQ sums have
+        landed (``landed``), it counts the query tile's counter up; the warp that counts last
+        for a tile (its ``need``-th contribution: :func:`_contributions`) loads its float32
+        sums by TMA into the staging tile (a column block at a time: one at head dim 64, two
+        at 128), converts them to dQ's dtype and stores them (rows past seq_q not stored)."""
+        q_desc, k_desc = descs[0], descs[1]
+        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale = sched
+        dq_desc = dqs[4]
+        conv_landed, conv_free, conv_loaded, staging = convs
+        DQO, stride_ob, stride_oh, stride_on = cvt
+        NCONV: gl.constexpr = conv_landed.type.shape[0]
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+        BLOCK_N2: gl.constexpr = 2 * k_desc.block_type.shape[2]
+        COLS: gl.constexpr = dq_desc.block_type.shape[3]
+        ROWS: gl.constexpr = 8  # staging rows x columns converted at a time (8 floats a lane;
+        CHUNK: gl.constexpr = 32  # 8 rows: a swizzle period, 32 floats: 128 bytes)
+        gl.static_assert(COLS % CHUNK == 0, "column blocks of 32 floats")
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+        b, hk, n0, m_lo, n_m = _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M, BLOCK_N2,
+                                             CAUSAL, ORDER)  # fmt: skip
+        n_steps = group * (n_m - m_lo)
+        bh0 = (b * n_kv_heads + hk) * group  # the group's first query head
+        base = DQO + b.to(gl.int64) * stride_ob + (hk * group).to(gl.int64) * stride_oh
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+        tile = staging.reshape([BLOCK_M, COLS])
+        loads = n_steps * 0
+        for step in range(n_steps):
+            slot = step % NCONV
+            mbarrier.wait(conv_landed.index(slot), (step // NCONV) & 1)
+            g = step // (n_m - m_lo)
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
+            count = _count_tile(SEM + (bh0 + g).to(gl.int64) * n_m + m0 // BLOCK_M)
+            mbarrier.arrive(conv_free.index(slot), count=1)
+            if count == _contributions(m0, seq_k, CAUSAL, BLOCK_M, BLOCK_N2) - 1:
+                dst = base + g.to(gl.int64) * stride_oh
+                for half in range(HEAD_DIM // COLS):  # (a loop: registers are few)
+                    fence_async_shared()  # the last conversion's reads before the TMA write
+                    mbarrier.expect(conv_loaded, dq_desc.block_type.nbytes)
+                    tma_load(dq_desc, [b, hk * group + g, m0, half * COLS], conv_loaded, staging)
+                    mbarrier.wait(conv_loaded, loads & 1)
+                    loads += 1
+                    # (Offsets from values the compiler cannot see through: offsets that do not
+                    # depend on the loops would be hoisted out of them, every one of them live.)
+                    row0 = _opaque(m0)
+                    col0 = _opaque(half * COLS)
+                    for r in gl.static_range(BLOCK_M // ROWS):
+                        at = row0 + r * ROWS + rows
+                        row_out = dst + (at.to(gl.int64) * stride_on)[:, None]
+                        for c in gl.static_range(COLS // CHUNK):
+                            sums = (
+                                tile.slice(r * ROWS, ROWS, dim=0)
+                                .slice(c * CHUNK, CHUNK, dim=1)
+                                .load(layout)
+                            )
+                            out = row_out + (col0 + c * CHUNK + cols)[None, :]
+                            gl.store(out, sums.to(DQO.dtype.element_ty),
+                                     mask=(at < seq_q)[:, None])  # fmt: skip
 
     @gluon.jit
     def _wait_turn(lock, turn):
@@ -598,12 +743,15 @@ if AVAILABLE:
     def _fused_dq(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                   PROBE: gl.constexpr, DQ_TMA: gl.constexpr, ORDER: gl.constexpr, SEM,
                   DETERMINISTIC: gl.constexpr, CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr,
-                  syncs):  # fmt: skip
+                  syncs, convs, CONVERT: gl.constexpr):  # fmt: skip
         """The dQ warpgroup: per step, dQ_i += scale * dS_i K over the program's 2 x BLOCK_N keys
         (both consumers' dS^T tiles from shared memory, K as loaded), added into the float32
         dQ buffer, so the consumers never wait on the reduction: with atomics from registers,
         or (``DQ_TMA``) stored to one of two shared-memory tiles and added by a TMA bulk
         reduction, which runs while the next step's product is computed.
+
+        ``CONVERT`` (with ``DQ_TMA``, not ``DETERMINISTIC``): each step's reductions are waited
+        for a step later and the converter warp told (:func:`_landed`, ``convs``).
 
         ``DETERMINISTIC`` (with ``DQ_TMA``): the key tiles add into a query tile's dQ in a fixed
         order, so that the sums are bitwise reproducible (FA3's deterministic backward). ``SEM``
@@ -657,6 +805,8 @@ if AVAILABLE:
             NSYNC: gl.constexpr = turn_ok.type.shape[0]
             dq_b = _ordered_setup(n0, b, hk, n_bhk, n_kv_heads, group, seq_k, n_m, SEM, CHAINS,
                                   2 * BLOCK_N)[2]  # fmt: skip
+        if CONVERT:
+            gl.static_assert(DQ_TMA and not DETERMINISTIC, "dQ converted from TMA sums")
         if PROBE == 3:
             c0 = n_steps.to(gl.int64) * 0
             c1 = c0
@@ -711,6 +861,8 @@ if AVAILABLE:
                             mbarrier.arrive(landed.index(done % NSYNC), count=1)
                         if PROBE == 3:
                             c5, t = lap(c5, t, step)
+                    if CONVERT:  # the step before's sums landed: the converter counts them
+                        _landed(step, convs)
                     if PROBE == 3:
                         c3, t = lap(c3, t, step)
                 else:
@@ -728,6 +880,8 @@ if AVAILABLE:
             thread_barrier()
             for done in range(gl.maximum(n_steps - SIGNAL_LAG, 0), n_steps):
                 mbarrier.arrive(landed.index(done % NSYNC), count=1)
+        if CONVERT:  # the last step's sums landed
+            _landed_tail(n_steps, convs)
         if PROBE == 3:
             Delta = outs[1]
             base = Delta + gl.program_id(0).to(gl.int64) * 48 + 32
@@ -774,19 +928,22 @@ if AVAILABLE:
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
     def attn_bwd_sm90(
         q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,
-        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc, SEM,
-        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc, SEM, DQO,
+        stride_ob, stride_oh, stride_on, n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale,
+        sm_scale, CAUSAL: gl.constexpr,
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         DQ_REGS: gl.constexpr, NBUF: gl.constexpr = 2, KV_RS: gl.constexpr = False,
         DK_RS: gl.constexpr = False, PROBE: gl.constexpr = 0, DQ_TMA: gl.constexpr = False,
         ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False, CHAINS: gl.constexpr = 1,
         SIGNAL_LAG: gl.constexpr = 0, PIN_WAIT: gl.constexpr = False,
+        CONVERT: gl.constexpr = False, NCONV: gl.constexpr = 8, CONVERT_REGS: gl.constexpr = 24,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         gl.static_assert(BLOCK_N == 64, "one warpgroup of 64 keys per consumer")
         gl.static_assert(BLOCK_M == BLOCK_N, "one descriptor block for queries and keys")
         dtype: gl.constexpr = q_desc.dtype
+        cvt = (DQO, stride_ob, stride_oh, stride_on)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(
             dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout
@@ -834,13 +991,32 @@ if AVAILABLE:
                     (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
                                         DK_RS, PROBE, ORDER, PIN_WAIT)),
                     (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
-                                 ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs)),
+                                 ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, None,
+                                 False)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                     (_fused_sync, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                    CHAINS, SIGNAL_LAG, syncs)),
                 ],
                 [4, 4, 1, 1],
                 [CONSUMER_REGS, DQ_REGS, 40, 24],
+            )
+        elif CONVERT:  # the converter warp's rings: the dQ warpgroup's sums landed
+            convs = _conv_rings(NCONV, 1, dq_desc)
+            gl.warp_specialize(
+                [
+                    (_fused_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
+                                        DK_RS, PROBE, ORDER, PIN_WAIT)),
+                    (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
+                                        DK_RS, PROBE, ORDER, PIN_WAIT)),
+                    (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
+                                 ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG, None, convs,
+                                 CONVERT)),
+                    (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
+                    (_dq_converter, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                     cvt, convs)),
+                ],
+                [4, 4, 1, 1],
+                [CONSUMER_REGS, DQ_REGS, 40, CONVERT_REGS],
             )
         else:
             gl.warp_specialize(
@@ -850,7 +1026,8 @@ if AVAILABLE:
                     (_fused_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, KV_RS,
                                         DK_RS, PROBE, ORDER, PIN_WAIT)),
                     (_fused_dq, (descs, bufs, bars, sched, outs, dqs, CAUSAL, PROBE, DQ_TMA,
-                                 ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG, None)),
+                                 ORDER, SEM, DETERMINISTIC, CHAINS, SIGNAL_LAG, None, None,
+                                 False)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                 ],
                 [4, 4, 1],
@@ -867,12 +1044,13 @@ if AVAILABLE:
     def _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                        ORDER: gl.constexpr, WG: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
                        CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
-                       PIN_WAIT: gl.constexpr):  # fmt: skip
+                       PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the head-dim-128 fused kernel: keys [n0 + WG * BLOCK_N,
         + BLOCK_N) for dK and dV (as :func:`_fused_consume`), dQ columns [WG * HALF, + HALF).
         ``DETERMINISTIC``: its dQ reductions in the sums' fixed order, as :func:`_fused_dq`'s
         (the sync warp's ``turn_ok`` before each, ``landed`` from both consumers).
-        ``PIN_WAIT``: as :func:`_fused_consume`'s."""
+        ``PIN_WAIT``: as :func:`_fused_consume`'s. ``CONVERT``: as :func:`_fused_dq`'s (the
+        converter waits for both consumers)."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
@@ -917,6 +1095,8 @@ if AVAILABLE:
             NSYNC: gl.constexpr = turn_ok.type.shape[0]
             dq_b = _ordered_setup(n0, b, hk, n_bhk, n_kv_heads, group, seq_k, n_m, SEM, CHAINS,
                                   2 * BLOCK_N)[2]  # fmt: skip
+        if CONVERT:
+            gl.static_assert(not DETERMINISTIC, "dQ converted from unordered sums")
         for step in range(n_steps):
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
@@ -970,40 +1150,46 @@ if AVAILABLE:
                 if step >= SIGNAL_LAG:
                     done = step - SIGNAL_LAG
                     mbarrier.arrive(landed.index(done % NSYNC), count=1)
+            if CONVERT:  # the step before's sums landed: the converter counts them
+                _landed(step, convs)
         tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
         if DETERMINISTIC and SIGNAL_LAG > 0:  # the last steps' sums landed
             _bulk_wait(n_steps, 0)
             thread_barrier()
             for done in range(gl.maximum(n_steps - SIGNAL_LAG, 0), n_steps):
                 mbarrier.arrive(landed.index(done % NSYNC), count=1)
+        if CONVERT:  # the last step's sums landed
+            _landed_tail(n_steps, convs)
         _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
 
     @gluon.jit
     def _split_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
                          CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
-                         PIN_WAIT: gl.constexpr):  # fmt: skip
+                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr):  # fmt: skip
         _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 0, SEM, DETERMINISTIC,
-                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT)  # fmt: skip
+                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT)  # fmt: skip
 
     @gluon.jit
     def _split_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
                          CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
-                         PIN_WAIT: gl.constexpr):  # fmt: skip
+                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr):  # fmt: skip
         _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 1, SEM, DETERMINISTIC,
-                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT)  # fmt: skip
+                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT)  # fmt: skip
 
     # The same sums as attn_bwd_sm90 for head dim 128 (dq_desc's blocks are half a row wide).
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
     def attn_bwd_split_sm90(
         q_desc, k_desc, v_desc, do_desc, LSE, Delta, stride_lb, stride_lh, DK, stride_kb,
-        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc, SEM,
-        n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale, sm_scale, CAUSAL: gl.constexpr,
+        stride_kh, stride_kn, DV, stride_vb, stride_vh, stride_vn, DQ, dq_desc, SEM, DQO,
+        stride_ob, stride_oh, stride_on, n_bhk, n_kv_heads, group, seq_q, seq_k, qk_scale,
+        sm_scale, CAUSAL: gl.constexpr,
         STAGES: gl.constexpr, DS_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         LOAD_REGS: gl.constexpr, NBUF: gl.constexpr = 2, DQ_BUFS: gl.constexpr = 1,
         ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False, CHAINS: gl.constexpr = 1,
         SIGNAL_LAG: gl.constexpr = 0, PIN_WAIT: gl.constexpr = False,
+        CONVERT: gl.constexpr = False, NCONV: gl.constexpr = 8, CONVERT_REGS: gl.constexpr = 24,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -1012,6 +1198,7 @@ if AVAILABLE:
         gl.static_assert(2 * dq_desc.block_type.shape[3] == q_desc.block_type.shape[3],
                          "dQ in two column halves, one per consumer")  # fmt: skip
         dtype: gl.constexpr = q_desc.dtype
+        cvt = (DQO, stride_ob, stride_oh, stride_on)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(
             dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout
@@ -1050,9 +1237,11 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT)),
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, None,
+                                        False)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT)),
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, None,
+                                        False)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                     (_fused_sync, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                    CHAINS, SIGNAL_LAG, syncs)),
@@ -1060,13 +1249,32 @@ if AVAILABLE:
                 [4, 1, 1],
                 [CONSUMER_REGS, LOAD_REGS, 24],
             )
+        elif CONVERT:  # the converter warp's rings: both consumers' sums landed
+            convs = _conv_rings(NCONV, 2, dq_desc)
+            gl.warp_specialize(
+                [
+                    (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, convs,
+                                        CONVERT)),
+                    (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, convs,
+                                        CONVERT)),
+                    (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
+                    (_dq_converter, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
+                                     cvt, convs)),
+                ],
+                [4, 1, 1],
+                [CONSUMER_REGS, LOAD_REGS, CONVERT_REGS],
+            )
         else:
             gl.warp_specialize(
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT)),
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, None,
+                                        False)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT)),
+                                        DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, None,
+                                        False)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                 ],
                 [4, 1],
