@@ -27,7 +27,7 @@ from torch_flashsys.attention._extras import CAUSAL, PLAIN
 from torch_flashsys.attention._ops import _forward
 
 PROBLEMS = [  # (batch, heads, kv heads, length, head dim, causal)
-    (4, 16, 16, 1024, 64, True), (4, 16, 16, 1024, 128, False), (4, 16, 16, 1024, 128, True),
+    (4, 16, 16, 1024, 64, True), (4, 16, 16, 1024, 128, False), (8, 32, 8, 1024, 128, True),
     (4, 16, 16, 2048, 64, True), (4, 16, 16, 2048, 64, False), (4, 16, 16, 2048, 128, True),
     (4, 16, 16, 2048, 128, False), (4, 32, 8, 2048, 64, True), (4, 16, 16, 4096, 128, True),
     (1, 16, 16, 8192, 64, True), (1, 32, 8, 8192, 64, True), (1, 16, 16, 16384, 128, True),
