@@ -61,7 +61,7 @@ def row(problem, repeats: int) -> dict:
     def ours_fwd_bwd():
         for t in (qg, kg, vg):
             t.grad = None
-        flash_attention(qg, kg, vg, is_causal=causal).backward(dout)
+        flash_attention(qg, kg, vg, is_causal=causal, enable_gqa=h != hk).backward(dout)
 
     times: dict[str, list[float]] = {}
     for r in range(ROUNDS):
