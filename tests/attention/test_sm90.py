@@ -1093,6 +1093,31 @@ def test_fused_backward_matches_float64(case, dtype):
 
 @gpu
 @needs_sm90
+@pytest.mark.parametrize(
+    "case",
+    [Case(4, 4, 4, 1100, 1100, 64, True, None, False, True, seed=1),
+     Case(2, 4, 2, 1100, 1100, 128, True, None, False, True, seed=5),
+     Case(3, 8, 1, 1500, 700, 128, False, 0.3, False, False, seed=6),
+     Case(1, 2, 3, 300, 1000, 64, True, None, False, False, seed=3),
+     Case(1, 11, 1, 1536, 1536, 128, True, None, False, True, seed=17),
+     Case(3, 8, 1, 1500, 700, 64, False, 0.3, False, False, seed=2)],
+)  # fmt: skip
+def test_fused_backward_with_dq_converted_in_the_kernel_matches_float64(case):
+    """The opt-in in-kernel dQ conversion (FUSED_CONVERT: a converter warp, per-tile counters)
+    gives float64's gradients: every tile converted once its last addition landed (a tile
+    converted early or twice, or never, would miss whole key tiles' sums), both head dims, GQA,
+    ragged lengths, seq_k above and below seq_q."""
+    _sm90.forget_launches()
+    try:
+        with _fused_backward() as spy, mock.patch.object(_sm90, "FUSED_CONVERT", True):
+            check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
+        assert spy.call_count == 1
+    finally:
+        _sm90.forget_launches()
+
+
+@gpu
+@needs_sm90
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=15, deadline=None)
 @given(case=cases(max_seq=700, head_dims=(64, 128), max_batch=3))

@@ -233,12 +233,15 @@ FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's 
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
 FUSED_NBUF = 4  # dS^T buffers between the consumers and the dQ warpgroup (shared memory 199 KB)
 FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
-# dQ converted inside the fused kernels (not deterministic): the warpgroups that add dQ tell a
-# converter warp when a step's float32 sums have landed; it counts the query tile's int32 counter
-# up, and the one that counts last converts the tile into dQ (instead of a conversion kernel after
-# the backward). CONVERT_RING: landed steps the converter may lag behind; CONVERT_REGS: its
-# registers per thread.
-FUSED_CONVERT = True
+# dQ converted inside the fused kernels (not deterministic; off): the warpgroups that add dQ tell
+# a converter warp when a step's float32 sums have landed; it counts the query tile's int32
+# counter up, and the one that counts last converts the tile into dQ (instead of a conversion
+# kernel after the backward). Correct (the GPU tests), but the backward took 1.24-2.85x the time
+# of the kernel-after path on the H100 (``gpu_checks/dq_convert_ab.py``, docs/benchmarks.md): the
+# converter's round trips per step (mbarrier, an acquire-release atomic, a proxy fence) pace the
+# math warps through its ring, and they wait for their own reductions to land. CONVERT_RING:
+# landed steps the converter may lag behind; CONVERT_REGS: its registers per thread.
+FUSED_CONVERT = False
 CONVERT_RING = 8
 CONVERT_REGS = 24
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
