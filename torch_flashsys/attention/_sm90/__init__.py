@@ -241,7 +241,7 @@ FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup 
 # converter's round trips per step (mbarrier, an acquire-release atomic, a proxy fence) pace the
 # math warps through its ring, and they wait for their own reductions to land. CONVERT_RING:
 # landed steps the converter may lag behind; CONVERT_REGS: its registers per thread.
-FUSED_CONVERT = False
+FUSED_CONVERT = True
 CONVERT_RING = 8
 CONVERT_REGS = 24
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step

@@ -196,20 +196,34 @@ if AVAILABLE:
     # last, reads the tile's float32 sums back (TMA, into a staging tile), converts them and stores
     # them into dQ. The math warps only wait for their own reductions, a step late.
     @gluon.jit
-    def _count_tile(counter):
-        """Lane 0: order the landed reductions this warp was told of (an mbarrier wait) before a
-        release-acquire addition of one to the int32 at ``counter`` (GPU scope); every lane gets
-        the count before it, and a proxy fence orders it before the TMA reads that follow."""
+    def _count_issue(counter):
+        """Lane 0: a release addition of one to the int32 at ``counter`` (GPU scope), ordering the
+        landed reductions this warp was told of (an mbarrier wait) before it; returns the count
+        before it in lane 0 (0 elsewhere), read a few steps later (:func:`_count_read`) so that
+        the atomics' round trips overlap."""
         return gl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 t, o;\n"
-            "mov.u32 t, %laneid; setp.eq.u32 p, t, 0; mov.u32 o, 0;\n"
-            "@p fence.proxy.async.global;\n"
-            "@p atom.acq_rel.gpu.global.add.u32 o, [$1], 1;\n"
-            "shfl.sync.idx.b32 $0, o, 0, 31, -1;\n"
-            "bar.warp.sync -1;\n"
-            "fence.proxy.async.global; }",
+            "{ .reg .pred p; .reg .b32 t;\n"
+            "mov.u32 t, %laneid; setp.eq.u32 p, t, 0; mov.u32 $0, 0;\n"
+            "@p atom.release.gpu.global.add.u32 $0, [$1], 1; }",
             "=r,l", [counter.to(gl.int64, bitcast=True)], dtype=gl.int32, is_pure=False,
             pack=1,
+        )  # fmt: skip
+
+    @gluon.jit
+    def _count_read(x):
+        """Lane 0's count (:func:`_count_issue`) in every lane."""
+        return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [x],
+                                         dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _acquire_for_tma(x):
+        """After reading the last count of a tile: an acquire fence at GPU scope (the counts
+        were release additions: every addition into the tile happens before what follows) and
+        a proxy fence, so that the TMA load that follows (the async proxy) sees the sums.
+        ``x``: any scalar (keeps the fences in place)."""
+        return gl.inline_asm_elementwise(
+            "bar.warp.sync -1;\n fence.acq_rel.gpu;\n fence.proxy.async.global;\n"
+            "mov.u32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1,
         )  # fmt: skip
 
     @gluon.jit
@@ -282,7 +296,6 @@ if AVAILABLE:
         dq_desc = dqs[4]
         conv_landed, conv_free, conv_loaded, staging = convs
         DQO, stride_ob, stride_oh, stride_on = cvt
-        NCONV: gl.constexpr = conv_landed.type.shape[0]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
         BLOCK_N2: gl.constexpr = 2 * k_desc.block_type.shape[2]
@@ -299,38 +312,105 @@ if AVAILABLE:
         rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
         tile = staging.reshape([BLOCK_M, COLS])
+        HALVES: gl.constexpr = HEAD_DIM // COLS
         loads = n_steps * 0
-        for step in range(n_steps):
+        conv = (
+            SEM,
+            bh0,
+            m_lo,
+            n_m,
+            seq_q,
+            seq_k,
+            b,
+            hk,
+            group,
+            base,
+            stride_oh,
+            stride_on,
+            dq_desc,
+            conv_landed,
+            conv_free,
+            conv_loaded,
+            staging,
+            tile,
+            rows,
+            cols,
+        )
+        # Each step's count is read COUNT_LAG steps after its atomic (the unrolled slots keep
+        # each pending count in its own register: a move of it would wait for the atomic).
+        c0 = n_steps * 0
+        c1 = c0
+        c2 = c0
+        c3 = c0
+        for at in range(0, n_steps + 4, 4):
+            c0, f0 = _count_slot(at, c0, n_steps, conv, CAUSAL, BLOCK_N2)
+            c1, f1 = _count_slot(at + 1, c1, n_steps, conv, CAUSAL, BLOCK_N2)
+            c2, f2 = _count_slot(at + 2, c2, n_steps, conv, CAUSAL, BLOCK_N2)
+            c3, f3 = _count_slot(at + 3, c3, n_steps, conv, CAUSAL, BLOCK_N2)
+            last = f0 | (f1 << 1) | (f2 << 2) | (f3 << 3)  # of steps at - 4 .. at - 1
+            for j in range(4):  # (a loop: the conversion's code once)
+                if ((last >> j) & 1) != 0:
+                    loads = _convert_tile(at + j - 4, loads, conv, layout, HALVES)
+
+    @gluon.jit
+    def _count_slot(step, pending, n_steps, conv, CAUSAL: gl.constexpr,
+                    BLOCK_N2: gl.constexpr):  # fmt: skip
+        """One step of the converter: whether step ``step - 4`` counted last (``pending``: its
+        count, issued at this slot four steps ago), then step ``step``'s landed sums counted
+        (the atomic issued, its count returned unread)."""
+        (SEM, bh0, m_lo, n_m, seq_q, seq_k, b, hk, group, base, stride_oh, stride_on, dq_desc,
+         conv_landed, conv_free, conv_loaded, staging, tile, rows, cols) = conv  # fmt: skip
+        NCONV: gl.constexpr = conv_landed.type.shape[0]
+        BLOCK_M: gl.constexpr = tile.type.shape[0]
+        done = step - 4
+        last = step * 0
+        if (done >= 0) & (done < n_steps):
+            m0 = (m_lo + done % (n_m - m_lo)) * BLOCK_M
+            need = _contributions(m0, seq_k, CAUSAL, BLOCK_M, BLOCK_N2)
+            last = (_count_read(pending) == need - 1).to(gl.int32)
+        count = step * 0
+        if step < n_steps:
             slot = step % NCONV
             mbarrier.wait(conv_landed.index(slot), (step // NCONV) & 1)
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
-            count = _count_tile(SEM + (bh0 + g).to(gl.int64) * n_m + m0 // BLOCK_M)
+            count = _count_issue(SEM + (bh0 + g).to(gl.int64) * n_m + m0 // BLOCK_M)
             mbarrier.arrive(conv_free.index(slot), count=1)
-            if count == _contributions(m0, seq_k, CAUSAL, BLOCK_M, BLOCK_N2) - 1:
-                dst = base + g.to(gl.int64) * stride_oh
-                for half in range(HEAD_DIM // COLS):  # (a loop: registers are few)
-                    fence_async_shared()  # the last conversion's reads before the TMA write
-                    mbarrier.expect(conv_loaded, dq_desc.block_type.nbytes)
-                    tma_load(dq_desc, [b, hk * group + g, m0, half * COLS], conv_loaded, staging)
-                    mbarrier.wait(conv_loaded, loads & 1)
-                    loads += 1
-                    # (Offsets from values the compiler cannot see through: offsets that do not
-                    # depend on the loops would be hoisted out of them, every one of them live.)
-                    row0 = _opaque(m0)
-                    col0 = _opaque(half * COLS)
-                    for r in gl.static_range(BLOCK_M // ROWS):
-                        at = row0 + r * ROWS + rows
-                        row_out = dst + (at.to(gl.int64) * stride_on)[:, None]
-                        for c in gl.static_range(COLS // CHUNK):
-                            sums = (
-                                tile.slice(r * ROWS, ROWS, dim=0)
-                                .slice(c * CHUNK, CHUNK, dim=1)
-                                .load(layout)
-                            )
-                            out = row_out + (col0 + c * CHUNK + cols)[None, :]
-                            gl.store(out, sums.to(DQO.dtype.element_ty),
-                                     mask=(at < seq_q)[:, None])  # fmt: skip
+        return count, last
+
+    @gluon.jit
+    def _convert_tile(step, loads, conv, layout: gl.constexpr, HALVES: gl.constexpr):
+        """Convert step ``step``'s query tile (its last count was this warp's): the float32 sums
+        by TMA into the staging tile (HALVES column blocks in turn), converted and stored into
+        dQ (rows past seq_q not stored); returns the TMA loads made so far."""
+        (SEM, bh0, m_lo, n_m, seq_q, seq_k, b, hk, group, base, stride_oh, stride_on, dq_desc,
+         conv_landed, conv_free, conv_loaded, staging, tile, rows, cols) = conv  # fmt: skip
+        BLOCK_M: gl.constexpr = tile.type.shape[0]
+        COLS: gl.constexpr = tile.type.shape[1]
+        ROWS: gl.constexpr = rows.type.shape[0]
+        CHUNK: gl.constexpr = cols.type.shape[0]
+        g = step // (n_m - m_lo)
+        m0 = _acquire_for_tma((m_lo + step % (n_m - m_lo)) * BLOCK_M)
+        dst = base + g.to(gl.int64) * stride_oh
+        for half in range(HALVES):  # (a loop: registers are few)
+            fence_async_shared()  # the last conversion's reads before the TMA write
+            mbarrier.expect(conv_loaded, dq_desc.block_type.nbytes)
+            tma_load(dq_desc, [b, hk * group + g, m0, half * COLS], conv_loaded, staging)
+            mbarrier.wait(conv_loaded, loads & 1)
+            loads += 1
+            # (Offsets from values the compiler cannot see through: offsets that do not depend
+            # on the loops would be hoisted out of them, every one of them live.)
+            row0 = _opaque(m0)
+            col0 = _opaque(half * COLS)
+            for r in gl.static_range(BLOCK_M // ROWS):
+                at = row0 + r * ROWS + rows
+                row_out = dst + (at.to(gl.int64) * stride_on)[:, None]
+                for c in gl.static_range(COLS // CHUNK):
+                    sums = tile.slice(r * ROWS, ROWS, dim=0).slice(c * CHUNK, CHUNK, dim=1)
+                    out = row_out + (col0 + c * CHUNK + cols)[None, :]
+                    gl.store(out, sums.load(layout).to(base.dtype.element_ty),
+                             mask=(at < seq_q)[:, None])  # fmt: skip
+        return loads
 
     @gluon.jit
     def _wait_turn(lock, turn):
