@@ -244,28 +244,29 @@ if AVAILABLE:
         return need
 
     @gluon.jit
-    def _landed(step, convs):
-        """A warpgroup that adds dQ, after issuing step ``step``'s reduction: the step before's
-        have landed (waited for here, one step late: the math rarely waits), so say so on the
+    def _landed(step, convs, LAG: gl.constexpr = 3):
+        """A warpgroup that adds dQ, after issuing step ``step``'s reduction: the reductions of
+        ``LAG`` steps before have landed (waited for here, so late that the math rarely waits:
+        a bulk reduction into L2 takes several steps to complete under load), so say so on the
         converter's ring (once the converter has taken the ring slot's last use)."""
         conv_landed, conv_free = convs[0], convs[1]
         NCONV: gl.constexpr = conv_landed.type.shape[0]
-        _bulk_wait(step, 1)
+        _bulk_wait(step, LAG)
         thread_barrier()
-        if step >= 1:
-            done = step - 1
+        if step >= LAG:
+            done = step - LAG
             mbarrier.wait(conv_free.index(done % NCONV), ((done // NCONV) & 1) ^ 1)
             mbarrier.arrive(conv_landed.index(done % NCONV), count=1)
 
     @gluon.jit
-    def _landed_tail(n_steps, convs):
-        """After the last step: its reductions landed; say so (as :func:`_landed`)."""
+    def _landed_tail(n_steps, convs, LAG: gl.constexpr = 3):
+        """After the last step: every reduction landed; say so for the last ``LAG`` steps (as
+        :func:`_landed`)."""
         conv_landed, conv_free = convs[0], convs[1]
         NCONV: gl.constexpr = conv_landed.type.shape[0]
         _bulk_wait(n_steps, 0)
         thread_barrier()
-        if n_steps >= 1:
-            done = n_steps - 1
+        for done in range(gl.maximum(n_steps - LAG, 0), n_steps):
             mbarrier.wait(conv_free.index(done % NCONV), ((done // NCONV) & 1) ^ 1)
             mbarrier.arrive(conv_landed.index(done % NCONV), count=1)
 
