@@ -34,10 +34,22 @@ PROBLEMS = [  # (batch, heads, kv heads, length, head dim, causal)
     (3, 5, 5, 1100, 64, True), (2, 6, 2, 1500, 128, False),
 ]  # fmt: skip
 ROUNDS = 3
+PROBE = False  # --probe
 
 
-def build(convert: bool) -> None:
+_CONSTEXPRS = _sm90.fused_constexprs
+
+
+def build(convert: bool, probe: bool = False) -> None:
+    """The kernel-after build, the in-kernel one, or (``probe``) the in-kernel one whose
+    converter only drains its ring (no counts, no conversion: measurement only, wrong dQ)."""
     _sm90.FUSED_CONVERT = convert
+
+    def constexprs(*args, **kwargs):
+        meta = _CONSTEXPRS(*args, **kwargs)
+        return {**meta, "CONVERT": 2} if probe and meta["CONVERT"] else meta
+
+    _sm90.fused_constexprs = constexprs
     _sm90.forget_launches()
 
 
@@ -64,15 +76,18 @@ def row(problem, repeats: int) -> dict:
         flash_attention(qg, kg, vg, is_causal=causal, enable_gqa=h != hk).backward(dout)
 
     times: dict[str, list[float]] = {}
+    builds = [("in-kernel", True, False), ("kernel after", False, False)]
+    if PROBE:
+        builds.append(("probe: ring only", True, True))
     for r in range(ROUNDS):
-        for convert in (True, False) if r % 2 == 0 else (False, True):
-            build(convert)
+        for name, convert, probe in builds if r % 2 == 0 else builds[::-1]:
+            build(convert, probe)
             bwd()  # (compiles on the first round)
-            ours_fwd_bwd()
-            name = "in-kernel" if convert else "kernel after"
             times.setdefault(name + " bwd", []).append(do_bench(bwd, warmup=25, rep=100))
-            times.setdefault(name + " fwd+bwd", []).append(
-                do_bench(ours_fwd_bwd, warmup=25, rep=100))  # fmt: skip
+            if not probe:
+                ours_fwd_bwd()
+                times.setdefault(name + " fwd+bwd", []).append(
+                    do_bench(ours_fwd_bwd, warmup=25, rep=100))  # fmt: skip
     build(False)
     ref = bwd()
     build(True)
@@ -105,8 +120,12 @@ def row(problem, repeats: int) -> dict:
 def main() -> None:
     p = parser(__doc__, smoke="(none: GPU only)")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--probe", action="store_true", help="also the converter-drains-only build")
+    p.add_argument("--problems", type=int, default=len(PROBLEMS), help="the first N problems")
     args = p.parse_args()
-    rows = [row(problem, args.repeats) for problem in PROBLEMS]
+    global PROBE
+    PROBE = args.probe
+    rows = [row(problem, args.repeats) for problem in PROBLEMS[: args.problems]]
     cols = sorted({key for r in rows for key in r}, key=lambda c: list(rows[0]).index(c)
                   if c in rows[0] else 99)  # fmt: skip
     report("Hopper backward: dQ converted in the kernel or after it (bf16, ms)", rows, cols,

@@ -286,8 +286,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _dq_converter(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
-                      ORDER: gl.constexpr, SEM, cvt, convs):  # fmt: skip
-        """The converter warp (CONVERT): per step of its program, once the step's dQ sums have
+                      ORDER: gl.constexpr, SEM, cvt, convs, CONVERT: gl.constexpr = 1):  # fmt: skip
+        """The converter warp (CONVERT; 2: a measurement-only probe that counts nothing and
+        converts nothing, wrong dQ): per step of its program, once the step's dQ sums have
         landed (``landed``), it counts the query tile's counter up; the warp that counts last
         for a tile (its ``need``-th contribution: :func:`_contributions`) loads its float32
         sums by TMA into the staging tile (a column block at a time: one at head dim 64, two
@@ -344,10 +345,10 @@ if AVAILABLE:
         c2 = c0
         c3 = c0
         for at in range(0, n_steps + 4, 4):
-            c0, f0 = _count_slot(at, c0, n_steps, conv, CAUSAL, BLOCK_N2)
-            c1, f1 = _count_slot(at + 1, c1, n_steps, conv, CAUSAL, BLOCK_N2)
-            c2, f2 = _count_slot(at + 2, c2, n_steps, conv, CAUSAL, BLOCK_N2)
-            c3, f3 = _count_slot(at + 3, c3, n_steps, conv, CAUSAL, BLOCK_N2)
+            c0, f0 = _count_slot(at, c0, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
+            c1, f1 = _count_slot(at + 1, c1, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
+            c2, f2 = _count_slot(at + 2, c2, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
+            c3, f3 = _count_slot(at + 3, c3, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
             last = f0 | (f1 << 1) | (f2 << 2) | (f3 << 3)  # of steps at - 4 .. at - 1
             for j in range(4):  # (a loop: the conversion's code once)
                 if ((last >> j) & 1) != 0:
@@ -355,7 +356,7 @@ if AVAILABLE:
 
     @gluon.jit
     def _count_slot(step, pending, n_steps, conv, CAUSAL: gl.constexpr,
-                    BLOCK_N2: gl.constexpr):  # fmt: skip
+                    BLOCK_N2: gl.constexpr, CONVERT: gl.constexpr = 1):  # fmt: skip
         """One step of the converter: whether step ``step - 4`` counted last (``pending``: its
         count, issued at this slot four steps ago), then step ``step``'s landed sums counted
         (the atomic issued, its count returned unread)."""
@@ -365,7 +366,7 @@ if AVAILABLE:
         BLOCK_M: gl.constexpr = tile.type.shape[0]
         done = step - 4
         last = step * 0
-        if (done >= 0) & (done < n_steps):
+        if (done >= 0) & (done < n_steps) & (CONVERT == 1):
             m0 = (m_lo + done % (n_m - m_lo)) * BLOCK_M
             need = _contributions(m0, seq_k, CAUSAL, BLOCK_M, BLOCK_N2)
             last = (_count_read(pending) == need - 1).to(gl.int32)
@@ -375,7 +376,8 @@ if AVAILABLE:
             mbarrier.wait(conv_landed.index(slot), (step // NCONV) & 1)
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
-            count = _count_issue(SEM + (bh0 + g).to(gl.int64) * n_m + m0 // BLOCK_M)
+            if CONVERT == 1:
+                count = _count_issue(SEM + (bh0 + g).to(gl.int64) * n_m + m0 // BLOCK_M)
             mbarrier.arrive(conv_free.index(slot), count=1)
         return count, last
 
@@ -1094,7 +1096,7 @@ if AVAILABLE:
                                  CONVERT)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                     (_dq_converter, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                     cvt, convs)),
+                                     cvt, convs, CONVERT)),
                 ],
                 [4, 4, 1, 1],
                 [CONSUMER_REGS, DQ_REGS, 40, CONVERT_REGS],
@@ -1342,7 +1344,7 @@ if AVAILABLE:
                                         CONVERT)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                     (_dq_converter, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
-                                     cvt, convs)),
+                                     cvt, convs, CONVERT)),
                 ],
                 [4, 1, 1],
                 [CONSUMER_REGS, LOAD_REGS, CONVERT_REGS],
