@@ -40,14 +40,15 @@ PROBE = False  # --probe
 _CONSTEXPRS = _sm90.fused_constexprs
 
 
-def build(convert: bool, probe: bool = False) -> None:
-    """The kernel-after build, the in-kernel one, or (``probe``) the in-kernel one whose
-    converter only drains its ring (no counts, no conversion: measurement only, wrong dQ)."""
+def build(convert: bool, probe: int = 0) -> None:
+    """The kernel-after build, the in-kernel one, or (``probe``: measurement only, wrong dQ)
+    the in-kernel one whose converter only drains its ring (2: no counts, no conversion) or
+    does nothing, its ring unused (3)."""
     _sm90.FUSED_CONVERT = convert
 
     def constexprs(*args, **kwargs):
         meta = _CONSTEXPRS(*args, **kwargs)
-        return {**meta, "CONVERT": 2} if probe and meta["CONVERT"] else meta
+        return {**meta, "CONVERT": probe} if probe and meta["CONVERT"] else meta
 
     _sm90.fused_constexprs = constexprs
     _sm90.forget_launches()
@@ -76,9 +77,9 @@ def row(problem, repeats: int) -> dict:
         flash_attention(qg, kg, vg, is_causal=causal, enable_gqa=h != hk).backward(dout)
 
     times: dict[str, list[float]] = {}
-    builds = [("in-kernel", True, False), ("kernel after", False, False)]
+    builds = [("in-kernel", True, 0), ("kernel after", False, 0)]
     if PROBE:
-        builds.append(("probe: ring only", True, True))
+        builds += [("probe: ring only", True, 2), ("probe: no ring", True, 3)]
     for r in range(ROUNDS):
         for name, convert, probe in builds if r % 2 == 0 else builds[::-1]:
             build(convert, probe)

@@ -287,8 +287,8 @@ if AVAILABLE:
     @gluon.jit
     def _dq_converter(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                       ORDER: gl.constexpr, SEM, cvt, convs, CONVERT: gl.constexpr = 1):  # fmt: skip
-        """The converter warp (CONVERT; 2: a measurement-only probe that counts nothing and
-        converts nothing, wrong dQ): per step of its program, once the step's dQ sums have
+        """The converter warp (CONVERT; measurement-only probes, wrong dQ: 2, it counts and
+        converts nothing; 3, nothing at all, and the warpgroups that add dQ do not wait): per step of its program, once the step's dQ sums have
         landed (``landed``), it counts the query tile's counter up; the warp that counts last
         for a tile (its ``need``-th contribution: :func:`_contributions`) loads its float32
         sums by TMA into the staging tile (a column block at a time: one at head dim 64, two
@@ -344,7 +344,7 @@ if AVAILABLE:
         c1 = c0
         c2 = c0
         c3 = c0
-        for at in range(0, n_steps + 4, 4):
+        for at in range(0, (n_steps + 4) * (CONVERT != 3), 4):  # (3: a probe, no converter)
             c0, f0 = _count_slot(at, c0, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
             c1, f1 = _count_slot(at + 1, c1, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
             c2, f2 = _count_slot(at + 2, c2, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
@@ -944,7 +944,7 @@ if AVAILABLE:
                             mbarrier.arrive(landed.index(done % NSYNC), count=1)
                         if PROBE == 3:
                             c5, t = lap(c5, t, step)
-                    if CONVERT:  # the step before's sums landed: the converter counts them
+                    if CONVERT and CONVERT != 3:  # earlier sums landed: the converter counts
                         _landed(step, convs)
                     if PROBE == 3:
                         c3, t = lap(c3, t, step)
@@ -963,7 +963,7 @@ if AVAILABLE:
             thread_barrier()
             for done in range(gl.maximum(n_steps - SIGNAL_LAG, 0), n_steps):
                 mbarrier.arrive(landed.index(done % NSYNC), count=1)
-        if CONVERT:  # the last step's sums landed
+        if CONVERT and CONVERT != 3:  # the last steps' sums landed
             _landed_tail(n_steps, convs)
         if PROBE == 3:
             Delta = outs[1]
@@ -1233,7 +1233,7 @@ if AVAILABLE:
                 if step >= SIGNAL_LAG:
                     done = step - SIGNAL_LAG
                     mbarrier.arrive(landed.index(done % NSYNC), count=1)
-            if CONVERT:  # the step before's sums landed: the converter counts them
+            if CONVERT and CONVERT != 3:  # earlier sums landed: the converter counts them
                 _landed(step, convs)
         tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
         if DETERMINISTIC and SIGNAL_LAG > 0:  # the last steps' sums landed
@@ -1241,7 +1241,7 @@ if AVAILABLE:
             thread_barrier()
             for done in range(gl.maximum(n_steps - SIGNAL_LAG, 0), n_steps):
                 mbarrier.arrive(landed.index(done % NSYNC), count=1)
-        if CONVERT:  # the last step's sums landed
+        if CONVERT and CONVERT != 3:  # the last steps' sums landed
             _landed_tail(n_steps, convs)
         _store_dkdv(dk, dv, n0w, b, hk, seq_k, sm_scale, outs)
 
