@@ -43,7 +43,7 @@ _CONSTEXPRS = _sm90.fused_constexprs
 def build(convert: bool, probe: int = 0) -> None:
     """The kernel-after build, the in-kernel one, or (``probe``: measurement only, wrong dQ)
     the in-kernel one whose converter only drains its ring (2: no counts, no conversion) or
-    does nothing, its ring unused (3)."""
+    does nothing, its ring unused (3), or counts but converts nothing (4)."""
     _sm90.FUSED_CONVERT = convert
 
     def constexprs(*args, **kwargs):
@@ -79,7 +79,11 @@ def row(problem, repeats: int) -> dict:
     times: dict[str, list[float]] = {}
     builds = [("in-kernel", True, 0), ("kernel after", False, 0)]
     if PROBE:
-        builds += [("probe: ring only", True, 2), ("probe: no ring", True, 3)]
+        builds += [
+            ("probe: ring only", True, 2),
+            ("probe: no ring", True, 3),
+            ("probe: counts only", True, 4),
+        ]
     for r in range(ROUNDS):
         for name, convert, probe in builds if r % 2 == 0 else builds[::-1]:
             build(convert, probe)

@@ -288,7 +288,8 @@ if AVAILABLE:
     def _dq_converter(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                       ORDER: gl.constexpr, SEM, cvt, convs, CONVERT: gl.constexpr = 1):  # fmt: skip
         """The converter warp (CONVERT; measurement-only probes, wrong dQ: 2, it counts and
-        converts nothing; 3, nothing at all, and the warpgroups that add dQ do not wait): per step of its program, once the step's dQ sums have
+        converts nothing; 3, nothing at all, and the warpgroups that add dQ do not wait; 4, it
+        counts but converts nothing): per step of its program, once the step's dQ sums have
         landed (``landed``), it counts the query tile's counter up; the warp that counts last
         for a tile (its ``need``-th contribution: :func:`_contributions`) loads its float32
         sums by TMA into the staging tile (a column block at a time: one at head dim 64, two
@@ -376,7 +377,7 @@ if AVAILABLE:
             mbarrier.wait(conv_landed.index(slot), (step // NCONV) & 1)
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
-            if CONVERT == 1:
+            if (CONVERT == 1) or (CONVERT == 4):
                 count = _count_issue(SEM + (bh0 + g).to(gl.int64) * n_m + m0 // BLOCK_M)
             mbarrier.arrive(conv_free.index(slot), count=1)
         return count, last
