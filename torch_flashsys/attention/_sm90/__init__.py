@@ -184,7 +184,7 @@ SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reducti
 # Program orders of the backward kernels (``_bwd._program_tile``'s ORDER bits): the heaviest
 # causal key tiles of every head first, one head's key tiles after another, (a bit beside either)
 # the lightest first, or chunks of heads in turn, each chunk heads first (``chunked``).
-HEADS_FIRST, KEYS_FIRST, LIGHTEST_FIRST, CHUNKED = 0, 1, 2, 4
+HEADS_FIRST, KEYS_FIRST, LIGHTEST_FIRST, CHUNKED, ROTATE = 0, 1, 2, 4, 8
 CHUNK_SHIFT = 8  # with CHUNKED, ORDER >> CHUNK_SHIFT: programs per chunk
 
 
@@ -242,6 +242,9 @@ FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup 
 # math warps through its ring, and they wait for their own reductions to land. CONVERT_RING:
 # landed steps the converter may lag behind; CONVERT_REGS: its registers per thread.
 FUSED_CONVERT = True
+# Each key tile's query tiles from its own place (ORDER bit ROTATE; not deterministic): measured,
+# see docs/benchmarks.md.
+ROTATE_QUERIES = False
 CONVERT_RING = 8
 CONVERT_REGS = 24
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
@@ -869,6 +872,8 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
     order = CAUSAL_ORDER if causal else SPLIT_ORDER if d in SPLIT_HEAD_DIMS else KEYS_FIRST
     if deterministic and causal:
         order = DETERMINISTIC_CAUSAL_ORDER
+    if ROTATE_QUERIES and not deterministic:
+        order |= ROTATE
     ordered.update(CONVERT=fused_slots(d, deterministic) > 0, NCONV=CONVERT_RING,
                    CONVERT_REGS=CONVERT_REGS)  # fmt: skip
     if d in SPLIT_HEAD_DIMS:

@@ -331,29 +331,8 @@ if AVAILABLE:
         tile = staging.reshape([BLOCK_M, COLS])
         HALVES: gl.constexpr = HEAD_DIM // COLS
         loads = n_steps * 0
-        conv = (  # fmt: skip
-            SEM,
-            bh0,
-            n0,
-            m_lo,
-            n_m,
-            seq_q,
-            seq_k,
-            b,
-            hk,
-            group,
-            base,
-            stride_oh,
-            stride_on,
-            dq_desc,
-            conv_landed,
-            conv_free,
-            conv_loaded,
-            staging,
-            tile,
-            rows,
-            cols,
-        )
+        conv = (SEM, bh0, n0, m_lo, n_m, seq_q, seq_k, b, hk, group, base, stride_oh, stride_on,
+                dq_desc, conv_landed, conv_free, conv_loaded, staging, tile, rows, cols)  # fmt: skip
         # Each step's count is read four steps after its atomic (the unrolled slots keep
         # each pending count in its own register: a move of it would wait for the atomic).
         c0 = n_steps * 0
