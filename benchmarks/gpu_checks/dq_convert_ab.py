@@ -35,18 +35,16 @@ PROBLEMS = [  # (batch, heads, kv heads, length, head dim, causal)
 ]  # fmt: skip
 ROUNDS = 3
 PROBE = False  # --probe
-ROTATED = False  # --rotated
 
 
 _CONSTEXPRS = _sm90.fused_constexprs
 
 
-def build(convert: bool, probe: int = 0, rotate: bool = False) -> None:
+def build(convert: bool, probe: int = 0) -> None:
     """The kernel-after build, the in-kernel one, or (``probe``: measurement only, wrong dQ)
     the in-kernel one whose converter only drains its ring (2: no counts, no conversion) or
     does nothing, its ring unused (3), or counts but converts nothing (4)."""
     _sm90.FUSED_CONVERT = convert
-    _sm90.ROTATE_QUERIES = rotate
 
     def constexprs(*args, **kwargs):
         meta = _CONSTEXPRS(*args, **kwargs)
@@ -79,15 +77,13 @@ def row(problem, repeats: int) -> dict:
         flash_attention(qg, kg, vg, is_causal=causal, enable_gqa=h != hk).backward(dout)
 
     times: dict[str, list[float]] = {}
-    builds = [("in-kernel", True, 0, False), ("kernel after", False, 0, False)]
-    if ROTATED:
-        builds += [("in-kernel rotated", True, 0, True), ("kernel after rotated", False, 0, True)]
+    builds = [("in-kernel", True, 0), ("kernel after", False, 0)]
     if PROBE:
-        builds += [("probe: ring only", True, 2, False), ("probe: no ring", True, 3, False),
-                   ("probe: counts only", True, 4, False)]  # fmt: skip
+        builds += [("probe: ring only", True, 2), ("probe: no ring", True, 3),
+                   ("probe: counts only", True, 4)]  # fmt: skip
     for r in range(ROUNDS):
-        for name, convert, probe, rotate in builds if r % 2 == 0 else builds[::-1]:
-            build(convert, probe, rotate)
+        for name, convert, probe in builds if r % 2 == 0 else builds[::-1]:
+            build(convert, probe)
             bwd()  # (compiles on the first round)
             times.setdefault(name + " bwd", []).append(do_bench(bwd, warmup=25, rep=100))
             if not probe:
@@ -127,11 +123,10 @@ def main() -> None:
     p = parser(__doc__, smoke="(none: GPU only)")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--probe", action="store_true", help="also the converter-drains-only build")
-    p.add_argument("--rotated", action="store_true", help="also both with ROTATE_QUERIES")
     p.add_argument("--problems", type=int, default=len(PROBLEMS), help="the first N problems")
     args = p.parse_args()
-    global PROBE, ROTATED
-    PROBE, ROTATED = args.probe, args.rotated
+    global PROBE
+    PROBE = args.probe
     rows = [row(problem, args.repeats) for problem in PROBLEMS[: args.problems]]
     cols = sorted({key for r in rows for key in r}, key=lambda c: list(rows[0]).index(c)
                   if c in rows[0] else 99)  # fmt: skip

@@ -184,7 +184,7 @@ SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reducti
 # Program orders of the backward kernels (``_bwd._program_tile``'s ORDER bits): the heaviest
 # causal key tiles of every head first, one head's key tiles after another, (a bit beside either)
 # the lightest first, or chunks of heads in turn, each chunk heads first (``chunked``).
-HEADS_FIRST, KEYS_FIRST, LIGHTEST_FIRST, CHUNKED, ROTATE = 0, 1, 2, 4, 8
+HEADS_FIRST, KEYS_FIRST, LIGHTEST_FIRST, CHUNKED = 0, 1, 2, 4
 CHUNK_SHIFT = 8  # with CHUNKED, ORDER >> CHUNK_SHIFT: programs per chunk
 
 
@@ -233,18 +233,17 @@ FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's 
 FUSED_DQ_TMA = True  # dQ summed by TMA bulk reductions from shared memory (else atomics)
 FUSED_NBUF = 4  # dS^T buffers between the consumers and the dQ warpgroup (shared memory 199 KB)
 FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup (no spills)
-# dQ converted inside the fused kernels (not deterministic; off): the warpgroups that add dQ tell
-# a converter warp when a step's float32 sums have landed; it counts the query tile's int32
-# counter up, and the one that counts last converts the tile into dQ (instead of a conversion
-# kernel after the backward). Correct (the GPU tests), but the backward took 1.24-2.85x the time
-# of the kernel-after path on the H100 (``gpu_checks/dq_convert_ab.py``, docs/benchmarks.md): the
-# converter's round trips per step (mbarrier, an acquire-release atomic, a proxy fence) pace the
-# math warps through its ring, and they wait for their own reductions to land. CONVERT_RING:
-# landed steps the converter may lag behind; CONVERT_REGS: its registers per thread.
-FUSED_CONVERT = True
-# Each key tile's query tiles from its own place (ORDER bit ROTATE; not deterministic): measured,
-# see docs/benchmarks.md.
-ROTATE_QUERIES = False
+# dQ converted inside the fused kernels (not deterministic; off, opt-in): the warpgroups that add
+# dQ tell a converter warp when a step's float32 sums have landed; it counts the query tile's
+# int32 counter up, and the one that counts last converts the tile into dQ (instead of a
+# conversion kernel after the backward). Correct (the GPU tests), but the backward took 1.2-3.2x
+# the time of the kernel-after path on the H100 (``gpu_checks/dq_convert_ab.py --probe``,
+# docs/benchmarks.md): the handshake and the counts cost little (without the conversions the
+# backward took 0.92-1.03x), the conversions are the cost: one warp converts every tile whose
+# sums its program completed, and the program that completes most tiles (causal: key tile 0
+# reaches every query tile last) is the longest. CONVERT_RING: landed steps the converter may
+# lag behind; CONVERT_REGS: its registers per thread.
+FUSED_CONVERT = False
 CONVERT_RING = 8
 CONVERT_REGS = 24
 BWD_BLOCK = 64  # keys per consumer warpgroup (two per program), query rows per step
@@ -872,8 +871,6 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
     order = CAUSAL_ORDER if causal else SPLIT_ORDER if d in SPLIT_HEAD_DIMS else KEYS_FIRST
     if deterministic and causal:
         order = DETERMINISTIC_CAUSAL_ORDER
-    if ROTATE_QUERIES and not deterministic:
-        order |= ROTATE
     ordered.update(CONVERT=fused_slots(d, deterministic) > 0, NCONV=CONVERT_RING,
                    CONVERT_REGS=CONVERT_REGS)  # fmt: skip
     if d in SPLIT_HEAD_DIMS:

@@ -76,7 +76,6 @@ if AVAILABLE:
     LIGHTEST_FIRST = gl.constexpr(2)  # the key tiles in descending order
     CHUNKED = gl.constexpr(4)  # chunks of heads in turn, each chunk's heaviest key tiles first
     CHUNK_SHIFT = gl.constexpr(8)  # with CHUNKED, ORDER >> CHUNK_SHIFT: programs per chunk
-    ROTATE = gl.constexpr(8)  # each key tile's query tiles from its own place, in turn
 
     @gluon.jit
     def _program_tile(n_bhk, n_kv_heads, seq_q, BLOCK_M: gl.constexpr, BLOCK_N2: gl.constexpr,
@@ -118,19 +117,6 @@ if AVAILABLE:
         if CAUSAL:  # top-left aligned: query row i sees keys j <= i
             m_lo = gl.minimum(n0 // BLOCK_M, n_m)
         return bhk // n_kv_heads, bhk % n_kv_heads, n0, m_lo, n_m
-
-    @gluon.jit
-    def _query_tile(step, n0, m_lo, n_m, seq_k, BLOCK_N2: gl.constexpr, ORDER: gl.constexpr):
-        """The query tile of a program's step ``step`` (query head ``step // (n_m - m_lo)`` of
-        the group): tiles m_lo.. in order, or with ORDER bit ``ROTATE`` from the key tile's own
-        place (key tile ``nb`` of ``n_kb`` starts ``nb / n_kb`` of the way along and wraps), so
-        that the key tiles of a head, which run together, add into different dQ tiles at a
-        time and reach each query tile last in turn."""
-        span = n_m - m_lo
-        i = step % span
-        if (ORDER & ROTATE) != 0:
-            i = (i + (n0 // BLOCK_N2) * span // gl.cdiv(seq_k, BLOCK_N2)) % span
-        return m_lo + i
 
     @gluon.jit
     def _probs(s_t, lse2, n0w, m0, qk_scale, CAUSAL: gl.constexpr):
@@ -331,38 +317,58 @@ if AVAILABLE:
         tile = staging.reshape([BLOCK_M, COLS])
         HALVES: gl.constexpr = HEAD_DIM // COLS
         loads = n_steps * 0
-        conv = (SEM, bh0, n0, m_lo, n_m, seq_q, seq_k, b, hk, group, base, stride_oh, stride_on,
-                dq_desc, conv_landed, conv_free, conv_loaded, staging, tile, rows, cols)  # fmt: skip
-        # Each step's count is read four steps after its atomic (the unrolled slots keep
+        conv = (
+            SEM,
+            bh0,
+            m_lo,
+            n_m,
+            seq_q,
+            seq_k,
+            b,
+            hk,
+            group,
+            base,
+            stride_oh,
+            stride_on,
+            dq_desc,
+            conv_landed,
+            conv_free,
+            conv_loaded,
+            staging,
+            tile,
+            rows,
+            cols,
+        )
+        # Each step's count is read COUNT_LAG steps after its atomic (the unrolled slots keep
         # each pending count in its own register: a move of it would wait for the atomic).
         c0 = n_steps * 0
         c1 = c0
         c2 = c0
         c3 = c0
         for at in range(0, (n_steps + 4) * (CONVERT != 3), 4):  # (3: a probe, no converter)
-            c0, f0 = _count_slot(at, c0, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT, ORDER)
-            c1, f1 = _count_slot(at + 1, c1, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT, ORDER)
-            c2, f2 = _count_slot(at + 2, c2, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT, ORDER)
-            c3, f3 = _count_slot(at + 3, c3, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT, ORDER)
+            c0, f0 = _count_slot(at, c0, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
+            c1, f1 = _count_slot(at + 1, c1, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
+            c2, f2 = _count_slot(at + 2, c2, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
+            c3, f3 = _count_slot(at + 3, c3, n_steps, conv, CAUSAL, BLOCK_N2, CONVERT)
             last = f0 | (f1 << 1) | (f2 << 2) | (f3 << 3)  # of steps at - 4 .. at - 1
             for j in range(4):  # (a loop: the conversion's code once)
                 if ((last >> j) & 1) != 0:
-                    loads = _convert_tile(at + j - 4, loads, conv, layout, HALVES, ORDER)
+                    loads = _convert_tile(at + j - 4, loads, conv, layout, HALVES)
 
     @gluon.jit
     def _count_slot(step, pending, n_steps, conv, CAUSAL: gl.constexpr,
-                    BLOCK_N2: gl.constexpr, CONVERT: gl.constexpr, ORDER: gl.constexpr):  # fmt: skip
+                    BLOCK_N2: gl.constexpr, CONVERT: gl.constexpr = 1):  # fmt: skip
         """One step of the converter: whether step ``step - 4`` counted last (``pending``: its
         count, issued at this slot four steps ago), then step ``step``'s landed sums counted
         (the atomic issued, its count returned unread)."""
-        (SEM, bh0, n0, m_lo, n_m, seq_q, seq_k, b, hk, group, base, stride_oh, stride_on,
-         dq_desc, conv_landed, conv_free, conv_loaded, staging, tile, rows, cols) = conv  # fmt: skip
+        (SEM, bh0, m_lo, n_m, seq_q, seq_k, b, hk, group, base, stride_oh, stride_on, dq_desc,
+         conv_landed, conv_free, conv_loaded, staging, tile, rows, cols) = conv  # fmt: skip
         NCONV: gl.constexpr = conv_landed.type.shape[0]
         BLOCK_M: gl.constexpr = tile.type.shape[0]
         done = step - 4
         last = step * 0
         if (done >= 0) & (done < n_steps) & (CONVERT == 1):
-            m0 = _query_tile(done, n0, m_lo, n_m, seq_k, BLOCK_N2, ORDER) * BLOCK_M
+            m0 = (m_lo + done % (n_m - m_lo)) * BLOCK_M
             need = _contributions(m0, seq_k, CAUSAL, BLOCK_M, BLOCK_N2)
             last = (_count_read(pending) == need - 1).to(gl.int32)
         count = step * 0
@@ -370,26 +376,25 @@ if AVAILABLE:
             slot = step % NCONV
             mbarrier.wait(conv_landed.index(slot), (step // NCONV) & 1)
             g = step // (n_m - m_lo)
-            m0 = _query_tile(step, n0, m_lo, n_m, seq_k, BLOCK_N2, ORDER) * BLOCK_M
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
             if (CONVERT == 1) or (CONVERT == 4):
                 count = _count_issue(SEM + (bh0 + g).to(gl.int64) * n_m + m0 // BLOCK_M)
             mbarrier.arrive(conv_free.index(slot), count=1)
         return count, last
 
     @gluon.jit
-    def _convert_tile(step, loads, conv, layout: gl.constexpr, HALVES: gl.constexpr,
-                      ORDER: gl.constexpr):  # fmt: skip
+    def _convert_tile(step, loads, conv, layout: gl.constexpr, HALVES: gl.constexpr):
         """Convert step ``step``'s query tile (its last count was this warp's): the float32 sums
         by TMA into the staging tile (HALVES column blocks in turn), converted and stored into
         dQ (rows past seq_q not stored); returns the TMA loads made so far."""
-        (SEM, bh0, n0, m_lo, n_m, seq_q, seq_k, b, hk, group, base, stride_oh, stride_on,
-         dq_desc, conv_landed, conv_free, conv_loaded, staging, tile, rows, cols) = conv  # fmt: skip
+        (SEM, bh0, m_lo, n_m, seq_q, seq_k, b, hk, group, base, stride_oh, stride_on, dq_desc,
+         conv_landed, conv_free, conv_loaded, staging, tile, rows, cols) = conv  # fmt: skip
         BLOCK_M: gl.constexpr = tile.type.shape[0]
         COLS: gl.constexpr = tile.type.shape[1]
         ROWS: gl.constexpr = rows.type.shape[0]
         CHUNK: gl.constexpr = cols.type.shape[0]
         g = step // (n_m - m_lo)
-        m0 = _acquire_for_tma(_query_tile(step, n0, m_lo, n_m, seq_k, 2 * BLOCK_M, ORDER) * BLOCK_M)
+        m0 = _acquire_for_tma((m_lo + step % (n_m - m_lo)) * BLOCK_M)
         dst = base + g.to(gl.int64) * stride_oh
         for half in range(HALVES):  # (a loop: registers are few)
             fence_async_shared()  # the last conversion's reads before the TMA write
@@ -618,7 +623,7 @@ if AVAILABLE:
         l_b = b.to(gl.int64) * stride_lb
         for step in range(n_steps):
             g = step // (n_m - m_lo)
-            m0 = _query_tile(step, n0, m_lo, n_m, seq_k, 2 * BLOCK_N, ORDER) * BLOCK_M
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
             st = step % STAGES
             if STATS:
                 l_off = l_b + (hk * group + g).to(gl.int64) * stride_lh
@@ -738,7 +743,7 @@ if AVAILABLE:
             c6 = c0
             t = clock64(n_steps)
         for step in range(n_steps):
-            m0 = _query_tile(step, n0, m_lo, n_m, seq_k, 2 * BLOCK_N, ORDER) * BLOCK_M
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
             st = step % STAGES
             q = q_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
@@ -896,7 +901,7 @@ if AVAILABLE:
             t = clock64(n_steps)
         for step in range(n_steps):
             g = step // (n_m - m_lo)
-            m0 = _query_tile(step, n0, m_lo, n_m, seq_k, 2 * BLOCK_N, ORDER) * BLOCK_M
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
             buf = step % NBUF
             ds0 = ds_smem.index(2 * buf).permute((1, 0))
             ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
@@ -1178,7 +1183,7 @@ if AVAILABLE:
             gl.static_assert(not DETERMINISTIC, "dQ converted from unordered sums")
         for step in range(n_steps):
             g = step // (n_m - m_lo)
-            m0 = _query_tile(step, n0, m_lo, n_m, seq_k, 2 * BLOCK_N, ORDER) * BLOCK_M
+            m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
             st = step % STAGES
             q = q_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
             do = do_smem.index(st).reshape([BLOCK_M, HEAD_DIM])
