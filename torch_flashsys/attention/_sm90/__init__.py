@@ -239,7 +239,7 @@ FUSED_REGS = (208, 72)  # per thread: each consumer warpgroup, the dQ warpgroup 
 # conversion kernel after the backward). Correct (the GPU tests), but the backward took 1.2-3.2x
 # the time of the kernel-after path on the H100 (``gpu_checks/dq_convert_ab.py --probe``,
 # docs/benchmarks.md): the handshake and the counts cost little (without the conversions the
-# backward took 0.92-1.03x), the conversions are the cost: one warp converts every tile whose
+# backward took 0.90-1.03x), the conversions are the cost: one warp converts every tile whose
 # sums its program completed, and the program that completes most tiles (causal: key tile 0
 # reaches every query tile last) is the longest. CONVERT_RING: landed steps the converter may
 # lag behind; CONVERT_REGS: its registers per thread.
