@@ -194,7 +194,8 @@ if AVAILABLE:
     # warp (ring ``landed``) when a step's bulk reductions have landed in global memory; it counts
     # the query tile's int32 counter up (zeroed by the preprocessing kernel) and, when it counts
     # last, reads the tile's float32 sums back (TMA, into a staging tile), converts them and stores
-    # them into dQ. The math warps only wait for their own reductions, a step late.
+    # them into dQ. The math warps only wait for their own reductions, three steps late. Off by
+    # default (``_sm90.FUSED_CONVERT``): slower, measured (docs/benchmarks.md).
     @gluon.jit
     def _count_issue(counter):
         """Lane 0: a release addition of one to the int32 at ``counter`` (GPU scope), ordering the
@@ -339,7 +340,7 @@ if AVAILABLE:
             rows,
             cols,
         )
-        # Each step's count is read COUNT_LAG steps after its atomic (the unrolled slots keep
+        # Each step's count is read four steps after its atomic (the unrolled slots keep
         # each pending count in its own register: a move of it would wait for the atomic).
         c0 = n_steps * 0
         c1 = c0
@@ -834,8 +835,9 @@ if AVAILABLE:
         or (``DQ_TMA``) stored to one of two shared-memory tiles and added by a TMA bulk
         reduction, which runs while the next step's product is computed.
 
-        ``CONVERT`` (with ``DQ_TMA``, not ``DETERMINISTIC``): each step's reductions are waited
-        for a step later and the converter warp told (:func:`_landed`, ``convs``).
+        ``CONVERT`` (with ``DQ_TMA``, not ``DETERMINISTIC``; off by default, docs/attention.md):
+        each step's reductions are waited for three steps later and the converter warp told
+        (:func:`_landed`, ``convs``).
 
         ``DETERMINISTIC`` (with ``DQ_TMA``): the key tiles add into a query tile's dQ in a fixed
         order, so that the sums are bitwise reproducible (FA3's deterministic backward). ``SEM``
