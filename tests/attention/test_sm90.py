@@ -451,15 +451,15 @@ def test_the_fused_backward_switch_is_read_at_import():
 @given(
     batch=st.integers(1, 2), heads=st.integers(1, 3), seq=st.integers(1, 150),
     transposed=st.booleans(), with_dlse=st.booleans(), deterministic=st.booleans(),
-    slots=st.sampled_from([0, 1, 2]), seed=st.integers(0, 2**16),
+    convert=st.booleans(), seed=st.integers(0, 2**16),
 )  # fmt: skip
 def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, transposed,
-                                                          with_dlse, deterministic, slots,
+                                                          with_dlse, deterministic, convert,
                                                           seed):  # fmt: skip
     """The preprocessing kernel (plain Triton; the interpreter on CPU): D = rowsum(dO * O) - dLSE
     for every row of every head, any layout of O and dO, a zeroed dQ buffer and zeroed
-    counters per tile of BWD_BLOCK query rows (the deterministic backward's, one; else
-    ``slots``, the in-kernel dQ conversion's, or none)."""
+    counters, one per tile of BWD_BLOCK query rows (the deterministic backward's, or the
+    in-kernel dQ conversion's)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -471,7 +471,7 @@ def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, tra
     dout = rand(batch, heads, seq, 64).half()
     lse = rand(batch, heads, seq)
     dlse = rand(batch, heads, seq) if with_dlse else None
-    delta, dq_acc, sem = _sm90.backward_prep(out, dout, lse, dlse, deterministic, slots=slots)
+    delta, dq_acc, sem = _sm90.backward_prep(out, dout, lse, dlse, deterministic, convert=convert)
     ref = (out.double() * dout.double()).sum(-1)
     if with_dlse:
         ref -= dlse.double()
@@ -479,10 +479,8 @@ def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, tra
     assert (delta.double() - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
     assert dq_acc.shape == out.shape and dq_acc.dtype == torch.float32 and dq_acc.is_contiguous()
     assert not dq_acc.any()
-    counters = 1 if deterministic else slots
-    if counters:
-        tiles = -(-seq // _sm90.BWD_BLOCK)
-        assert sem.shape == (batch, heads, tiles, counters) and sem.dtype == torch.int32
+    if deterministic or convert:
+        assert sem.shape == (batch, heads, -(-seq // _sm90.BWD_BLOCK)) and sem.dtype == torch.int32
         assert not sem.any()
     else:
         assert sem is None

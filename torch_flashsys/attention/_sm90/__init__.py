@@ -711,13 +711,13 @@ PREP_BLOCK = 64  # query rows per program: BWD_BLOCK, the fused kernel's query t
 
 def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                   dlse: torch.Tensor | None, deterministic: bool = False, copies: int = 1,
-                  slots: int = 0,
+                  convert: bool = False,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``(delta, dq_acc, sem)``: D = rowsum(dO * O) - dLSE in lse's layout, a zeroed float32
     (copies x B, H, L, d) buffer for the fused kernel's dQ sums (``copies``: the deterministic
-    kernel's CHAINS), and zeroed int32 counters (else None): ``deterministic``, the ordered
-    sums', one per (copy x batch, head, tile of BWD_BLOCK query rows); ``slots`` (not
-    deterministic), the in-kernel conversion's, ``slots`` per such tile. A planned launch
+    kernel's CHAINS), and (``deterministic``: the ordered sums'; ``convert``: the in-kernel dQ
+    conversion's; else None) zeroed int32 counters, one per (copy x batch, head, tile of
+    BWD_BLOCK query rows). A planned launch
     after the first call of a key (as the Gluon kernels'): Triton specializes a kernel on each
     pointer's 16-byte alignment, so the key has that of the three inputs (the buffers made here
     are the caching allocator's, always aligned)."""
@@ -725,22 +725,21 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     delta = torch.empty_like(lse)
     dq_acc = out.new_empty((copies * batch, heads, seq_q, d), dtype=torch.float32)
     n_blocks = triton_cdiv(seq_q, PREP_BLOCK)
-    slots = 1 if deterministic else slots
-    sem = (out.new_empty((copies * batch, heads, n_blocks, slots), dtype=torch.int32)
-           if slots else None)  # fmt: skip
+    counters = deterministic or convert
+    sem = (out.new_empty((copies * batch, heads, n_blocks), dtype=torch.int32)
+           if counters else None)  # fmt: skip
     rows = lse if dlse is None else dlse
     index = out.get_device()
     aligned = pointer_alignment((out.data_ptr(), dout.data_ptr(), rows.data_ptr()))
     key = (out.shape, out.stride(), dout.stride(), lse.stride(), rows.stride(), out.dtype,
-           dlse is None, deterministic, copies, slots, index, aligned)  # fmt: skip
+           dlse is None, counters, copies, index, aligned)  # fmt: skip
     values = (out, dout, rows, delta, dq_acc, dq_acc if sem is None else sem)
 
     def args(descriptors: bool = True) -> tuple:
         return prep_args(values, out, dout, lse)
 
     def plan() -> tuple[tuple, dict]:
-        return (n_blocks, batch * heads, 1), prep_meta(d, dlse is not None, deterministic, copies,
-                                                       slots)  # fmt: skip
+        return (n_blocks, batch * heads, 1), prep_meta(d, dlse is not None, counters, copies)
 
     _launch_planned(attn_bwd_prep, _PREP_PLANS, key, index, values, args, plan)
     return delta, dq_acc, sem
@@ -753,12 +752,11 @@ def prep_args(values: tuple, out: torch.Tensor, dout: torch.Tensor, lse: torch.T
             out.shape[1], out.shape[2])  # fmt: skip
 
 
-def prep_meta(d: int, has_dlse: bool, deterministic: bool, copies: int, slots: int = 0) -> dict:
-    """The preprocessing kernel's constexprs (``slots``: counters per query tile, see
+def prep_meta(d: int, has_dlse: bool, counters: bool, copies: int) -> dict:
+    """The preprocessing kernel's constexprs (``counters``: it zeroes them, see
     :func:`backward_prep`)."""
     return {"HAS_DLSE": has_dlse, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d,
-            "HAS_SEM": deterministic or slots > 0, "COPIES": copies,
-            "SEM_SLOTS": 1 if deterministic else max(slots, 1)}  # fmt: skip
+            "HAS_SEM": counters, "COPIES": copies}  # fmt: skip
 
 
 def fused_builds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -771,14 +769,14 @@ def fused_builds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     mock = _precompile.stand_in
     index, d = q.get_device(), q.shape[-1]
     copies = DETERMINISTIC_CHAINS if deterministic else 1
-    slots = fused_slots(d, deterministic)
+    counters = deterministic or fused_converts(deterministic)
     acc = _precompile.mock(torch.float32, [copies * q.shape[0], *q.shape[1:]])  # contiguous
-    sem = _precompile.mock(torch.int32, [copies, *q.shape[:2], slots]) if slots else None
+    sem = _precompile.mock(torch.int32, [copies, *q.shape[:2]]) if counters else None
     rows = lse if dlse is None else dlse
     values = tuple(map(mock, (out, dout, rows, lse))) + (acc, acc if sem is None else sem)
     jobs = [
         _precompile.Job(attn_bwd_prep, prep_args(values, out, dout, lse),
-                        prep_meta(d, dlse is not None, deterministic, copies, slots), index),
+                        prep_meta(d, dlse is not None, counters, copies), index),
         _precompile.Job(fused_kernel(d), tuple(map(mock, fused_launch_args(
             q, k, v, dout, lse, lse, k, v, acc, scale, sem, dq=q))),
             fused_constexprs(d, causal, q.dtype, deterministic), index),
@@ -842,11 +840,10 @@ def fused_launch_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout:
             q if dq is None else dq, scale * LOG2E, scale)  # fmt: skip
 
 
-def fused_slots(d: int, deterministic: bool) -> int:
-    """The fused backward's counters per query tile (:func:`backward_prep`'s ``slots``): one,
-    the in-kernel dQ conversion's (FUSED_CONVERT, not deterministic), else none (the
-    deterministic kernel's are its own). ``d``: the head dim (every fused kernel converts)."""
-    return 1 if FUSED_CONVERT and not deterministic else 0
+def fused_converts(deterministic: bool) -> bool:
+    """Whether the fused kernels convert dQ themselves (FUSED_CONVERT; never with ordered sums,
+    whose copies are summed after the kernel)."""
+    return FUSED_CONVERT and not deterministic
 
 
 def fused_kernel(d: int):
@@ -871,7 +868,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
     order = CAUSAL_ORDER if causal else SPLIT_ORDER if d in SPLIT_HEAD_DIMS else KEYS_FIRST
     if deterministic and causal:
         order = DETERMINISTIC_CAUSAL_ORDER
-    ordered.update(CONVERT=fused_slots(d, deterministic) > 0, NCONV=CONVERT_RING,
+    ordered.update(CONVERT=fused_converts(deterministic), NCONV=CONVERT_RING,
                    CONVERT_REGS=CONVERT_REGS)  # fmt: skip
     if d in SPLIT_HEAD_DIMS:
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
@@ -892,9 +889,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     the preprocessing kernel, the fused kernel, then dQ's float32 sums converted."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     copies = DETERMINISTIC_CHAINS if deterministic else 1
-    slots = fused_slots(k.shape[-1], deterministic)
-    delta, dq_acc, sem = backward_prep(out, dout, lse, dlse, deterministic, copies, slots)
-    dq = torch.empty_like(q) if slots else None  # (converted by the kernel)
+    convert = fused_converts(deterministic)
+    delta, dq_acc, sem = backward_prep(out, dout, lse, dlse, deterministic, copies, convert)
+    dq = torch.empty_like(q) if convert else None  # (converted by the kernel)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     index = q.get_device()
 

@@ -1,8 +1,8 @@
 """The fused Hopper backward's preprocessing, a plain Triton kernel (it runs anywhere, the
 interpreter included): ``D = rowsum(dO * O) - dLSE`` for every query row, and the float32 dQ
 buffer zeroed for the backward's sums (TMA reductions or atomics, added in no fixed order), and
-with ``HAS_SEM`` the counters of the deterministic backward's ordered sums (one per (batch, head,
-row block)) or of the dQ conversion inside the fused kernels (SEM_SLOTS per row block)."""
+with ``HAS_SEM`` zeroed int32 counters, one per (batch, head, row block): the deterministic
+backward's ordered sums, or the fused kernels' in-kernel dQ conversion (off by default)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,9 @@ def attn_bwd_prep(
     Out, DO, DLSE, Delta, DQ, SEM, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, n_heads, seq_q, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEM: tl.constexpr = False, COPIES: tl.constexpr = 1,
-    SEM_SLOTS: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (row block, b * n_heads + h). ``DQ`` is (COPIES x B, H, seq_q, HEAD_DIM),
-    contiguous; ``SEM`` (int32, ``HAS_SEM``) is (COPIES x B, H, row blocks, SEM_SLOTS),
-    contiguous."""
+    contiguous; ``SEM`` (int32, ``HAS_SEM``) is (COPIES x B, H, row blocks), contiguous."""
     bh = tl.program_id(1)
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
@@ -43,8 +41,7 @@ def attn_bwd_prep(
         dq = DQ + row.to(tl.int64) * seq_q * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
         tl.store(dq, tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=ok[:, None])
         if HAS_SEM:
-            sem = SEM + (row * tl.num_programs(0) + tl.program_id(0)) * SEM_SLOTS
-            tl.store(sem + tl.arange(0, SEM_SLOTS), tl.zeros([SEM_SLOTS], tl.int32))
+            tl.store(SEM + row * tl.num_programs(0) + tl.program_id(0), 0)
 
 
 @triton.jit(do_not_specialize=["seq_q", "n_heads"])
