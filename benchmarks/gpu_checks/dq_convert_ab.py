@@ -128,8 +128,7 @@ def main() -> None:
     global PROBE
     PROBE = args.probe
     rows = [row(problem, args.repeats) for problem in PROBLEMS[: args.problems]]
-    cols = sorted({key for r in rows for key in r}, key=lambda c: list(rows[0]).index(c)
-                  if c in rows[0] else 99)  # fmt: skip
+    cols = list(dict.fromkeys(key for r in rows for key in r))  # (in order of appearance)
     report("Hopper backward: dQ converted in the kernel or after it (bf16, ms)", rows, cols,
            args.out)  # fmt: skip
 
