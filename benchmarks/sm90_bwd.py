@@ -207,9 +207,7 @@ SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
                   # spilled): a step's reduction no longer waits for the last one to be read
                   "1 dS pair": {"NBUF": 1},
                   "1 dS pair, 2 dQ tiles": {"NBUF": 1, "DQ_BUFS": 2},
-                  "pinned dP wait": {"PIN_WAIT": True},
-                  # dK's product issued after dQ's, in flight while dQ's tile is reduced
-                  "dK last": {"DK_LAST": True}, **CHUNK_VARIANTS}  # fmt: skip
+                  "pinned dP wait": {"PIN_WAIT": True}, **CHUNK_VARIANTS}  # fmt: skip
 
 
 def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):

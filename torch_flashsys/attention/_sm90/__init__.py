@@ -181,7 +181,6 @@ SPLIT_MAX_REGS = 168  # 168 x 384 threads (two consumer warpgroups and the load 
 SPLIT_REGS = (240, 24)  # per thread: each consumer warpgroup, the load warp (4 bytes spill)
 SPLIT_NBUF = 2  # dS^T buffer pairs
 SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reductions
-SPLIT_DK_LAST = False  # dK's product issued after dQ's, in flight while dQ's tile is reduced
 # Program orders of the backward kernels (``_bwd._program_tile``'s ORDER bits): the heaviest
 # causal key tiles of every head first, one head's key tiles after another, (a bit beside either)
 # the lightest first, or chunks of heads in turn, each chunk heads first (``chunked``).
@@ -875,7 +874,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
                 "DQ_BUFS": SPLIT_DQ_BUFS, "ORDER": order, **ordered, "PIN_WAIT": BWD_PIN_WAIT,
-                "DK_LAST": SPLIT_DK_LAST, "num_warps": NUM_WARPS, "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
+                "num_warps": NUM_WARPS, "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA or deterministic,

@@ -1130,8 +1130,7 @@ if AVAILABLE:
     def _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                        ORDER: gl.constexpr, WG: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
                        CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
-                       PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr,
-                       DK_LAST: gl.constexpr):  # fmt: skip
+                       PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the head-dim-128 fused kernel: keys [n0 + WG * BLOCK_N,
         + BLOCK_N) for dK and dV (as :func:`_fused_consume`), dQ columns [WG * HALF, + HALF).
         ``DETERMINISTIC``: its dQ reductions in the sums' fixed order, as :func:`_fused_dq`'s
@@ -1208,8 +1207,7 @@ if AVAILABLE:
             ds_buf = ds_smem.index(2 * buf + WG)
             mbarrier.wait(ds_empty.index(buf), ((step // NBUF) & 1) ^ 1)  # fresh: parity 1 passes
             _publish(ds_buf, ds_t, ds_ready.index(buf))
-            if not DK_LAST:
-                dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
+            dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
             # dQ[:, WG * HALF:][rows of this step] = dS K over both consumers' keys.
             mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
             ds0 = ds_smem.index(2 * buf).permute((1, 0))
@@ -1217,15 +1215,11 @@ if AVAILABLE:
             dq = warpgroup_mma(ds0, k0, gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout),
                                use_acc=False, is_async=True)  # fmt: skip
             dq = warpgroup_mma(ds1, k1, dq, is_async=True)
-            if DK_LAST:  # dK runs on the tensor cores while dQ's tile is stored and reduced
-                dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
-                dv, dq = warpgroup_mma_wait(1, deps=(dv, dq, pa, do, ds0, ds1, k0, k1))[:2]
-            else:
-                dv, dk, dq = warpgroup_mma_wait(
-                    0, deps=(dv, dk, dq, pa, ds_buf, q, do, ds0, ds1, k0, k1)
-                )[:3]  # fmt: skip
-                mbarrier.arrive(ds_empty.index(buf), count=1)  # this consumer read both halves
-                mbarrier.arrive(empty.index(st), count=1)  # both consumers release a stage
+            dv, dk, dq = warpgroup_mma_wait(
+                0, deps=(dv, dk, dq, pa, ds_buf, q, do, ds0, ds1, k0, k1)
+            )[:3]  # fmt: skip
+            mbarrier.arrive(ds_empty.index(buf), count=1)  # this consumer read both halves
+            mbarrier.arrive(empty.index(st), count=1)  # both consumers release a stage
             tile = dq_smem.index(WG * DQ_BUFS + step % DQ_BUFS)
             tma.store_wait(DQ_BUFS - 1)  # the reduction that last read this tile is done
             thread_barrier()
@@ -1244,10 +1238,6 @@ if AVAILABLE:
                     mbarrier.arrive(landed.index(done % NSYNC), count=1)
             if CONVERT and CONVERT != 3:  # earlier sums landed: the converter counts them
                 _landed(step, convs)
-            if DK_LAST:
-                dk = warpgroup_mma_wait(0, deps=(dk, ds_buf, q))[0]
-                mbarrier.arrive(ds_empty.index(buf), count=1)  # this consumer read both halves
-                mbarrier.arrive(empty.index(st), count=1)  # both consumers release a stage
         tma.store_wait(0)  # shared memory stays allocated until the last reduction read it
         if DETERMINISTIC and SIGNAL_LAG > 0:  # the last steps' sums landed
             _bulk_wait(n_steps, 0)
@@ -1262,19 +1252,17 @@ if AVAILABLE:
     def _split_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
                          CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
-                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr,
-                         DK_LAST: gl.constexpr):  # fmt: skip
+                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr):  # fmt: skip
         _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 0, SEM, DETERMINISTIC,
-                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT, DK_LAST)  # fmt: skip
+                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT)  # fmt: skip
 
     @gluon.jit
     def _split_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
                          CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
-                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr,
-                         DK_LAST: gl.constexpr):  # fmt: skip
+                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr):  # fmt: skip
         _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 1, SEM, DETERMINISTIC,
-                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT, DK_LAST)  # fmt: skip
+                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT)  # fmt: skip
 
     # The same sums as attn_bwd_sm90 for head dim 128 (dq_desc's blocks are half a row wide).
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
@@ -1288,7 +1276,6 @@ if AVAILABLE:
         ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False, CHAINS: gl.constexpr = 1,
         SIGNAL_LAG: gl.constexpr = 0, PIN_WAIT: gl.constexpr = False,
         CONVERT: gl.constexpr = False, NCONV: gl.constexpr = 8, CONVERT_REGS: gl.constexpr = 24,
-        DK_LAST: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -1337,10 +1324,10 @@ if AVAILABLE:
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, None,
-                                        False, DK_LAST)),
+                                        False)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, None,
-                                        False, DK_LAST)),
+                                        False)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                     (_fused_sync, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                    CHAINS, SIGNAL_LAG, syncs)),
@@ -1354,10 +1341,10 @@ if AVAILABLE:
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, convs,
-                                        CONVERT, DK_LAST)),
+                                        CONVERT)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, convs,
-                                        CONVERT, DK_LAST)),
+                                        CONVERT)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                     (_dq_converter, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                      cvt, convs, CONVERT)),
@@ -1370,10 +1357,10 @@ if AVAILABLE:
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, None,
-                                        False, DK_LAST)),
+                                        False)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, None,
-                                        False, DK_LAST)),
+                                        False)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                 ],
                 [4, 1],
