@@ -207,7 +207,9 @@ SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
                   # spilled): a step's reduction no longer waits for the last one to be read
                   "1 dS pair": {"NBUF": 1},
                   "1 dS pair, 2 dQ tiles": {"NBUF": 1, "DQ_BUFS": 2},
-                  "pinned dP wait": {"PIN_WAIT": True}, **CHUNK_VARIANTS}  # fmt: skip
+                  "pinned dP wait": {"PIN_WAIT": True},
+                  # three dS^T buffer pairs (214 KB): a consumer may run further ahead
+                  "3 dS pairs": {"NBUF": 3}, **CHUNK_VARIANTS}  # fmt: skip
 
 
 def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):
