@@ -209,7 +209,11 @@ SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
                   "1 dS pair, 2 dQ tiles": {"NBUF": 1, "DQ_BUFS": 2},
                   "pinned dP wait": {"PIN_WAIT": True},
                   # three dS^T buffer pairs (214 KB): a consumer may run further ahead
-                  "3 dS pairs": {"NBUF": 3}, **CHUNK_VARIANTS}  # fmt: skip
+                  "3 dS pairs": {"NBUF": 3},
+                  # measurement-only cuts (wrong dQ): no wait for the other consumer's dS^T; no
+                  # dQ reductions; no dQ work at all
+                  "no dS wait (probe)": {"PROBE": 1}, "no dQ sums (probe)": {"PROBE": 2},
+                  "no dQ (probe)": {"PROBE": 3}, **CHUNK_VARIANTS}  # fmt: skip
 
 
 def _fused_kernel(q, k, v, dout, o2, lse, causal: bool, extra: dict):

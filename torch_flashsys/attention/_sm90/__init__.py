@@ -874,7 +874,7 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
         return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
                 "CONSUMER_REGS": SPLIT_REGS[0], "LOAD_REGS": SPLIT_REGS[1], "NBUF": SPLIT_NBUF,
                 "DQ_BUFS": SPLIT_DQ_BUFS, "ORDER": order, **ordered, "PIN_WAIT": BWD_PIN_WAIT,
-                "num_warps": NUM_WARPS, "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
+                "PROBE": 0, "num_warps": NUM_WARPS, "maxnreg": SPLIT_MAX_REGS}  # fmt: skip
     return {"CAUSAL": causal, "STAGES": FUSED_STAGES[d], "DS_LAYOUT": ds_layout,
             "CONSUMER_REGS": FUSED_REGS[0], "DQ_REGS": FUSED_REGS[1], "NBUF": FUSED_NBUF,
             "KV_RS": False, "DK_RS": False, "PROBE": 0, "DQ_TMA": FUSED_DQ_TMA or deterministic,

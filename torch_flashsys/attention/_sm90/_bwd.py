@@ -1130,7 +1130,8 @@ if AVAILABLE:
     def _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                        ORDER: gl.constexpr, WG: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
                        CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
-                       PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr):  # fmt: skip
+                       PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr,
+                       PROBE: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG of the head-dim-128 fused kernel: keys [n0 + WG * BLOCK_N,
         + BLOCK_N) for dK and dV (as :func:`_fused_consume`), dQ columns [WG * HALF, + HALF).
         ``DETERMINISTIC``: its dQ reductions in the sums' fixed order, as :func:`_fused_dq`'s
@@ -1208,28 +1209,35 @@ if AVAILABLE:
             mbarrier.wait(ds_empty.index(buf), ((step // NBUF) & 1) ^ 1)  # fresh: parity 1 passes
             _publish(ds_buf, ds_t, ds_ready.index(buf))
             dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
-            # dQ[:, WG * HALF:][rows of this step] = dS K over both consumers' keys.
-            mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
-            ds0 = ds_smem.index(2 * buf).permute((1, 0))
-            ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
-            dq = warpgroup_mma(ds0, k0, gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout),
-                               use_acc=False, is_async=True)  # fmt: skip
-            dq = warpgroup_mma(ds1, k1, dq, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(
-                0, deps=(dv, dk, dq, pa, ds_buf, q, do, ds0, ds1, k0, k1)
-            )[:3]  # fmt: skip
-            mbarrier.arrive(ds_empty.index(buf), count=1)  # this consumer read both halves
-            mbarrier.arrive(empty.index(st), count=1)  # both consumers release a stage
-            tile = dq_smem.index(WG * DQ_BUFS + step % DQ_BUFS)
-            tma.store_wait(DQ_BUFS - 1)  # the reduction that last read this tile is done
-            thread_barrier()
-            tile.reshape([BLOCK_M, HALF]).store(dq * sm_scale)
-            fence_async_shared()
-            thread_barrier()
-            if DETERMINISTIC:  # the sync warp saw this tile's turn come
-                mbarrier.wait(turn_ok.index(step % NSYNC), (step // NSYNC) & 1)
-            tma_reduce_add(dq_desc, [dq_b, hk * group + g, m0, WG * HALF], tile)  # rows past
-            # seq_q fall outside the descriptor and are dropped
+            if PROBE == 3:  # (measurement only, wrong dQ: no dQ work at all)
+                dv, dk = warpgroup_mma_wait(0, deps=(dv, dk, pa, ds_buf, q, do))[:2]
+                mbarrier.arrive(ds_empty.index(buf), count=1)
+                mbarrier.arrive(empty.index(st), count=1)
+            else:
+                # dQ[:, WG * HALF:][rows of this step] = dS K over both consumers' keys.
+                if PROBE != 1:  # (PROBE 1, measurement only, wrong dQ: no wait for the other)
+                    mbarrier.wait(ds_ready.index(buf), (step // NBUF) & 1)
+                ds0 = ds_smem.index(2 * buf).permute((1, 0))
+                ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
+                dq = warpgroup_mma(ds0, k0, gl.zeros([BLOCK_M, HALF], gl.float32, dq_layout),
+                                   use_acc=False, is_async=True)  # fmt: skip
+                dq = warpgroup_mma(ds1, k1, dq, is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(
+                    0, deps=(dv, dk, dq, pa, ds_buf, q, do, ds0, ds1, k0, k1)
+                )[:3]  # fmt: skip
+                mbarrier.arrive(ds_empty.index(buf), count=1)  # this consumer read both halves
+                mbarrier.arrive(empty.index(st), count=1)  # both consumers release a stage
+                tile = dq_smem.index(WG * DQ_BUFS + step % DQ_BUFS)
+                tma.store_wait(DQ_BUFS - 1)  # the reduction that last read this tile is done
+                thread_barrier()
+                tile.reshape([BLOCK_M, HALF]).store(dq * sm_scale)
+                fence_async_shared()
+                thread_barrier()
+                if DETERMINISTIC:  # the sync warp saw this tile's turn come
+                    mbarrier.wait(turn_ok.index(step % NSYNC), (step // NSYNC) & 1)
+                if PROBE != 2:  # (PROBE 2, measurement only, wrong dQ: no reductions)
+                    tma_reduce_add(dq_desc, [dq_b, hk * group + g, m0, WG * HALF], tile)
+                # (rows past seq_q fall outside the descriptor and are dropped)
             if DETERMINISTIC:  # the sums of SIGNAL_LAG steps before landed
                 _bulk_wait(step, SIGNAL_LAG)
                 thread_barrier()
@@ -1252,17 +1260,19 @@ if AVAILABLE:
     def _split_consumer0(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
                          CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
-                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr):  # fmt: skip
+                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr,
+                         PROBE: gl.constexpr):  # fmt: skip
         _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 0, SEM, DETERMINISTIC,
-                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT)  # fmt: skip
+                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT, PROBE)  # fmt: skip
 
     @gluon.jit
     def _split_consumer1(descs, bufs, bars, sched, outs, dqs, CAUSAL: gl.constexpr,
                          ORDER: gl.constexpr, SEM, DETERMINISTIC: gl.constexpr,
                          CHAINS: gl.constexpr, SIGNAL_LAG: gl.constexpr, syncs,
-                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr):  # fmt: skip
+                         PIN_WAIT: gl.constexpr, convs, CONVERT: gl.constexpr,
+                         PROBE: gl.constexpr):  # fmt: skip
         _split_consume(descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, 1, SEM, DETERMINISTIC,
-                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT)  # fmt: skip
+                       CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, convs, CONVERT, PROBE)  # fmt: skip
 
     # The same sums as attn_bwd_sm90 for head dim 128 (dq_desc's blocks are half a row wide).
     @gluon.jit(do_not_specialize=_INTEGER_ARGS)
@@ -1276,6 +1286,7 @@ if AVAILABLE:
         ORDER: gl.constexpr = 0, DETERMINISTIC: gl.constexpr = False, CHAINS: gl.constexpr = 1,
         SIGNAL_LAG: gl.constexpr = 0, PIN_WAIT: gl.constexpr = False,
         CONVERT: gl.constexpr = False, NCONV: gl.constexpr = 8, CONVERT_REGS: gl.constexpr = 24,
+        PROBE: gl.constexpr = 0,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -1324,10 +1335,10 @@ if AVAILABLE:
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, None,
-                                        False)),
+                                        False, PROBE)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, syncs, PIN_WAIT, None,
-                                        False)),
+                                        False, PROBE)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                     (_fused_sync, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                    CHAINS, SIGNAL_LAG, syncs)),
@@ -1341,10 +1352,10 @@ if AVAILABLE:
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, convs,
-                                        CONVERT)),
+                                        CONVERT, PROBE)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, convs,
-                                        CONVERT)),
+                                        CONVERT, PROBE)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                     (_dq_converter, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                      cvt, convs, CONVERT)),
@@ -1357,10 +1368,10 @@ if AVAILABLE:
                 [
                     (_split_consumer0, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, None,
-                                        False)),
+                                        False, PROBE)),
                     (_split_consumer1, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER, SEM,
                                         DETERMINISTIC, CHAINS, SIGNAL_LAG, None, PIN_WAIT, None,
-                                        False)),
+                                        False, PROBE)),
                     (_fused_load, (descs, bufs, bars, sched, outs, dqs, CAUSAL, ORDER)),
                 ],
                 [4, 1],
