@@ -210,6 +210,9 @@ SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
                   "pinned dP wait": {"PIN_WAIT": True},
                   # three dS^T buffer pairs (214 KB): a consumer may run further ahead
                   "3 dS pairs": {"NBUF": 3},
+                  # two float32 dQ tiles per consumer beside two dS^T pairs (230,864 bytes of
+                  # shared memory, under the H100's 232,448): a step's reduction overlaps the next
+                  "2 dQ tiles": {"DQ_BUFS": 2},
                   # measurement-only cuts (wrong dQ): no wait for the other consumer's dS^T; no
                   # dQ reductions; no dQ work at all
                   "no dS wait (probe)": {"PROBE": 1}, "no dQ sums (probe)": {"PROBE": 2},
