@@ -1184,6 +1184,10 @@ if AVAILABLE:
                                   2 * BLOCK_N)[2]  # fmt: skip
         if CONVERT:
             gl.static_assert(not DETERMINISTIC, "dQ converted from unordered sums")
+        gl.static_assert(
+            PROBE == 0 or not (DETERMINISTIC or CONVERT),
+            "probes skip waits the ordered sums and the converter count on",
+        )
         for step in range(n_steps):
             g = step // (n_m - m_lo)
             m0 = (m_lo + step % (n_m - m_lo)) * BLOCK_M
