@@ -203,8 +203,8 @@ VARIANT_SHAPES = [(1, 16, 16, 16384, 64, True), (4, 16, 16, 4096, 64, False),
                   (4, 32, 8, 2048, 64, True)]  # fmt: skip
 SPLIT_VARIANTS = {"default": {}, "keys first": {"ORDER": _sm90.KEYS_FIRST},
                   "heads first": {"ORDER": _sm90.HEADS_FIRST},
-                  # one dS^T buffer pair, so that two float32 dQ tiles fit (214 KB; 128 bytes
-                  # spilled): a step's reduction no longer waits for the last one to be read
+                  # one dS^T buffer pair (with two float32 dQ tiles: 214 KB, 128 bytes spilled;
+                  # the two tiles fit beside two pairs too, the "2 dQ tiles" variant below)
                   "1 dS pair": {"NBUF": 1},
                   "1 dS pair, 2 dQ tiles": {"NBUF": 1, "DQ_BUFS": 2},
                   "pinned dP wait": {"PIN_WAIT": True},

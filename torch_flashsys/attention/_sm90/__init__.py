@@ -180,7 +180,7 @@ SPLIT_HEAD_DIMS = frozenset({128})  # head dims the split kernel serves (the oth
 SPLIT_MAX_REGS = 168  # 168 x 384 threads (two consumer warpgroups and the load warp's group)
 SPLIT_REGS = (240, 24)  # per thread: each consumer warpgroup, the load warp (4 bytes spill)
 SPLIT_NBUF = 2  # dS^T buffer pairs
-SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reductions
+SPLIT_DQ_BUFS = 1  # float32 dQ tiles per consumer (64 x 64) for the TMA reductions (2: no faster)
 # Program orders of the backward kernels (``_bwd._program_tile``'s ORDER bits): the heaviest
 # causal key tiles of every head first, one head's key tiles after another, (a bit beside either)
 # the lightest first, or chunks of heads in turn, each chunk heads first (``chunked``).

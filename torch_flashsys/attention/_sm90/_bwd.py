@@ -1137,7 +1137,8 @@ if AVAILABLE:
         ``DETERMINISTIC``: its dQ reductions in the sums' fixed order, as :func:`_fused_dq`'s
         (the sync warp's ``turn_ok`` before each, ``landed`` from both consumers).
         ``PIN_WAIT``: as :func:`_fused_consume`'s. ``CONVERT``: as :func:`_fused_dq`'s (the
-        converter waits for both consumers)."""
+        converter waits for both consumers). ``PROBE`` (measurement only, wrong dQ; not with
+        either): 1, no wait for the other consumer's dS^T; 2, no dQ reductions; 3, no dQ work."""
         q_desc, k_desc, v_desc, do_desc = descs
         q_smem, k_smem, v_smem, do_smem = bufs
         kv_ready, ready, empty = bars
