@@ -7,7 +7,8 @@ in the same run (H100/H200).
 Default: per shape (bf16), the kernel alone (``do_bench`` medians of the direct launch the library
 makes, on the library's grid) for each variant in :data:`VARIANTS`, whether its output equals the
 library's default bit for bit, and cuDNN's forward (``sdpa_kernel`` pinned, no grad) beside it;
-three rounds in alternating order, their median and spread (max / min).
+three rounds in alternating order, their median and spread (max / min); ``kv_tb_s``: the keys
+and values the kernel loads (whole tiles) per second of its time, TB/s (what it asks of L2).
 ``--timeline``: the ``PROBE == 3`` build's %clock64 cycles per key-tile step and phase of each
 consumer warpgroup (summed over programs, divided by their steps), per variant.
 """
@@ -41,6 +42,11 @@ VARIANTS = {  # name: constexprs over the library's (earlier: KV_SPLIT, DYNAMIC,
     "unpinned": {"PIN_WAIT": False},
     "2 consumers": {"CONSUMERS": 2, "CONSUMER_REGS": 240},  # _sm90.FWD_CONSUMERS3_MIN
     "3 consumers": {"CONSUMERS": 3, "CONSUMER_REGS": 160},
+    # measurement-only cuts (wrong output): the consumers release each buffer once loaded, no
+    # products (the key/value traffic alone); the load warp loads each ring stage once, then
+    # only signals it (no key/value traffic)
+    "loads only (probe)": {"PROBE": 4},
+    "no K/V loads (probe)": {"PROBE": 5},
 }
 N_PROBES = 32  # floats per program the probe build stores (16 per consumer warpgroup)
 
@@ -82,7 +88,17 @@ def _launcher(q, k, v, causal: bool, extra: dict):
     return launch, out, lse, grid
 
 
-def variant_rows(shape, rounds: int = 3) -> list[dict]:
+def kv_bytes(shape, consumers: int, itemsize: int = 2) -> int:
+    """Bytes of keys and values (bf16: ``itemsize`` 2) the kernel loads for ``shape``: every key
+    tile of each query tile of ``consumers * BLOCK_M`` rows, whole tiles (TMA loads the box)."""
+    b, h, _, n, d, causal = shape
+    rows, cols = consumers * _sm90.BLOCK_M, _sm90.BLOCK_N
+    tiles = sum(-(-min(n, m0 + rows) // cols) if causal else -(-n // cols)
+                for m0 in range(0, n, rows))  # fmt: skip
+    return b * h * tiles * 2 * cols * d * itemsize
+
+
+def variant_rows(shape, rounds: int = 3, only: list[str] | None = None) -> list[dict]:
     """Per variant (and cuDNN): built and compared with the library's output once, then timed
     in ``rounds`` rounds that alternate the order of the variants (a long problem's later runs
     in one process can measure slower: the GPU's clocks), reporting the median of the rounds."""
@@ -96,6 +112,8 @@ def variant_rows(shape, rounds: int = 3) -> list[dict]:
     ref, ref_lse = _sm90.forward(q, k, v, d**-0.5, causal)
     calls, rows = {}, {}
     for name, extra in VARIANTS.items():
+        if only is not None and name not in only:
+            continue
         if extra.get("CONSUMERS", 2) == 3 and d != 64:
             continue  # three consumers fit head dim 64 only (registers, shared memory)
         launch, out, lse, _ = _launcher(q, k, v, causal, extra)
@@ -119,6 +137,9 @@ def variant_rows(shape, rounds: int = 3) -> list[dict]:
     for name, row in rows.items():
         ms = statistics.median(times[name])
         row.update(ms=ms, tflops=flops / ms / 1e9, spread=max(times[name]) / min(times[name]))
+        if name in VARIANTS and VARIANTS[name].get("PROBE") != 5:  # (cuDNN's tiles: unknown)
+            consumers = VARIANTS[name].get("CONSUMERS", _sm90.forward_consumers(q, causal))
+            row["kv_tb_s"] = kv_bytes(shape, consumers) / ms / 1e9
     return list(rows.values())
 
 
@@ -166,7 +187,12 @@ def main() -> None:
                    help="these problems instead, e.g. 1x16/16x16384x128c (c: causal)")  # fmt: skip
     p.add_argument("--timeline", action="store_true",
                    help="cycles per key-tile step and phase of each consumer (PROBE == 3)")  # fmt: skip
+    p.add_argument("--only", type=lambda text: text.split(","),
+                   help="these variants alone (names, comma-separated; default: all)")  # fmt: skip
     args = p.parse_args()
+    if args.only and set(args.only) - set(VARIANTS):
+        p.error(f"--only: unknown variants {sorted(set(args.only) - set(VARIANTS))}; "
+                f"the variants are {list(VARIANTS)}")  # fmt: skip
     if args.smoke or not (torch.cuda.is_available() and _sm90.enabled()):
         report("Hopper forward: no Hopper GPU here (the PyTorch backend's forward instead)",
                cpu_rows(), ("shape", "impl", "ms"), args.out)  # fmt: skip
@@ -177,9 +203,10 @@ def main() -> None:
         report("Hopper forward: %clock64 cycles per key-tile step and phase", rows,
                ("shape", "variant", "consumer", "phase", "cycles"), args.out)  # fmt: skip
         return
-    rows = [r for shape in shapes for r in variant_rows(shape)]
+    rows = [r for shape in shapes for r in variant_rows(shape, only=args.only)]
     report("Hopper forward: compile-time variants (kernel only) and cuDNN", rows,
-           ("shape", "impl", "ms", "tflops", "spread", "equal_to_default", "max_diff_vs_default"),
+           ("shape", "impl", "ms", "tflops", "kv_tb_s", "spread", "equal_to_default",
+            "max_diff_vs_default"),
            args.out)  # fmt: skip
 
 

@@ -468,22 +468,86 @@ if AVAILABLE:
         mbarrier.arrive(v_empty.index(st), count=1)
 
     @gluon.jit
+    def _drain(descs, bars, sched, CAUSAL: gl.constexpr, DYNAMIC: gl.constexpr,
+               QBUF: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+        """``PROBE == 4`` (measurement only: no output): consumer WG takes its tiles as
+        :func:`_consume` does and releases each query, key and value buffer as soon as it has
+        landed, with no products: the time of the load warp's TMA traffic alone, at the pace
+        its ring allows (``benchmarks/sm90_fwd.py``)."""
+        q_desc, k_desc, v_desc, o_desc = descs
+        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
+        n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        STAGES: gl.constexpr = k_ready.type.shape[0]
+        CONSUMERS: gl.constexpr = turns.type.shape[0]
+        it = 0
+        n_done = 0
+        total = n_m * n_bh
+        r = 0
+        tid = _next_tile(r, total, tiles, DYNAMIC)
+        while tid < total:
+            b, h, hk, m0, n_kv = _tile(tid, sched, CONSUMERS * BLOCK_M, BLOCK_N, CAUSAL)
+            qb = (n_done % QBUF) * CONSUMERS + WG
+            mbarrier.wait(q_ready.index(qb), (n_done // QBUF) & 1)
+            for j in range(n_kv):
+                st = (it + j) % STAGES
+                phase = ((it + j) // STAGES) & 1
+                mbarrier.wait(k_ready.index(st), phase)
+                mbarrier.arrive(k_empty.index(st), count=1)
+                mbarrier.wait(v_ready.index(st), phase)
+                mbarrier.arrive(v_empty.index(st), count=1)
+            mbarrier.arrive(q_empty.index(qb), count=1)
+            it += n_kv
+            n_done += 1
+            r += 1
+            tid = _next_tile(r, total, tiles, DYNAMIC)
+
+    @gluon.jit
     def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
                    PIN_WAIT: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, PIN_WAIT, 0)
+        if PROBE == 4:
+            _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 0)
+        else:
+            _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
+                     PIN_WAIT, 0)  # fmt: skip
 
     @gluon.jit
     def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
                    PIN_WAIT: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, PIN_WAIT, 1)
+        if PROBE == 4:
+            _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 1)
+        else:
+            _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
+                     PIN_WAIT, 1)  # fmt: skip
 
     @gluon.jit
     def _consumer2(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
                    PIN_WAIT: gl.constexpr):  # fmt: skip
-        _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF, PIN_WAIT, 2)
+        if PROBE == 4:
+            _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 2)
+        else:
+            _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
+                     PIN_WAIT, 2)  # fmt: skip
+
+    @gluon.jit
+    def _kv_load(desc, coord, ready, buf, n, STAGES: gl.constexpr, PROBE: gl.constexpr):
+        """Load warp: a key or value tile (the ``n``-th of this program) into ``buf``, landing on
+        ``ready``. ``PROBE == 5`` (measurement only, wrong output): once the ring's ``STAGES``
+        stages have been loaded, only an arrival on ``ready`` (the consumers reuse what the stage
+        holds): the kernel without its key/value traffic (``benchmarks/sm90_fwd.py``)."""
+        if PROBE == 5:
+            if n >= STAGES:
+                mbarrier.arrive(ready, count=1)
+            else:
+                mbarrier.expect(ready, desc.block_type.nbytes)
+                tma_load(desc, coord, ready, buf)
+        else:
+            mbarrier.expect(ready, desc.block_type.nbytes)
+            tma_load(desc, coord, ready, buf)
 
     @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
@@ -531,12 +595,12 @@ if AVAILABLE:
                     mbarrier.wait(k_empty.index(st), free)
                 else:
                     mbarrier.wait(v_empty.index(st), free)
-                mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
-                tma_load(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(st), k_smem.index(st))
+                _kv_load(k_desc, [b, hk, j * BLOCK_N, 0], k_ready.index(st), k_smem.index(st),
+                         it + j, STAGES, PROBE)  # fmt: skip
                 if KV_SPLIT:
                     mbarrier.wait(v_empty.index(st), free)
-                mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-                tma_load(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(st), v_smem.index(st))
+                _kv_load(v_desc, [b, hk, j * BLOCK_N, 0], v_ready.index(st), v_smem.index(st),
+                         it + j, STAGES, PROBE)  # fmt: skip
             it += n_kv
             n_done += 1
             r += 1
@@ -565,6 +629,7 @@ if AVAILABLE:
         gl.static_assert(BLOCK_N == 128, "key tiles of 128 rows")
         gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
         gl.static_assert(PROBE != 3 or CONSUMERS == 2, "the timeline probes two consumers")
+        gl.static_assert(PROBE != 4 or KV_SPLIT, "the loads-only probe releases K and V apart")
         dtype: gl.constexpr = q_desc.dtype
         NQ: gl.constexpr = CONSUMERS * QBUF  # query buffers: QBUF per consumer
         q_smem = gl.allocate_shared_memory(dtype, [NQ] + q_desc.block_type.shape, q_desc.layout)
