@@ -360,8 +360,8 @@ def constexprs(d: int, causal: bool, dynamic: bool = False, qbuf: int = 1,
     timeline: ``benchmarks/sm90_fwd.py`` overrides them)."""
     return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
             "DYNAMIC": dynamic, "QBUF": qbuf, "PIN_WAIT": FWD_PIN_WAIT[(d, causal)],
-            "CONSUMERS": consumers,
-            "CONSUMER_REGS": FWD_REGS[consumers][1]}  # fmt: skip
+            "CONSUMERS": consumers, "CONSUMER_REGS": FWD_REGS[consumers][1],
+            "Q_RS": False}  # fmt: skip
 
 
 def launch_options(consumers: int) -> dict:

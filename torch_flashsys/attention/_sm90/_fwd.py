@@ -281,7 +281,7 @@ if AVAILABLE:
     @gluon.jit
     def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                  PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                 PIN_WAIT: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                 PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: rows [m0 + WG * BLOCK_M, + BLOCK_M) of each of this program's
         tiles over their key tiles, then O (q's dtype, a TMA store) and the natural logsumexp.
         ``KV_SPLIT``: a key tile is released once its S is computed, a value tile once its P V
@@ -291,7 +291,9 @@ if AVAILABLE:
         ``QBUF``: query buffers per warpgroup (tile ``n`` in buffer ``n % QBUF``).
         ``PIN_WAIT``: a :func:`schedule_fence` before each step's wait for ``P V``, without which
         ptxas hoists that wait above the softmax (Triton 3.6, H100 SASS), so the softmax of S_j
-        does not overlap ``P_{j-1} V_{j-1}`` after all."""
+        does not overlap ``P_{j-1} V_{j-1}`` after all. ``Q_RS``: the query slice is read into
+        registers once per tile (its buffer released at once) and each ``S = Q K^T`` takes it
+        from there (a register operand: the product reads only K from shared memory)."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
@@ -345,6 +347,10 @@ if AVAILABLE:
             qb = (n_done % QBUF) * CONSUMERS + WG
             q = q_smem.index(qb).reshape([BLOCK_M, HEAD_DIM])
             mbarrier.wait(q_ready.index(qb), (n_done // QBUF) & 1)
+            if Q_RS:  # Q as the products' register operand; its buffer is free at once
+                q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+                thread_barrier()  # (every thread has read it)
+                mbarrier.arrive(q_empty.index(qb), count=1)
             # Key tile 0: S, then its softmax.
             st = it % STAGES
             k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
@@ -414,7 +420,8 @@ if AVAILABLE:
                     if PROBE == 3:
                         c6, t = lap(c6, t, j)
                         n_steps += 1
-            mbarrier.arrive(q_empty.index(qb), count=1)  # every S of this tile is done
+            if not Q_RS:
+                mbarrier.arrive(q_empty.index(qb), count=1)  # every S of this tile is done
             sp = (it + n_mine - 1) % STAGES
             v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
             mbarrier.wait(v_ready.index(sp), ((it + n_mine - 1) // STAGES) & 1)
@@ -506,32 +513,32 @@ if AVAILABLE:
     @gluon.jit
     def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                   PIN_WAIT: gl.constexpr):  # fmt: skip
+                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr):  # fmt: skip
         if PROBE == 4:
             _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 0)
         else:
             _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
-                     PIN_WAIT, 0)  # fmt: skip
+                     PIN_WAIT, Q_RS, 0)  # fmt: skip
 
     @gluon.jit
     def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                   PIN_WAIT: gl.constexpr):  # fmt: skip
+                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr):  # fmt: skip
         if PROBE == 4:
             _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 1)
         else:
             _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
-                     PIN_WAIT, 1)  # fmt: skip
+                     PIN_WAIT, Q_RS, 1)  # fmt: skip
 
     @gluon.jit
     def _consumer2(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                   PIN_WAIT: gl.constexpr):  # fmt: skip
+                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr):  # fmt: skip
         if PROBE == 4:
             _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 2)
         else:
             _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
-                     PIN_WAIT, 2)  # fmt: skip
+                     PIN_WAIT, Q_RS, 2)  # fmt: skip
 
     @gluon.jit
     def _kv_load(desc, coord, ready, buf, n, STAGES: gl.constexpr, PROBE: gl.constexpr):
@@ -552,7 +559,7 @@ if AVAILABLE:
     @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
               PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-              PIN_WAIT: gl.constexpr):  # fmt: skip
+              PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr):  # fmt: skip
         """Load warp: per tile, its query slices (one per consumer) once their buffers are free,
         then the key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
         the stage's value tile's). ``DYNAMIC``: a program's first tile is its id, the next the
@@ -621,7 +628,7 @@ if AVAILABLE:
         seq_k, qk_scale, group_heads, COUNTER, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
         KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
         PIN_WAIT: gl.constexpr = False, CONSUMERS: gl.constexpr = 2,
-        CONSUMER_REGS: gl.constexpr = 240,
+        CONSUMER_REGS: gl.constexpr = 240, Q_RS: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -676,11 +683,11 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT)),
+                                  QBUF, PIN_WAIT, Q_RS)),
                     (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT)),
+                                  QBUF, PIN_WAIT, Q_RS)),
                     (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                             QBUF, PIN_WAIT)),
+                             QBUF, PIN_WAIT, Q_RS)),
                 ],
                 [4, 1],
                 [CONSUMER_REGS, 24],
@@ -689,13 +696,13 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT)),
+                                  QBUF, PIN_WAIT, Q_RS)),
                     (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT)),
+                                  QBUF, PIN_WAIT, Q_RS)),
                     (_consumer2, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT)),
+                                  QBUF, PIN_WAIT, Q_RS)),
                     (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                             QBUF, PIN_WAIT)),
+                             QBUF, PIN_WAIT, Q_RS)),
                 ],
                 [4, 4, 1],
                 [CONSUMER_REGS, CONSUMER_REGS, 24],
