@@ -14,7 +14,6 @@ import datetime as _dt
 import json
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_flashsys.attention._precompile as _precompile
+from torch_flashsys._ports import free_port
 
 
 def env_stamp() -> dict[str, str]:
@@ -306,9 +306,7 @@ def run_ranks(fn, args, nproc: int, backend: str, timeout_s: float = 300.0):
     ``nproc`` spawned ones. Returns rank 0's result (None on the other ranks of a torchrun world)."""
     if under_torchrun():
         return _in_group(fn, args, backend, timeout_s)
-    with socket.socket() as s:  # a free port for MASTER_PORT
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # for MASTER_PORT
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_spawned, args=(nproc, port, fn, args, backend, timeout_s, queue),
                        nprocs=nproc, start_method="spawn")  # fmt: skip

@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import math
 import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -28,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from torch_flashsys._ports import free_port
 
 _IGNORE = -100  # cross_entropy's ignore_index: no loss on the prompt half
 
@@ -326,12 +327,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, backend:
         sys.exit(code)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit code (0: trained, and replicas identical)."""
     args = _parse_args(argv)
@@ -349,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         torch.multiprocessing.start_processes(
             _worker,
-            args=(args.nproc, _free_port(), args, backend),
+            args=(args.nproc, free_port(), args, backend),
             nprocs=args.nproc,
             start_method="spawn",
         )

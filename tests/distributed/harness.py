@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from torch_flashsys._ports import free_port
 
 # Ranks start from a fork server that has imported torch, the library and the test helpers once
 # (``multiprocessing``'s forkserver), not as fresh interpreters (``spawn``): a rank then starts in a
@@ -40,10 +41,7 @@ PRELOAD = ["torch", "torch.distributed", "torch_flashsys", "hypothesis", "pytest
 mp.set_forkserver_preload(PRELOAD)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # (the name the tests import)
 
 
 def _entry(rank, fn, world_size, port, out_dir, args, backend):
