@@ -4,7 +4,7 @@ benchmarks start their ranks on one: ``MASTER_PORT``).
 A port from ``bind(0)`` is an ephemeral one, from the range the kernel also draws the local ends
 of outgoing connections from: between the pick and rank 0's listen, another process's connection
 (another job's ranks talking to their store) can take it, and rank 0 fails with EADDRINUSE while
-the other ranks wait for a store that never comes (seen once in a CI run of the tests,
+the other ranks wait for a store that never comes (seen once in a run of the test suite,
 2026-11-27). So the port is drawn at random outside that range and checked free by binding it.
 """
 

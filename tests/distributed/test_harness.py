@@ -57,7 +57,7 @@ def test_harness_reports_where_a_rank_died_and_which_had_written_results():
 def test_rendezvous_ports_are_outside_the_ephemeral_range():
     """A rendezvous port from bind(0) is an ephemeral one, the range the local ends of other
     processes' connections come from: one of those could take it before rank 0 listens (the
-    EADDRINUSE of a CI run). The harness picks free ports outside that range."""
+    EADDRINUSE of a test-suite run). The harness picks free ports outside that range."""
     import socket
 
     from tests.distributed.harness import _free_port
