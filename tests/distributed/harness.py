@@ -41,9 +41,6 @@ PRELOAD = ["torch", "torch.distributed", "torch_flashsys", "hypothesis", "pytest
 mp.set_forkserver_preload(PRELOAD)
 
 
-_free_port = free_port  # (the name the tests import)
-
-
 def _entry(rank, fn, world_size, port, out_dir, args, backend):
     # The rank's stderr goes to a file the parent shows when the process dies (an abort at exit
     # prints only there: "terminate called ...", "Fatal Python error: ...").
@@ -105,7 +102,7 @@ def run_distributed(
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, _free_port(), out_dir, args, backend),
+            args=(fn, world_size, free_port(), out_dir, args, backend),
             nprocs=world_size,
             join=False,
             start_method=START_METHOD,

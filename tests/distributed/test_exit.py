@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import _free_port
+from torch_flashsys._ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -41,7 +41,7 @@ def _env() -> dict[str, str]:
 
 
 def _start(wrapper: str, log_dir: Path, job: int) -> list[subprocess.Popen]:
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for rank in range(WORLD):
         with open(log_dir / f"{wrapper}{job}.rank{rank}.log", "w") as log:
             args = [sys.executable, "-m", "tests.distributed.exit_worker", wrapper, str(rank)]

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import fault_worker
-from tests.distributed.harness import _free_port
+from torch_flashsys._ports import free_port
 
 PG_TIMEOUT_S = 5.0  # init_process_group(timeout=...) in the workers
 SLACK_S = 3.0  # failure detection to exit, on a busy machine
@@ -96,7 +96,7 @@ SCENARIOS = [  # (where rank 1 fails, how, world size)
 
 @pytest.mark.parametrize(("point", "mode", "world"), SCENARIOS)
 def test_failing_rank_stops_every_rank(point, mode, world, tmp_path):
-    ctx, port = _context(), _free_port()
+    ctx, port = _context(), free_port()
     logs_at = {r: tmp_path / f"rank{r}.log" for r in range(world)}
     procs = {
         r: ctx.Process(
@@ -124,7 +124,7 @@ def test_script_exit_status(tmp_path):
     launcher (torchrun) sees is non-zero on every rank. (A longer process-group timeout: each
     script imports torch on its own, so the ranks may reach their first collective seconds
     apart on a busy machine; a raising rank makes the others fail at once anyway.)"""
-    point, mode, world, port, timeout_s = "backward", "raise", 2, _free_port(), 20.0
+    point, mode, world, port, timeout_s = "backward", "raise", 2, free_port(), 20.0
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )

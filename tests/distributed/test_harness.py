@@ -57,15 +57,15 @@ def test_harness_reports_where_a_rank_died_and_which_had_written_results():
 def test_rendezvous_ports_are_outside_the_ephemeral_range():
     """A rendezvous port from bind(0) is an ephemeral one, the range the local ends of other
     processes' connections come from: one of those could take it before rank 0 listens (the
-    EADDRINUSE of a test-suite run). The harness picks free ports outside that range."""
+    EADDRINUSE of a test-suite run). ``free_port``, which the harness, the demo and the
+    benchmarks use, picks free ports outside that range."""
     import socket
 
-    from tests.distributed.harness import _free_port
-    from torch_flashsys._ports import ephemeral_range
+    from torch_flashsys._ports import ephemeral_range, free_port
 
     lo, hi = ephemeral_range()
     for _ in range(20):
-        port = _free_port()
+        port = free_port()
         assert not lo <= port <= hi, (port, lo, hi)
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))  # free when returned
