@@ -17,9 +17,9 @@ Triton kernel:
 The backward of a problem that the forward rule admits (and whose dO a TMA descriptor can read)
 runs a fused Gluon kernel (after the preprocessing kernel ``_prep``) at the lengths where it
 measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at the lengths in
-``FUSED_SEQ_Q`` (causal 1024-16384, without a causal mask 2048-16384); head dim 128,
-``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (1024-16384, causal without GQA from
-2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed order, so it is not
+``FUSED_SEQ_Q`` (with GQA 256-16384; without GQA 1024-16384); head dim 128,
+``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (with GQA 256-16384; without GQA
+1024-16384, causal from 2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed order, so it is not
 bitwise reproducible; when ``torch.are_deterministic_algorithms_enabled()``, the same kernels run
 with their dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in ``DETERMINISTIC_SEQ_Q``
 (head dim 64: causal without GQA, 4096-16384) and ``DETERMINISTIC_SPLIT_SEQ_Q`` (128: causal
@@ -160,20 +160,24 @@ FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
                                                       and VERIFIED))  # fmt: skip
 FUSED_ALL = _BWD_MODE == "fused"
+# GQA from 256 rows: there its kernels took 0.55-0.77x the portable backward's time at 256-1024
+# (H100, 2026-11-27, ``sm90_bwd.py --shapes``; the portable dK/dV kernel loops over a group's
+# query heads), and the 1B LM's training step at context 512 went from 1.00x SDPA's to 0.99x.
 FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fused kernel runs
-    (True, True): (1024, 16384),
+    (True, True): (256, 16384),
     (True, False): (1024, 16384),
-    (False, True): (2048, 16384),
-    (False, False): (2048, 16384),
+    (False, True): (256, 16384),
+    (False, False): (1024, 16384),
 }
 FUSED_STAGES = {64: 4, 128: 2}  # head dims the fused kernels serve -> Q/dO ring depth (64 KB)
 # Head dim 128: the lengths (queries and keys) per (causal, GQA) where the split kernel runs by
 # default (H100, ``benchmarks/sm90_bwd.py --rule --head-dim 128``: its backward took 0.60-0.97x the
-# portable one's time at 1024-16384, but 1.08x causal without GQA at 1024, the same kernel time).
+# portable one's time at 1024-16384, but 1.08x causal without GQA at 1024, the same kernel time;
+# with GQA its kernels took 0.68-0.76x the portable ones' at 256-512, ``--shapes``, 2026-11-27).
 SPLIT_SEQ_Q = {
-    (True, True): (1024, 16384),
+    (True, True): (256, 16384),
     (True, False): (2048, 16384),
-    (False, True): (1024, 16384),
+    (False, True): (256, 16384),
     (False, False): (1024, 16384),
 }
 SPLIT_HEAD_DIMS = frozenset({128})  # head dims the split kernel serves (the others: attn_bwd_sm90)
@@ -698,7 +702,10 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     one head's key tiles in turn, KEYS_FIRST, its kernel took 0.77-0.82x the portable kernels'
     time there, ``gpu_checks/order_ab.py``), 0.75-0.88x without a causal mask at 2048-8192, and
     (one run, with the load warp's LSE/D rows) 0.78-0.81x at 16384 (1024: host-bound, no clear
-    winner). Only self-attention was measured (as many keys as query rows), so the keys must be
+    winner). Short rows, kernel times (``--shapes``, 16384 tokens a problem, 2026-11-27): with GQA
+    4:1 its kernels took 0.55-0.77x the portable ones' at 256-1024, causal or not (the ranges
+    start at 256); without GQA and without a causal mask 0.91x at 1024 (1.03x at 512), causal
+    1.14-1.22x at 256-512. Only self-attention was measured (as many keys as query rows), so the keys must be
     in the range too: with few keys (cross-attention) the kernel has few programs, each looping
     over every query tile. Head dim 128 (the split kernel): the lengths in SPLIT_SEQ_Q, from one
     ``--rule --head-dim 128`` run (docs/benchmarks.md)."""
