@@ -338,17 +338,21 @@ def _fused_by_default(heads: int, kv_heads: int, seq: int, seq_k: int, d: int,
      (16, 4, 32768, 32768, True, False), (16, 16, 1024, 1024, True, True),
      (16, 16, 2048, 2048, True, True), (16, 16, 512, 512, True, False),
      (16, 16, 4096, 4096, True, True), (16, 16, 16384, 16384, True, True),
-     (16, 16, 1024, 1024, False, False), (16, 16, 2048, 2048, False, True),
+     (16, 16, 512, 512, False, False), (16, 16, 1024, 1024, False, True),
+     (16, 16, 2048, 2048, False, True),
+     (16, 4, 256, 256, True, True), (16, 4, 512, 512, True, True), (16, 4, 255, 255, True, False),
+     (16, 4, 256, 256, False, True), (16, 4, 1024, 1024, False, True),
      (16, 4, 8192, 8192, False, True), (16, 4, 16384, 16384, False, True),
      (16, 16, 16384, 16384, False, True), (16, 4, 32768, 32768, False, False),
-     (16, 16, 4096, 77, False, False), (16, 4, 4096, 512, True, False),
+     (16, 16, 4096, 77, False, False), (16, 4, 4096, 128, True, False),
      (16, 16, 8192, 4096, True, True)],
 )  # fmt: skip
 def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_heads, seq, seq_k,
                                                                      causal, fused):  # fmt: skip
-    """The committed rule (H100, ``benchmarks/sm90_bwd.py --rule``, docs/benchmarks.md): causal
-    at 1024-16384 rows (without GQA since its programs take one head's key tiles in turn,
-    ``benchmarks/gpu_checks/order_ab.py``), and without a causal mask at 2048-16384; the
+    """The committed rule (H100, ``benchmarks/sm90_bwd.py --rule`` and ``--shapes``,
+    docs/benchmarks.md): with GQA at 256-16384 rows, causal or not; without GQA causal at
+    1024-16384 (since its programs take one head's key tiles in turn,
+    ``benchmarks/gpu_checks/order_ab.py``) and without a causal mask at 1024-16384; the
     portable backward elsewhere. Only self-attention lengths were measured, so
     the keys must be in the range too: 77 keys against 4096 queries (cross-attention) would be
     one program per head looping over every query tile."""
@@ -393,14 +397,16 @@ def test_the_deterministic_fused_backward_starts_a_tiles_predecessors_first(d, c
     [(16, 16, 1024, 1024, True, False), (16, 16, 2048, 2048, True, True),
      (16, 16, 16384, 16384, True, True), (16, 4, 1024, 1024, True, True),
      (16, 16, 1024, 1024, False, True), (16, 4, 16384, 16384, False, True),
-     (16, 16, 32768, 32768, True, False), (16, 4, 512, 512, False, False),
-     (16, 16, 4096, 77, False, False)],
+     (16, 16, 32768, 32768, True, False), (16, 4, 512, 512, False, True),
+     (16, 4, 256, 256, True, True), (16, 4, 255, 255, False, False),
+     (16, 16, 512, 512, False, False), (16, 16, 4096, 77, False, False)],
 )  # fmt: skip
 def test_the_split_backward_runs_by_default_where_it_measured_faster(heads, kv_heads, seq, seq_k,
                                                                      causal, fused):  # fmt: skip
-    """Head dim 128 (the split kernel; H100, ``benchmarks/sm90_bwd.py --rule --head-dim 128``,
-    docs/benchmarks.md): 1024-16384 rows, but causal without GQA from 2048 (at 1024 its
-    backward measured no faster than the portable one's); keys in the range too."""
+    """Head dim 128 (the split kernel; H100, ``benchmarks/sm90_bwd.py --rule --head-dim 128``
+    and ``--shapes``, docs/benchmarks.md): with GQA 256-16384 rows; without GQA 1024-16384, but
+    causal from 2048 (at 1024 its backward measured no faster than the portable one's); keys in
+    the range too."""
     assert _fused_by_default(heads, kv_heads, seq, seq_k, 128, causal) is fused
 
 
