@@ -19,12 +19,12 @@ runs a fused Gluon kernel (after the preprocessing kernel ``_prep``) at the leng
 measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at the lengths in
 ``FUSED_SEQ_Q`` (with GQA 256-16384; without GQA 1024-16384); head dim 128,
 ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (with GQA 256-16384; without GQA
-1024-16384, causal from 2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed order, so it is not
-bitwise reproducible; when ``torch.are_deterministic_algorithms_enabled()``, the same kernels run
-with their dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in ``DETERMINISTIC_SEQ_Q``
-(head dim 64: causal without GQA, 4096-16384) and ``DETERMINISTIC_SPLIT_SEQ_Q`` (128: causal
-without GQA 8192-16384, without a causal mask 4096-8192), and every other problem takes the
-portable backward. Every other backward is the portable one (deterministic; it reads the same
+1024-16384, causal from 2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed
+order, so it is not bitwise reproducible; when ``torch.are_deterministic_algorithms_enabled()``,
+the same kernels run with their dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in
+``DETERMINISTIC_SEQ_Q`` (head dim 64: causal without GQA, 4096-16384) and
+``DETERMINISTIC_SPLIT_SEQ_Q`` (128: causal without GQA 8192-16384, without a causal mask
+4096-8192), and every other problem takes the portable backward. Every other backward is the portable one (deterministic; it reads the same
 ``out`` and ``lse``).
 The switches are below.
 """
