@@ -1,12 +1,15 @@
 """Where an eager fwd+bwd call's host time goes on the Hopper path (issue 27): wall microseconds
 per call of an unsynchronized loop on a problem whose GPU work is small ((1, 2, 1024, 64)
 causal: the dynamic forward and the fused backward, as the grid's 1024-2048 rows), with parts of
-the library's path replaced by stubs that return preallocated results, beside cuDNN, a trivial
-op and a trivial Python autograd Function; then a cProfile of the full call (profiler-inflated).
+the library's path replaced by stubs that return preallocated results, or with autograd's
+multithreading off (the backward on the calling thread), beside cuDNN, a trivial op and a
+trivial Python autograd Function; then our backward timed and cProfiled inside autograd (on its
+thread) and called directly, and the forward's cProfile (profiler-inflated).
 
     PYTHONPATH=. python3 benchmarks/gpu_checks/host_stubs.py [--calls N]
 """
 
+import contextlib
 import cProfile
 import io
 import pstats
@@ -54,19 +57,26 @@ def main() -> None:
     cases = {
         "ours fwd+bwd": (ours, None),
         "ours fwd+bwd, _sm90.backward a stub": (
-            ours, mock.patch.object(sm, "backward", stub_sm90_bwd)),
+            ours, lambda: mock.patch.object(sm, "backward", stub_sm90_bwd)),
         "ours fwd+bwd, the whole kernel backward a stub": (
-            ours, mock.patch.object(ops, "_backward", stub_ops_bwd)),
+            ours, lambda: mock.patch.object(ops, "_backward", stub_ops_bwd)),
         "ours fwd+bwd, forward and backward stubs (dispatch + autograd only)": (
-            ours, mock.patch.object(ops, "TRITON", Kernels(stub_fwd, lambda *a: grads))),
+            ours, lambda: mock.patch.object(ops, "TRITON", Kernels(stub_fwd, lambda *a: grads))),
+        # the backward on the calling thread, not autograd's device thread (the context
+        # manager takes effect when made: made in the loop, by these lambdas)
+        "ours fwd+bwd, autograd multithreading off": (
+            ours, lambda: torch.autograd.set_multithreading_enabled(False)),
         "sdpa cudnn fwd+bwd": (_peers.sdpa_call("CUDNN_ATTENTION", is_causal=True), None),
+        "sdpa cudnn fwd+bwd, autograd multithreading off": (
+            _peers.sdpa_call("CUDNN_ATTENTION", is_causal=True),
+            lambda: torch.autograd.set_multithreading_enabled(False)),
         "trivial Python Function fwd+bwd": (lambda q, k, v: _Trivial.apply(q, k, v), None),
         "floor: q * 1.0 fwd+bwd": (lambda q, k, v: q * 1.0, None),
     }  # fmt: skip
     rows = []
     for name, (fn, patch) in cases.items():
         step = _peers.fwd_bwd(fn, (q, k, v), dout)
-        with patch if patch is not None else mock.patch.object(sm, "planned", sm.planned):
+        with patch() if patch is not None else contextlib.nullcontext():
             res = host_us(step, calls, warmup=20)
             with torch.no_grad():
                 fwd = host_us(lambda fn=fn: fn(q, k, v), calls, warmup=20)
