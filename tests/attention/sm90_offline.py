@@ -321,7 +321,10 @@ if __name__ == "__main__":
                                   (64, False, torch.bfloat16, {"QBUF": 2}),
                                   (128, True, torch.bfloat16, {"DYNAMIC": True, "QBUF": 2}),
                                   (64, False, torch.bfloat16, {"CONSUMERS": 3, "QBUF": 2}),
-                                  (64, True, torch.float16, {"CONSUMERS": 3, "DYNAMIC": True})]):  # fmt: skip
+                                  (64, True, torch.float16, {"CONSUMERS": 3, "DYNAMIC": True}),
+                                  (128, False, torch.bfloat16, {"TREE_MAX": True}),
+                                  (64, True, torch.float16, {"CONSUMERS": 3, "DYNAMIC": True,
+                                                             "TREE_MAX": True})]):  # fmt: skip
         print(line)
     for d, causal, dtype, pipeline in [(64, True, torch.float16, True),
                                        (128, False, torch.bfloat16, False)]:  # fmt: skip

@@ -522,11 +522,11 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    # eleven forwards (two defaults, two with key and value tiles released together, the cycle
-    # probe, two with the dynamic schedule, two with two query buffers: head dim 128's fits
-    # the 227 KB of shared memory, two with three consumer warpgroups), two dK/dV kernels, four
-    # fused backwards (head dims 64 and 128, TMA dQ sums)
-    assert done.stdout.count("shared memory") == 17, done.stdout
+    # thirteen forwards (two defaults, two with key and value tiles released together, the
+    # cycle probe, two with the dynamic schedule, two with two query buffers: head dim 128's
+    # fits the 227 KB of shared memory, two with three consumer warpgroups, two with the tree
+    # row maximum), two dK/dV kernels, four fused backwards (head dims 64 and 128, TMA dQ sums)
+    assert done.stdout.count("shared memory") == 19, done.stdout
     # A new sequence length compiles nothing: no integer argument is specialized (the first
     # call at a new length took 2-3 s on an H100 when they were).
     assert "\n1 kernel(s) for lengths" in done.stdout, done.stdout
@@ -1211,6 +1211,34 @@ def test_pinned_waits_give_the_same_bits_and_match_float64(case):
         assert len(kernels) >= 2 and all(meta["PIN_WAIT"] is pin for meta in kernels)
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    "case",
+    [Case(2, 4, 1, 1500, 1500, 64, True, None, False, False, seed=31),
+     Case(1, 2, 2, 2600, 2600, 64, False, None, False, True, seed=32),  # three consumers
+     Case(1, 1, 4, 8300, 8300, 64, True, None, False, False, seed=33),  # three, causal
+     Case(2, 2, 2, 1100, 900, 128, True, None, False, False, seed=34),
+     Case(3, 4, 1, 700, 1300, 128, False, 0.3, False, False, seed=35)],
+)  # fmt: skip
+def test_the_tree_row_maximum_gives_the_same_bits(case):
+    """FWD_TREE_MAX (each score tile's row maximum as a tree of in-thread halves instead of one
+    chain per row; maxima do not round): the forward, built anew and seen to be, gives the
+    chain's bits (out and lse), with two and three consumer warpgroups, causal or not, and
+    matches float64."""
+    q, k, v = case.make(torch.bfloat16, "cuda", requires_grad=False)
+    runs = []
+    for tree in (False, True):
+        with _fresh_plans() as built, mock.patch.object(_sm90, "FWD_TREE_MAX", tree):
+            if tree:
+                check_against_reference(case, torch.bfloat16, _run(case), device="cuda",
+                                        grads=False)  # fmt: skip
+            runs.append(_run(case)(q, k, v))
+        forwards = [meta for meta in built if "TREE_MAX" in meta]
+        assert forwards and all(meta["TREE_MAX"] is tree for meta in forwards)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
 @gpu

@@ -24,9 +24,8 @@ order, so it is not bitwise reproducible; when ``torch.are_deterministic_algorit
 the same kernels run with their dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in
 ``DETERMINISTIC_SEQ_Q`` (head dim 64: causal without GQA, 4096-16384) and
 ``DETERMINISTIC_SPLIT_SEQ_Q`` (128: causal without GQA 8192-16384, without a causal mask
-4096-8192), and every other problem takes the portable backward. Every other backward is the portable one (deterministic; it reads the same
-``out`` and ``lse``).
-The switches are below.
+4096-8192), and every other problem takes the portable backward. Every other backward is the
+portable one (deterministic; it reads the same ``out`` and ``lse``). The switches are below.
 """
 
 from __future__ import annotations
@@ -105,6 +104,10 @@ FWD_QBUF2_MAX = {(64, True): 1 << 30, (64, False): 2048, (128, True): 2048, (128
 # fence costs issue slots.
 FWD_PIN_WAIT = {(64, False): False, (64, True): False, (128, False): True, (128, True): False}
 BWD_PIN_WAIT = False
+# Each score tile's row maximum as a tree of in-thread halves (``_fwd._row_max``: depth 5, not a
+# chain of 31 dependent maxima per row before the exponentials can start; the same bits). Off:
+# not yet measured on a GPU (``benchmarks/sm90_fwd.py``'s "tree row max" variant).
+FWD_TREE_MAX = False
 # Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
 # address) instead of Triton's launcher object (``_rawlaunch``; host time per call below).
 RAW_LAUNCH = True
@@ -365,7 +368,7 @@ def constexprs(d: int, causal: bool, dynamic: bool = False, qbuf: int = 1,
     return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
             "DYNAMIC": dynamic, "QBUF": qbuf, "PIN_WAIT": FWD_PIN_WAIT[(d, causal)],
             "CONSUMERS": consumers, "CONSUMER_REGS": FWD_REGS[consumers][1],
-            "Q_RS": False}  # fmt: skip
+            "Q_RS": False, "TREE_MAX": FWD_TREE_MAX}  # fmt: skip
 
 
 def launch_options(consumers: int) -> dict:

@@ -180,13 +180,31 @@ if AVAILABLE:
         return b, h, h // group, m0, gl.cdiv(hi, BLOCK_N)
 
     @gluon.jit
+    def _row_max(s):
+        """Each row's maximum of a score tile in the wgmma accumulator layout, as a tree: the
+        elementwise maximum of the two column halves while both halves of a row sit in the same
+        thread (four halvings of 128 columns: each thread holds column pairs 8 apart), then the
+        reduction over the quad's lanes. ``gl.max(s, 1)`` compiles to one dependent chain of 31
+        maxima per row before the shuffles (ptxas keeps the order); this has depth 5. Maxima do
+        not round, so the result is the same bits."""
+        BLOCK_M: gl.constexpr = s.type.shape[0]
+        BLOCK_N: gl.constexpr = s.type.shape[1]
+        x = gl.max(gl.reshape(s, [BLOCK_M, 2, BLOCK_N // 2]), axis=1)
+        x = gl.max(gl.reshape(x, [BLOCK_M, 2, BLOCK_N // 4]), axis=1)
+        x = gl.max(gl.reshape(x, [BLOCK_M, 2, BLOCK_N // 8]), axis=1)
+        x = gl.max(gl.reshape(x, [BLOCK_M, 2, BLOCK_N // 16]), axis=1)
+        return gl.max(x, 1)
+
+    @gluon.jit
     def _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL: gl.constexpr,
-                      ROW_BOUND: gl.constexpr = False, MASK: gl.constexpr = 0):  # fmt: skip
+                      ROW_BOUND: gl.constexpr = False, MASK: gl.constexpr = 0,
+                      TREE: gl.constexpr = False):  # fmt: skip
         """Online softmax (base 2, scale in the exponent's FMA) of score tile j of rows r0.. :
         ``(p, alpha, m_new, l_new)``. Tiles from n_full on may cross the causal diagonal or the
         end of the keys and are masked (qk_scale > 0: max(s) * qk_scale is the scaled max);
         ``MASK`` 1 / 2: never / always, known at compile time. ``ROW_BOUND``: the causal mask as
-        one bound per row (the three-consumer build's form, below)."""
+        one bound per row (the three-consumer build's form, below). ``TREE``: the row maximum
+        as a tree (:func:`_row_max`) instead of one chain per row (the same bits)."""
         BLOCK_M: gl.constexpr = s.type.shape[0]
         BLOCK_N: gl.constexpr = s.type.shape[1]
         s_layout: gl.constexpr = s.type.layout
@@ -209,7 +227,10 @@ if AVAILABLE:
                     rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
                     keep = keep & (cols[None, :] <= rows[:, None])
             s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        if TREE:
+            m_new = gl.maximum(m_i, gl.convert_layout(_row_max(s), m_i.type.layout) * qk_scale)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
@@ -217,7 +238,8 @@ if AVAILABLE:
     @gluon.jit
     def _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0, seq_k, qk_scale, turns, k_turn,
               k_empty, v_empty, st, sp, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
-              PIN_WAIT: gl.constexpr, MASK: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+              PIN_WAIT: gl.constexpr, MASK: gl.constexpr, WG: gl.constexpr,
+              TREE: gl.constexpr = False):  # fmt: skip
         """One key-tile step of a consumer (its K and V loaded): S_j and P_{j-1} V_{j-1} in its
         turn, the softmax of S_j (masked by ``MASK``, as :func:`_softmax_tile`) while P V runs.
         The three-consumer causal loop's, split by mask (the same steps as :func:`_consume`'s
@@ -232,7 +254,7 @@ if AVAILABLE:
         if KV_SPLIT:
             mbarrier.arrive(k_empty.index(st), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL,
-                                           True, MASK)  # fmt: skip
+                                           True, MASK, TREE)  # fmt: skip
         if PIN_WAIT:
             schedule_fence(j)
         acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
@@ -244,7 +266,7 @@ if AVAILABLE:
     @gluon.jit
     def _steps(lo, hi, it, q, rings, s, acc, pa, m_i, l_i, k_turn, n_full, r0, seq_k, qk_scale,
                CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr, PIN_WAIT: gl.constexpr,
-               MASK: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+               MASK: gl.constexpr, WG: gl.constexpr, TREE: gl.constexpr = False):  # fmt: skip
         """Key tiles ``lo`` to ``hi`` (exclusive) of the three-consumer causal loop, each a
         :func:`_step` once its K and V have landed (``it``: the tile's first ring slot); the two
         loops (without and with the mask) are this with MASK 1 and 2."""
@@ -261,7 +283,7 @@ if AVAILABLE:
             mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
             s, acc, pa, m_i, l_i = _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0, seq_k,
                                          qk_scale, turns, k_turn, k_empty, v_empty, st, sp,
-                                         CAUSAL, KV_SPLIT, PIN_WAIT, MASK, WG)  # fmt: skip
+                                         CAUSAL, KV_SPLIT, PIN_WAIT, MASK, WG, TREE)  # fmt: skip
             k_turn += 1
         return s, acc, pa, m_i, l_i, k_turn
 
@@ -281,7 +303,8 @@ if AVAILABLE:
     @gluon.jit
     def _consume(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                  PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                 PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr, WG: gl.constexpr):  # fmt: skip
+                 PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr, TREE_MAX: gl.constexpr,
+                 WG: gl.constexpr):  # fmt: skip
         """Consumer warpgroup WG: rows [m0 + WG * BLOCK_M, + BLOCK_M) of each of this program's
         tiles over their key tiles, then O (q's dtype, a TMA store) and the natural logsumexp.
         ``KV_SPLIT``: a key tile is released once its S is computed, a value tile once its P V
@@ -293,7 +316,8 @@ if AVAILABLE:
         ptxas hoists that wait above the softmax (Triton 3.6, H100 SASS), so the softmax of S_j
         does not overlap ``P_{j-1} V_{j-1}`` after all. ``Q_RS``: the query slice is read into
         registers once per tile (its buffer released at once) and each ``S = Q K^T`` takes it
-        from there (a register operand: the product reads only K from shared memory)."""
+        from there (a register operand: the product reads only K from shared memory).
+        ``TREE_MAX``: each score tile's row maximum as a tree (:func:`_row_max`; the same bits)."""
         q_desc, k_desc, v_desc, o_desc = descs
         q_smem, k_smem, v_smem, o_smem = bufs
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
@@ -363,7 +387,7 @@ if AVAILABLE:
             if KV_SPLIT:
                 mbarrier.arrive(k_empty.index(st), count=1)  # every consumer releases a key tile
             p, alpha, m_i, l_i = _softmax_tile(s, 0, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL,
-                                               CONSUMERS == 3)  # fmt: skip
+                                               CONSUMERS == 3, 0, TREE_MAX)  # fmt: skip
             pa = gl.convert_layout(p.to(q.dtype), p_layout)
             if PROBE == 3:
                 c7, t = lap(c7, t, r)
@@ -376,10 +400,10 @@ if AVAILABLE:
                 rings = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns)
                 s, acc, pa, m_i, l_i, k_turn = _steps(
                     1, n_plain, it, q, rings, s, acc, pa, m_i, l_i, k_turn, n_full, r0, seq_k,
-                    qk_scale, CAUSAL, KV_SPLIT, PIN_WAIT, 1, WG)  # fmt: skip
+                    qk_scale, CAUSAL, KV_SPLIT, PIN_WAIT, 1, WG, TREE_MAX)  # fmt: skip
                 s, acc, pa, m_i, l_i, k_turn = _steps(
                     n_plain, n_mine, it, q, rings, s, acc, pa, m_i, l_i, k_turn, n_full, r0,
-                    seq_k, qk_scale, CAUSAL, KV_SPLIT, PIN_WAIT, 2, WG)  # fmt: skip
+                    seq_k, qk_scale, CAUSAL, KV_SPLIT, PIN_WAIT, 2, WG, TREE_MAX)  # fmt: skip
             else:
                 for j in range(1, n_mine):
                     st = (it + j) % STAGES
@@ -405,7 +429,7 @@ if AVAILABLE:
                     if PROBE == 3:
                         c3, t = lap(c3, t, j)
                     p, alpha, m_i, l_i = _softmax_tile(
-                        s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL
+                        s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL, False, 0, TREE_MAX
                     )  # fmt: skip
                     if PROBE == 3:
                         c4, t = lap(c4, t, j)
@@ -513,32 +537,35 @@ if AVAILABLE:
     @gluon.jit
     def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr):  # fmt: skip
+                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr,
+                   TREE_MAX: gl.constexpr):  # fmt: skip
         if PROBE == 4:
             _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 0)
         else:
             _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
-                     PIN_WAIT, Q_RS, 0)  # fmt: skip
+                     PIN_WAIT, Q_RS, TREE_MAX, 0)  # fmt: skip
 
     @gluon.jit
     def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr):  # fmt: skip
+                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr,
+                   TREE_MAX: gl.constexpr):  # fmt: skip
         if PROBE == 4:
             _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 1)
         else:
             _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
-                     PIN_WAIT, Q_RS, 1)  # fmt: skip
+                     PIN_WAIT, Q_RS, TREE_MAX, 1)  # fmt: skip
 
     @gluon.jit
     def _consumer2(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr):  # fmt: skip
+                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr,
+                   TREE_MAX: gl.constexpr):  # fmt: skip
         if PROBE == 4:
             _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 2)
         else:
             _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
-                     PIN_WAIT, Q_RS, 2)  # fmt: skip
+                     PIN_WAIT, Q_RS, TREE_MAX, 2)  # fmt: skip
 
     @gluon.jit
     def _kv_load(desc, coord, ready, buf, n, STAGES: gl.constexpr, PROBE: gl.constexpr):
@@ -559,7 +586,7 @@ if AVAILABLE:
     @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
               PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-              PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr):  # fmt: skip
+              PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr, TREE_MAX: gl.constexpr):  # fmt: skip
         """Load warp: per tile, its query slices (one per consumer) once their buffers are free,
         then the key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
         the stage's value tile's). ``DYNAMIC``: a program's first tile is its id, the next the
@@ -629,6 +656,7 @@ if AVAILABLE:
         KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
         PIN_WAIT: gl.constexpr = False, CONSUMERS: gl.constexpr = 2,
         CONSUMER_REGS: gl.constexpr = 240, Q_RS: gl.constexpr = False,
+        TREE_MAX: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -683,11 +711,11 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                             QBUF, PIN_WAIT, Q_RS)),
+                             QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                 ],
                 [4, 1],
                 [CONSUMER_REGS, 24],
@@ -696,13 +724,13 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_consumer2, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                             QBUF, PIN_WAIT, Q_RS)),
+                             QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                 ],
                 [4, 4, 1],
                 [CONSUMER_REGS, CONSUMER_REGS, 24],
