@@ -163,7 +163,7 @@ FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
                                                       and VERIFIED))  # fmt: skip
 FUSED_ALL = _BWD_MODE == "fused"
-# GQA from 256 rows: there its kernels took 0.55-0.77x the portable backward's time at 256-1024
+# GQA from 256 rows: there its kernels took 0.54-0.77x the portable backward's time at 256-1024
 # (H100, 2026-11-27, ``sm90_bwd.py --shapes``; the portable dK/dV kernel loops over a group's
 # query heads), and the 1B LM's training step at context 512 went from 1.00x SDPA's to 0.99x.
 FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fused kernel runs
@@ -706,7 +706,7 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     time there, ``gpu_checks/order_ab.py``), 0.75-0.88x without a causal mask at 2048-8192, and
     (one run, with the load warp's LSE/D rows) 0.78-0.81x at 16384 (1024: host-bound, no clear
     winner). Short rows, kernel times (``--shapes``, 16384 tokens a problem, 2026-11-27): with GQA
-    4:1 its kernels took 0.55-0.77x the portable ones' at 256-1024, causal or not (the ranges
+    4:1 its kernels took 0.54-0.77x the portable ones' at 256-1024, causal or not (the ranges
     start at 256); without GQA and without a causal mask 0.91x at 1024 (1.03x at 512), causal
     1.14-1.22x at 256-512. Only self-attention was measured (as many keys as query rows), so the keys must be
     in the range too: with few keys (cross-attention) the kernel has few programs, each looping
