@@ -106,15 +106,20 @@ class Laps:
         self._t = now
 
 
-def host_us(fn: Callable, calls: int, warmup: int = 30) -> dict[str, float]:
+def host_us(fn: Callable, calls: int, warmup: int = 30,
+            synchronized: bool = False) -> dict[str, float]:  # fmt: skip
     """Microseconds of wall and process CPU time per call of ``fn``, run ``calls`` times without
-    synchronizing (autograd runs CUDA backwards on a worker thread)."""
+    synchronizing (autograd runs CUDA backwards on a worker thread); ``synchronized``: the wall
+    time until the GPU has finished the calls too (the loop's time per call whichever of host
+    and GPU bounds it)."""
     for _ in range(warmup):  # autotune, compile, fill the launch caches
         fn()
     sync()
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(calls):
         fn()
+    if synchronized:
+        sync()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     sync()
     return {"wall_us": wall / calls * 1e6, "cpu_us": cpu / calls * 1e6}

@@ -15,12 +15,11 @@ Default share: the grid's fifth worker's ((4, 16, 4096, 128) and (4, 16, 2048, 1
 import gc
 import subprocess
 import sys
-import time
 
 import torch
 
 from benchmarks import _peers
-from benchmarks._harness import markdown_table
+from benchmarks._harness import host_us, markdown_table
 
 
 def kernel_times(case) -> list[dict]:
@@ -57,13 +56,8 @@ def loop_us(case, calls: int = 300) -> list[dict]:
     rows = []
     for collector in ("on", "off", "on"):
         (gc.enable if collector == "on" else gc.disable)()
-        step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-        rows.append({"gc": collector, "us per call": (time.perf_counter() - start) / calls * 1e6})
+        wall = host_us(step, calls, warmup=1, synchronized=True)["wall_us"]
+        rows.append({"gc": collector, "us per call": wall})
     gc.enable()
     return rows
 

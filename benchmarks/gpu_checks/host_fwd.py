@@ -9,23 +9,12 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks._harness import host_us
 from torch_flashsys import flash_attention
-
-
-def wall_us(fn, calls: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
 
 
 def main() -> None:
@@ -41,9 +30,10 @@ def main() -> None:
            "sdpa default": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
            "floor: q * 1.0": lambda: q * 1.0}  # fmt: skip
     with torch.no_grad():
+        wall_us = lambda fn: host_us(fn, args.calls, 20, synchronized=True)["wall_us"]
         for rnd in range(3):
             print(f"round {rnd}: " + ", ".join(
-                f"{name} {wall_us(fn, args.calls):.1f} us" for name, fn in fns.items()))  # fmt: skip
+                f"{name} {wall_us(fn):.1f} us" for name, fn in fns.items()))  # fmt: skip
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):

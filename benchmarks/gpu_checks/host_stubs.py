@@ -51,17 +51,16 @@ def main() -> None:
     fwd_out = ours(q, k, v)  # (compiles; the stubs' preallocated results)
     lse = q.new_empty(SHAPE[:-1], dtype=torch.float32)
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    stub_sm90_bwd = lambda *a, **kw: grads
-    stub_ops_bwd = lambda *a, **kw: grads
+    stub_bwd = lambda *a, **kw: grads  # (stands in for _sm90.backward or _ops._backward)
     stub_fwd = lambda q, k, v, scale, ex: (fwd_out.detach(), lse)
     cases = {
         "ours fwd+bwd": (ours, None),
         "ours fwd+bwd, _sm90.backward a stub": (
-            ours, lambda: mock.patch.object(sm, "backward", stub_sm90_bwd)),
+            ours, lambda: mock.patch.object(sm, "backward", stub_bwd)),
         "ours fwd+bwd, the whole kernel backward a stub": (
-            ours, lambda: mock.patch.object(ops, "_backward", stub_ops_bwd)),
+            ours, lambda: mock.patch.object(ops, "_backward", stub_bwd)),
         "ours fwd+bwd, forward and backward stubs (dispatch + autograd only)": (
-            ours, lambda: mock.patch.object(ops, "TRITON", Kernels(stub_fwd, lambda *a: grads))),
+            ours, lambda: mock.patch.object(ops, "TRITON", Kernels(stub_fwd, stub_bwd))),
         # the backward on the calling thread, not autograd's device thread (the context
         # manager takes effect when made: made in the loop, by these lambdas)
         "ours fwd+bwd, autograd multithreading off": (

@@ -708,10 +708,10 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     winner). Short rows, kernel times (``--shapes``, 16384 tokens a problem, 2026-11-27): with GQA
     4:1 its kernels took 0.54-0.77x the portable ones' at 256-1024, causal or not (the ranges
     start at 256); without GQA and without a causal mask 0.91x at 1024 (1.03x at 512), causal
-    1.14-1.22x at 256-512. Only self-attention was measured (as many keys as query rows), so the keys must be
-    in the range too: with few keys (cross-attention) the kernel has few programs, each looping
-    over every query tile. Head dim 128 (the split kernel): the lengths in SPLIT_SEQ_Q, from one
-    ``--rule --head-dim 128`` run (docs/benchmarks.md)."""
+    1.09-1.22x at 256-512. Only self-attention was measured (as many keys as query rows), so
+    the keys must be in the range too: with few keys (cross-attention) the kernel has few
+    programs, each looping over every query tile. Head dim 128 (the split kernel): the lengths
+    in SPLIT_SEQ_Q, from one ``--rule --head-dim 128`` run (docs/benchmarks.md)."""
     return _in_rule(SPLIT_SEQ_Q if q.shape[-1] in SPLIT_HEAD_DIMS else FUSED_SEQ_Q, q, k, ex)
 
 
