@@ -45,6 +45,7 @@ VARIANTS = {  # name: constexprs over the library's (earlier: KV_SPLIT, DYNAMIC,
     "Q in registers": {"Q_RS": True},  # S = Q K^T reads only K from shared memory
     "2 consumers + Q in registers": {"CONSUMERS": 2, "CONSUMER_REGS": 240, "Q_RS": True},
     "tree row max": {"TREE_MAX": True},  # each row's maximum as a tree, not a chain (same bits)
+    "chain row max": {"TREE_MAX": False},  # (the default at head dim 64 without a causal mask)
     # measurement-only cuts (wrong output): the consumers release each buffer once loaded, no
     # products (the key/value traffic alone); the load warp loads each ring stage once, then
     # only signals it (no key/value traffic)

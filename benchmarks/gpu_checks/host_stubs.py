@@ -6,13 +6,15 @@ multithreading off (the backward on the calling thread), beside cuDNN, a trivial
 trivial Python autograd Function; then our backward timed and cProfiled inside autograd (on its
 thread) and called directly, and the forward's cProfile (profiler-inflated).
 
-    PYTHONPATH=. python3 benchmarks/gpu_checks/host_stubs.py [--calls N]
+    PYTHONPATH=. python3 benchmarks/gpu_checks/host_stubs.py [--calls N] [--rounds R]
+        [--only NAME,...]    (R rounds of the cases in alternating order, their medians)
 """
 
 import contextlib
 import cProfile
 import io
 import pstats
+import statistics
 import sys
 import time
 from unittest import mock
@@ -55,10 +57,16 @@ def main() -> None:
     stub_fwd = lambda q, k, v, scale, ex: (fwd_out.detach(), lse)
     cases = {
         "ours fwd+bwd": (ours, None),
+        "ours fwd+bwd, no plan (the kept backward found in the backward)": (
+            ours, lambda: mock.patch.object(ops, "TRITON", Kernels(ops._forward,
+                                                                   ops._kernel_backward))),
+        "ours fwd+bwd, the general backward (nothing kept)": (
+            ours, lambda: mock.patch.multiple(sm, kept_backward=lambda *a: None,
+                                              backward_plan=lambda *a: None)),
         "ours fwd+bwd, _sm90.backward a stub": (
             ours, lambda: mock.patch.object(sm, "backward", stub_bwd)),
         "ours fwd+bwd, the whole kernel backward a stub": (
-            ours, lambda: mock.patch.object(ops, "_backward", stub_bwd)),
+            ours, lambda: mock.patch.object(ops, "TRITON", Kernels(ops._forward, stub_bwd))),
         "ours fwd+bwd, forward and backward stubs (dispatch + autograd only)": (
             ours, lambda: mock.patch.object(ops, "TRITON", Kernels(stub_fwd, stub_bwd))),
         # the backward on the calling thread, not autograd's device thread (the context
@@ -72,48 +80,70 @@ def main() -> None:
         "trivial Python Function fwd+bwd": (lambda q, k, v: _Trivial.apply(q, k, v), None),
         "floor: q * 1.0 fwd+bwd": (lambda q, k, v: q * 1.0, None),
     }  # fmt: skip
+    if "--only" in sys.argv:  # cases whose names contain one of these (comma-separated)
+        only = sys.argv[sys.argv.index("--only") + 1].split(",")
+        cases = {n: c for n, c in cases.items() if any(part in n for part in only)}
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 1
+    times: dict[str, list[dict]] = {name: [] for name in cases}
+    for r in range(rounds):  # the cases in turn, in alternating order: their medians
+        for name, (fn, patch) in list(cases.items())[:: 1 if r % 2 == 0 else -1]:
+            step = _peers.fwd_bwd(fn, (q, k, v), dout)
+            with patch() if patch is not None else contextlib.nullcontext():
+                res = host_us(step, calls, warmup=20)
+                with torch.no_grad():
+                    fwd = host_us(lambda fn=fn: fn(q, k, v), calls, warmup=20)
+            times[name].append({"fwd+bwd wall us": res["wall_us"], "fwd+bwd cpu us": res["cpu_us"],
+                                "fwd no_grad wall us": fwd["wall_us"]})  # fmt: skip
     rows = []
-    for name, (fn, patch) in cases.items():
-        step = _peers.fwd_bwd(fn, (q, k, v), dout)
-        with patch() if patch is not None else contextlib.nullcontext():
-            res = host_us(step, calls, warmup=20)
-            with torch.no_grad():
-                fwd = host_us(lambda fn=fn: fn(q, k, v), calls, warmup=20)
-        rows.append({"case": name, "fwd+bwd wall us": res["wall_us"],
-                     "fwd+bwd cpu us": res["cpu_us"], "fwd no_grad wall us": fwd["wall_us"]})  # fmt: skip
+    for name, runs in times.items():
+        walls = [t["fwd+bwd wall us"] for t in runs]
+        rows.append({"case": name, **{key: statistics.median(t[key] for t in runs)
+                                      for key in runs[0]},
+                     "wall us min-max": f"{min(walls):.0f}-{max(walls):.0f}"})  # fmt: skip
     print(markdown_table(rows, list(rows[0])))
     # cProfile sees the calling thread only, and autograd runs a CUDA backward on its own
     # thread: the forward (grad on) and our backward (called directly) are profiled apart.
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     out, lse = ops._forward(qd, kd, vd, SHAPE[-1] ** -0.5, CAUSAL)
+    scale = SHAPE[-1] ** -0.5
+    ops._kernel_backward(dout, qd, kd, vd, out, lse, None, scale, CAUSAL)  # (kept after)
+    plan = ops._backward_plan(qd, kd, vd, out, lse, scale, CAUSAL)
+    assert plan is not None, "no plan for a kept problem"
     parts = {
         "forward, grad on (main thread)": lambda: ours(q, k, v),
         "our backward (_kernel_backward, called directly)": lambda: ops._kernel_backward(
-            dout, qd, kd, vd, out, lse, None, SHAPE[-1] ** -0.5, CAUSAL),
+            dout, qd, kd, vd, out, lse, None, scale, CAUSAL),
+        "our backward (the forward's plan, called directly)": lambda: plan(
+            dout, qd, kd, vd, out, lse, scale),
     }  # fmt: skip
-    # Our backward as autograd runs it (its engine thread) against the same call made directly:
+    # Our backward as autograd runs it (its engine thread: the forward's plan, or the general
+    # path where there is none) against the plan's call made directly:
     # wall time inside it per call, then its cProfile on that thread.
-    direct = host_us(parts["our backward (_kernel_backward, called directly)"], calls, 20)
+    direct = host_us(parts["our backward (the forward's plan, called directly)"], calls, 20)
     inside: list[float] = []
     prof = cProfile.Profile()
     profiling = [False]
 
-    def timed_backward(*args):
+    def timed_backward(*args, run=ops._kernel_backward):
         start = time.perf_counter()
         if profiling[0]:
             prof.enable()
         try:
-            return ops._kernel_backward(*args)
+            return run(*args)
         finally:
             if profiling[0]:
                 prof.disable()
             inside.append(time.perf_counter() - start)
 
+    def timed_plan(*args):  # the plan the forward makes, its call in the backward timed
+        plan = ops._backward_plan(*args)
+        return None if plan is None else lambda *a: timed_backward(*a, run=plan)
+
     step = _peers.fwd_bwd(ours, (q, k, v), dout)
-    with mock.patch.object(ops, "TRITON", Kernels(ops._forward, timed_backward)):
+    with mock.patch.object(ops, "TRITON", Kernels(ops._forward, timed_backward, timed_plan)):
         whole = host_us(step, calls, 20)
         n = len(inside)
-        print(f"our backward, direct call: {direct['wall_us']:.0f} us a call; inside autograd: "
+        print(f"our backward (plan), direct call: {direct['wall_us']:.0f} us a call; inside autograd: "
               f"{sum(inside[-calls:]) / calls * 1e6:.0f} us a call inside it, the fwd+bwd "
               f"{whole['wall_us']:.0f} us ({n} calls)")  # fmt: skip
         profiling[0] = True

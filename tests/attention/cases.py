@@ -131,8 +131,10 @@ def output_rounding_slack(out, out64, lse64, dout, q64, k64) -> dict[str, float]
     return slack
 
 
-def check_against_reference(case: Case, dtype, run, device="cpu", atol=None, grads=True):
-    """Run ``run(q, k, v) -> (out, lse)`` on the case; compare out, lse, dq, dk, dv with float64."""
+def check_against_reference(case: Case, dtype, run, device="cpu", atol=None, grads=True,
+                            lse_grad=True):  # fmt: skip
+    """Run ``run(q, k, v) -> (out, lse)`` on the case; compare out, lse, dq, dk, dv with float64
+    (``lse_grad`` False: the loss without lse, so the backward gets no dLSE, as in training)."""
     q, k, v = case.make(dtype, device)
     out, lse = run(q, k, v)
     assert out.shape == q.shape and out.dtype == dtype
@@ -150,9 +152,9 @@ def check_against_reference(case: Case, dtype, run, device="cpu", atol=None, gra
         return
     gen = torch.Generator(device="cpu").manual_seed(case.seed + 1)
     dout = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
-    dlse = torch.randn(lse.shape, generator=gen).to(device=device)
+    dlse = torch.randn(lse.shape, generator=gen).to(device=device) * lse_grad
     slack = output_rounding_slack(out, out64, lse64, dout, q64, k64)
-    ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    ((out.float() * dout.float()).sum() + ((lse * dlse).sum() if lse_grad else 0)).backward()
     ((out64 * dout.double()).sum() + (lse64 * dlse.double()).sum()).backward()
     base_lse = scores(qb, kb, case.is_causal, case.scale).float().logsumexp(-1)
     ((base.float() * dout.float()).sum() + (base_lse * dlse).sum()).backward()

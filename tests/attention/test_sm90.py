@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -104,6 +105,16 @@ def test_the_forward_pins_its_product_wait_where_it_measured_faster(d, causal, p
     assert _sm90.BWD_PIN_WAIT is False
 
 
+@pytest.mark.parametrize(("d", "causal", "tree"),
+                         [(128, False, True), (128, True, True), (64, False, False),
+                          (64, True, True)])  # fmt: skip
+def test_the_forward_takes_row_maxima_as_trees_where_it_measured_faster(d, causal, tree):
+    """The forward's TREE_MAX (H100, ``benchmarks/sm90_fwd.py``, docs/benchmarks.md): on at head
+    dim 128 and head dim 64 causal (0.96-1.00x the kernel time); off at head dim 64 without a
+    causal mask (1.01x)."""
+    assert _sm90.constexprs(d, causal)["TREE_MAX"] is tree
+
+
 @contextmanager
 def _fresh_plans():
     """Empty launch tables for the Hopper kernels, so that each call of a launch key compiles
@@ -130,15 +141,109 @@ def _fresh_plans():
 
 
 def test_forget_launches_empties_every_launch_table(monkeypatch):
-    """Every table of kept launches (forward, dK/dV, preprocessing, fused backward) is emptied,
+    """Every table of kept launches (forward, dK/dV, preprocessing, fused backward, the kept
+    backwards) is emptied,
     the tables themselves kept (the launch functions read them by name)."""
-    tables = ("_PLANS", "_BWD_PLANS", "_PREP_PLANS", "_FUSED_PLANS")
+    tables = ("_PLANS", "_BWD_PLANS", "_PREP_PLANS", "_FUSED_PLANS", "_KEPT")
     for name in tables:
         monkeypatch.setattr(_sm90, name, {("key", name): object()})
     before = [getattr(_sm90, name) for name in tables]
     _sm90.forget_launches()
     assert [getattr(_sm90, name) for name in tables] == [{}] * len(tables)
     assert all(getattr(_sm90, n) is t for n, t in zip(tables, before, strict=True))
+
+
+class _Recorder:
+    """A stand-in planned launch: records each call's values, then runs ``effect`` on them."""
+
+    def __init__(self, effect) -> None:
+        self.calls: list[tuple] = []
+        self.effect = effect
+
+    def __call__(self, stream: int, values: tuple) -> None:
+        self.calls.append((stream, values))
+        self.effect(values)
+
+
+def test_a_kept_backward_runs_only_where_the_switches_and_rules_still_send_it(monkeypatch):
+    """kept_backward (in the backward) and backward_plan (in the forward; its plan called in the
+    backward) give a problem's kept backward only for its own key (shapes, strides, dtypes,
+    mask, device, alignment; dO's strides) and only while the switches and the length rule send
+    the problem to the fused kernel, without dLSE, ordered sums or launch hooks; a plan made
+    before forget_launches refuses. The kept backward allocates the buffers and passes the two
+    launches what backward_prep and the fused kernel take. CUDA stood in on CPU (device -1)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(_sm90, "ENABLED", True)
+    monkeypatch.setattr(_sm90, "FUSED_ENABLED", True)
+    monkeypatch.setattr(_sm90, "FUSED_ALL", False)
+    monkeypatch.setattr(_sm90, "FUSED_SEQ_Q", {(True, True): (256, 4096)})
+    monkeypatch.setattr(_sm90, "_KEPT", {})
+    q, dout = (torch.randn(2, 8, 512, 64, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 512, 64, dtype=torch.bfloat16) for _ in range(2))
+    out, lse = torch.randn_like(q), torch.randn(2, 8, 512)
+    args = (dout, q, k, v, out, lse, None, 0.125, CAUSAL)
+    assert _sm90.kept_backward(*args) is None  # nothing kept yet
+    assert _sm90.backward_plan(q, k, v, out, lse, 0.125, CAUSAL) is None
+    prep = _Recorder(lambda values: values[4].zero_())  # (the kernel zeroes the dQ sums)
+    fused = _Recorder(lambda values: values[8].add_(1.5))  # (and the fused kernel adds to them)
+    kept = _sm90._KeptBackward(prep, fused, -1, tuple(q.shape), None, False)
+    _sm90._KEPT[_sm90._problem_key(q, k, v, out, lse, True)] = {dout.stride(): kept}
+    assert _sm90.kept_backward(*args) is kept
+    dq, dk, dv = _sm90.backward(*args[:-1], True, kept=kept)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dq.dtype == q.dtype and dk.stride() == k.stride()
+    ((stream, (o, do, rows, delta, acc, counts)),) = prep.calls
+    assert stream == 7 and (o, do, rows) == (out, dout, lse) and counts is acc
+    assert acc.dtype == torch.float32 and acc.shape == q.shape and delta.shape == lse.shape
+    ((_, values),) = fused.calls
+    assert values[:5] == (q, k, v, dout, lse) and values[5] is delta and values[8] is acc
+    assert values[-2:] == (0.125 * _sm90.LOG2E, 0.125)
+    assert torch.equal(dq, torch.full_like(q, 1.5))  # the sums converted after the kernels
+    plan = _sm90.backward_plan(q, k, v, out, lse, 0.125, CAUSAL)
+    assert plan is not None and _sm90.backward_plan(q, k, v, out, lse, 0.125, PLAIN) is None
+    with mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy:
+        assert torch.equal(plan(dout, q, k, v, out, lse, 0.125)[0], dq)
+    assert spy.call_args.kwargs["kept"] is kept and len(fused.calls) == 2
+    others = [
+        (dout, q, k, v, out, lse, torch.zeros_like(lse), 0.125, CAUSAL),  # dLSE
+        (dout, q, k, v, out, lse, None, 0.125, PLAIN),  # another mask
+        (dout.transpose(1, 2).contiguous().transpose(1, 2), q, k, v, out, lse, None, 0.125,
+         CAUSAL),  # dO in another layout
+        (dout, q[:, :, :256], k[:, :, :256], v[:, :, :256], out[:, :, :256], lse[:, :, :256],
+         None, 0.125, CAUSAL),  # other shapes
+        (dout.half(), q, k, v, out, lse, None, 0.125, CAUSAL),  # dO of another dtype
+        (dout, q, k, v, out, lse, None, -0.125, CAUSAL),  # a negative scale
+    ]  # fmt: skip
+    for other in others:
+        assert _sm90.kept_backward(*other) is None
+    misaligned = torch.empty(dout.numel() + 1, dtype=dout.dtype)[1:].view_as(dout)
+    for d in (others[2][0], others[4][0], dout[:, :, :256], misaligned):  # (the plan: dO's)
+        assert plan(d, q, k, v, out, lse, 0.125) is None
+    assert _sm90.kept_backward(misaligned, *args[1:]) is None
+    for name, value in [
+        ("ENABLED", False),
+        ("FUSED_ENABLED", False),
+        ("FUSED_SEQ_Q", {(True, True): (1024, 4096)}),
+        ("MIN_SEQ_K", 1024),
+    ]:
+        with mock.patch.object(_sm90, name, value):
+            assert _sm90.kept_backward(*args) is None, name
+            assert _sm90.backward_plan(q, k, v, out, lse, 0.125, CAUSAL) is None, name
+    with _deterministic_algorithms():
+        assert _sm90.kept_backward(*args) is None
+        assert plan(dout, q, k, v, out, lse, 0.125) is None
+    with mock.patch.object(torch.cuda, "current_device", lambda: 0):  # another device current
+        assert _sm90.kept_backward(*args) is None
+        assert plan(dout, q, k, v, out, lse, 0.125) is None
+    with mock.patch.object(_sm90, "launch_hooks_set", lambda: True):  # a profiler's hooks
+        assert _sm90.kept_backward(*args) is None
+        assert plan(dout, q, k, v, out, lse, 0.125) is None
+    assert _sm90.kept_backward(*args) is kept  # (each refusal above for its own reason)
+    assert plan(dout, q, k, v, out, lse, 0.125) is not None
+    _sm90.forget_launches()  # (the tables emptied: the plan made before it refuses)
+    _sm90._KEPT[_sm90._problem_key(q, k, v, out, lse, True)] = {dout.stride(): kept}
+    assert plan(dout, q, k, v, out, lse, 0.125) is None
 
 
 def test_the_dynamic_schedule_keeps_one_counter_per_device_and_stream(monkeypatch):
@@ -524,7 +629,7 @@ def test_hopper_kernel_compiles_for_sm90_with_the_installed_triton():
     assert done.returncode == 0, done.stdout + done.stderr
     # thirteen forwards (two defaults, two with key and value tiles released together, the
     # cycle probe, two with the dynamic schedule, two with two query buffers: head dim 128's
-    # fits the 227 KB of shared memory, two with three consumer warpgroups, two with the tree
+    # fits the 227 KB of shared memory, two with three consumer warpgroups, two with the chain
     # row maximum), two dK/dV kernels, four fused backwards (head dims 64 and 128, TMA dQ sums)
     assert done.stdout.count("shared memory") == 19, done.stdout
     # A new sequence length compiles nothing: no integer argument is specialized (the first
@@ -1099,6 +1204,40 @@ def test_fused_backward_matches_float64(case, dtype):
 @needs_sm90
 @pytest.mark.parametrize(
     "case",
+    [Case(2, 2, 4, 700, 700, 64, True, None, False, True, seed=0),
+     Case(1, 2, 2, 300, 1000, 128, True, None, False, False, seed=0),
+     Case(3, 8, 1, 1500, 700, 128, False, 0.3, False, False, seed=0),
+     Case(2, 1, 3, 513, 513, 64, False, None, True, False, seed=0)],
+)  # fmt: skip
+def test_a_repeated_backward_runs_its_kept_launches_and_matches_float64(case):
+    """From the second eager backward of a launch key on (no dLSE, as in training), the fused
+    backward runs its kept launches (the forward's plan: no rules' or launch keys' work) and gives
+    float64's gradients with each call's fresh inputs; a call with dLSE takes the general path
+    again (head dims 64 and 128, GQA, 3-D and (B, L, H, D) layouts, seq_k above and below
+    seq_q)."""
+    _sm90.forget_launches()
+    try:
+        with (
+            _fused_backward() as spy,
+            mock.patch.object(_sm90, "kept_backward", wraps=_sm90.kept_backward) as looked_up,
+        ):
+            for seed in range(3):
+                check_against_reference(replace(case, seed=seed), torch.bfloat16, _run(case),
+                                        device="cuda", lse_grad=False)  # fmt: skip
+            check_against_reference(replace(case, seed=3), torch.bfloat16, _run(case),
+                                    device="cuda")  # fmt: skip
+        kept = [c.kwargs.get("kept") is not None for c in spy.call_args_list]
+        assert kept == [False, True, True, False]
+        # (4-D: calls 2 and 3 found by the forward's plan; 3-D inputs: by the backward)
+        assert looked_up.call_count == (4 if case.rank3 else 2)
+    finally:
+        _sm90.forget_launches()
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    "case",
     [Case(4, 4, 4, 1100, 1100, 64, True, None, False, True, seed=1),
      Case(2, 4, 2, 1100, 1100, 128, True, None, False, True, seed=5),
      Case(3, 8, 1, 1500, 700, 128, False, 0.3, False, False, seed=6),
@@ -1231,7 +1370,8 @@ def test_the_tree_row_maximum_gives_the_same_bits(case):
     q, k, v = case.make(torch.bfloat16, "cuda", requires_grad=False)
     runs = []
     for tree in (False, True):
-        with _fresh_plans() as built, mock.patch.object(_sm90, "FWD_TREE_MAX", tree):
+        every = dict.fromkeys(_sm90.FWD_TREE_MAX, tree)
+        with _fresh_plans() as built, mock.patch.object(_sm90, "FWD_TREE_MAX", every):
             if tree:
                 check_against_reference(case, torch.bfloat16, _run(case), device="cuda",
                                         grads=False)  # fmt: skip

@@ -379,6 +379,9 @@ def attention_backward(
     The last dimension of every 4-D tensor must be contiguous (stride 1). Everything the launch
     key determines (strides, lengths, grids, constexprs) is computed on the key's first call only.
     """
+    kept = _sm90.kept_backward(dout, q, k, v, out, lse, dlse, scale, ex) if q.numel() else None
+    if kept is not None:  # Hopper: the fused kernel, a key that ran before (no rules' work)
+        return _sm90.backward(dout, q, k, v, out, lse, dlse, scale, ex is CAUSAL, kept=kept)
     if q.numel() and _sm90.fused_takes(q, k, v, dout, scale, ex):  # Hopper: the fused kernel
         planned = _sm90.planned
         grads = _sm90.backward(dout, q, k, v, out, lse, dlse, scale, ex is CAUSAL)

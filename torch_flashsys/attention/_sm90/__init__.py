@@ -105,9 +105,13 @@ FWD_QBUF2_MAX = {(64, True): 1 << 30, (64, False): 2048, (128, True): 2048, (128
 FWD_PIN_WAIT = {(64, False): False, (64, True): False, (128, False): True, (128, True): False}
 BWD_PIN_WAIT = False
 # Each score tile's row maximum as a tree of in-thread halves (``_fwd._row_max``: depth 5, not a
-# chain of 31 dependent maxima per row before the exponentials can start; the same bits). Off:
-# not yet measured on a GPU (``benchmarks/sm90_fwd.py``'s "tree row max" variant).
-FWD_TREE_MAX = False
+# chain of 31 dependent maxima per row before the exponentials can start; the same bits), per
+# (head dim, causal). H100, ``benchmarks/sm90_fwd.py`` (kernel only, two runs, 2026-11-27): head
+# dim 128 causal 0.96-0.97x the time at 4096 rows, 0.99x at 16384 (597 -> 600 TFLOP/s in the
+# second run), 1.00x at 2048; without a causal mask 0.98-1.00x at 16384; head dim 64 causal
+# (three consumers) 0.98x at 16384, 1.00-1.01x at 1024; head dim 64 without a causal mask (three
+# consumers) 1.01x at 4096, so off there.
+FWD_TREE_MAX = {(64, False): False, (64, True): True, (128, False): True, (128, True): True}
 # Repeat launches through RawLaunch (the launcher's C entry point, descriptors' maps kept per
 # address) instead of Triton's launcher object (``_rawlaunch``; host time per call below).
 RAW_LAUNCH = True
@@ -368,7 +372,7 @@ def constexprs(d: int, causal: bool, dynamic: bool = False, qbuf: int = 1,
     return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
             "DYNAMIC": dynamic, "QBUF": qbuf, "PIN_WAIT": FWD_PIN_WAIT[(d, causal)],
             "CONSUMERS": consumers, "CONSUMER_REGS": FWD_REGS[consumers][1],
-            "Q_RS": False, "TREE_MAX": FWD_TREE_MAX}  # fmt: skip
+            "Q_RS": False, "TREE_MAX": FWD_TREE_MAX[(d, causal)]}  # fmt: skip
 
 
 def launch_options(consumers: int) -> dict:
@@ -565,8 +569,10 @@ def forget_launches() -> None:
     the build the module's switches choose now. The switches (FWD_PIN_WAIT, FWD_QBUF2_MAX, ...)
     are read when a key is first planned and are not in the keys: changing one at run time (the
     tests and benchmarks that compare builds) needs this after."""
-    for plans in (_PLANS, _BWD_PLANS, _PREP_PLANS, _FUSED_PLANS):
+    global _generation
+    for plans in (_PLANS, _BWD_PLANS, _PREP_PLANS, _FUSED_PLANS, _KEPT):
         plans.clear()
+    _generation += 1
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -740,9 +746,7 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
            if counters else None)  # fmt: skip
     rows = lse if dlse is None else dlse
     index = out.get_device()
-    aligned = pointer_alignment((out.data_ptr(), dout.data_ptr(), rows.data_ptr()))
-    key = (out.shape, out.stride(), dout.stride(), lse.stride(), rows.stride(), out.dtype,
-           dlse is None, counters, copies, index, aligned)  # fmt: skip
+    key = prep_key(out, dout, lse, dlse, counters, copies, index)
     values = (out, dout, rows, delta, dq_acc, dq_acc if sem is None else sem)
 
     def args(descriptors: bool = True) -> tuple:
@@ -753,6 +757,15 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
 
     _launch_planned(attn_bwd_prep, _PREP_PLANS, key, index, values, args, plan)
     return delta, dq_acc, sem
+
+
+def prep_key(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+             dlse: torch.Tensor | None, counters: bool, copies: int, index: int) -> tuple:  # fmt: skip
+    """The preprocessing kernel's launch key (see :func:`backward_prep`)."""
+    rows = lse if dlse is None else dlse
+    aligned = pointer_alignment((out.data_ptr(), dout.data_ptr(), rows.data_ptr()))
+    return (out.shape, out.stride(), dout.stride(), lse.stride(), rows.stride(), out.dtype,
+            dlse is None, counters, copies, index, aligned)  # fmt: skip
 
 
 def prep_args(values: tuple, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor) -> tuple:
@@ -894,9 +907,13 @@ def fused_constexprs(d: int, causal: bool, dtype: torch.dtype,
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, scale: float,
-             causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+             causal: bool, kept: _KeptBackward | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` of a problem :func:`fused_takes` accepted, in q's, k's and v's layouts:
-    the preprocessing kernel, the fused kernel, then dQ's float32 sums converted."""
+    the preprocessing kernel, the fused kernel, then dQ's float32 sums converted. ``kept``: the
+    problem's kept backward (:func:`kept_backward`), which does just that."""
+    if kept is not None:
+        return kept(dout, q, k, v, out, lse, scale)
     deterministic = torch.are_deterministic_algorithms_enabled()
     copies = DETERMINISTIC_CHAINS if deterministic else 1
     convert = fused_converts(deterministic)
@@ -908,14 +925,150 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     def plan() -> tuple[tuple, dict]:
         return backward_grid(k), fused_constexprs(k.shape[-1], causal, q.dtype, deterministic)
 
-    _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS,
-                    backward_key(q, k, v, dout, lse, dk, dv, causal, index, deterministic), index,
+    key = backward_key(q, k, v, dout, lse, dk, dv, causal, index, deterministic)
+    _launch_planned(fused_kernel(k.shape[-1]), _FUSED_PLANS, key, index,
                     fused_launch_values(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale, sem,
                                         dq),
                     functools.partial(fused_launch_args, q, k, v, dout, lse, delta, dk, dv,
                                       dq_acc, scale, sem, dq=dq), plan)  # fmt: skip
+    if dlse is None and not deterministic:  # the next calls of this key: kept_backward
+        _keep_backward(dout, q, k, v, out, lse, causal, convert, index, key, sem)
     if dq is not None:
         return dq, dk, dv
     if copies > 1:  # the chains' sums, added in a fixed order
         return dq_sum(dq_acc, q, copies), dk, dv
     return torch.empty_like(q).copy_(dq_acc), dk, dv
+
+
+# The kept backwards: a problem's key (:func:`_problem_key`) -> dO's strides -> its backward
+_KEPT: dict[tuple, dict[tuple, _KeptBackward]] = {}
+_generation = 0  # forget_launches' count: a plan made before it is stale
+
+
+class _KeptBackward:
+    """The fused backward of one launch key, its two planned launches (the preprocessing kernel's
+    and the fused kernel's) and the buffers it allocates, decided once: what :func:`backward`
+    runs for a problem :func:`kept_backward` or a :class:`BackwardPlan` found."""
+
+    __slots__ = ("acc_shape", "convert", "fused", "index", "prep", "sem_shape")
+
+    def __init__(self, prep, fused, index: int, acc_shape: tuple, sem_shape: tuple | None,
+                 convert: bool) -> None:  # fmt: skip
+        self.prep, self.fused, self.index = prep, fused, index
+        self.acc_shape, self.sem_shape, self.convert = acc_shape, sem_shape, convert
+
+    def __call__(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """:func:`backward`'s buffers and launches, nothing else."""
+        delta = torch.empty_like(lse)
+        dq_acc = out.new_empty(self.acc_shape, dtype=torch.float32)
+        counts = (dq_acc if self.sem_shape is None
+                  else out.new_empty(self.sem_shape, dtype=torch.int32))  # fmt: skip
+        dq = torch.empty_like(q) if self.convert else None
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        self.prep(stream, (out, dout, lse, delta, dq_acc, counts))  # (backward_prep's values)
+        self.fused(stream, fused_launch_values(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale,
+                                               counts, dq))  # fmt: skip
+        if dq is None:
+            dq = torch.empty_like(q).copy_(dq_acc)
+        return dq, dk, dv
+
+
+def _problem_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool) -> tuple:  # fmt: skip
+    """What fixes a backward's decisions and launches, but dO's strides and the switches and
+    rules read each call: shapes, strides, the dtype, the mask, the device, and whether every
+    pointer is 16-byte aligned (TMA's and Triton's specialization)."""
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
+            lse.stride(), q.dtype, causal, q.get_device(), not ptrs & 15)  # fmt: skip
+
+
+def _keep_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, convert: bool, index: int,
+                   fused_key: tuple, sem: torch.Tensor | None) -> None:  # fmt: skip
+    """After :func:`backward` ran a key without dLSE or ordered sums: keep its launches, where
+    both were planned and every pointer is aligned."""
+    key = _problem_key(q, k, v, out, lse, causal)
+    if not key[-1] or dout.data_ptr() & 15 or dout.stride() in _KEPT.get(key, ()):
+        return
+    prep = _PREP_PLANS.get(prep_key(out, dout, lse, None, convert, 1, index))
+    fused = _FUSED_PLANS.get(fused_key)
+    if prep is not None and fused is not None:
+        sem_shape = None if sem is None else tuple(sem.shape)
+        table = _KEPT.get(key)
+        if table is None:
+            remember(_KEPT, key, table := {})
+        table[dout.stride()] = _KeptBackward(prep, fused, index, tuple(q.shape), sem_shape,
+                                             convert)  # fmt: skip
+
+
+def _kept(table: dict, dout: torch.Tensor, q: torch.Tensor) -> _KeptBackward | None:
+    """The backward in ``table`` (a problem's) for this dO, where it may run now: dO of q's shape
+    and dtype, aligned, no ordered sums asked for, its device current, no launch hooks."""
+    if dout.dtype != q.dtype or dout.shape != q.shape or dout.data_ptr() & 15:
+        return None
+    kept = table.get(dout.stride())
+    if (kept is None or torch.are_deterministic_algorithms_enabled()
+            or kept.index != torch.cuda.current_device() or launch_hooks_set()):  # fmt: skip
+        return None
+    return kept
+
+
+def _takes_kept(q: torch.Tensor, k: torch.Tensor, scale: float, ex: Extras) -> bool:
+    """The switches and rules a kept backward must still meet (its key fixes the rest)."""
+    return ENABLED and scale > 0 and k.shape[2] >= MIN_SEQ_K and fused_rule(q, k, ex, False)
+
+
+def kept_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, scale: float,
+                  ex: Extras) -> _KeptBackward | None:  # fmt: skip
+    """The kept backward of a problem whose launch key (shapes, strides, dtypes, mask, device,
+    alignment) the fused backward has run before without dLSE or ordered sums, where the
+    switches and rules still send it there (:func:`backward` runs it); else None (the caller
+    decides as usual): one key and a few checks, not the rules' and launch keys' work."""
+    if not _KEPT or dlse is not None or not (ex is CAUSAL or ex is PLAIN):
+        return None
+    table = _KEPT.get(_problem_key(q, k, v, out, lse, ex is CAUSAL))
+    if table is None or not _takes_kept(q, k, scale, ex):
+        return None
+    return _kept(table, dout, q)
+
+
+class BackwardPlan:
+    """A forward's plan of its backward (:func:`backward_plan`), made on the calling thread:
+    autograd runs a CUDA backward on its device thread, where the host's work measured ~2x
+    slower (docs/benchmarks.md), so the forward looks the problem's kept backwards up and the
+    backward checks just dO and the state that may have changed since."""
+
+    __slots__ = ("causal", "generation", "table")
+
+    def __init__(self, table: dict, causal: bool) -> None:
+        self.table, self.causal, self.generation = table, causal, _generation
+
+    def __call__(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, scale: float,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """``(dq, dk, dv)`` from the kept backward for this dO (no dLSE), or None (the caller's
+        general path)."""
+        if self.generation != _generation:  # forget_launches since the forward
+            return None
+        kept = _kept(self.table, dout, q)
+        if kept is None:
+            return None
+        return backward(dout, q, k, v, out, lse, None, scale, self.causal, kept=kept)
+
+
+def backward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, scale: float, ex: Extras) -> BackwardPlan | None:  # fmt: skip
+    """In the forward (4-D problems, grad wanted): a plan of the backward where the fused
+    backward has run this problem's key before and the switches and rules send it there now;
+    else None."""
+    if not _KEPT or not (ex is CAUSAL or ex is PLAIN):
+        return None
+    table = _KEPT.get(_problem_key(q, k, v, out, lse, ex is CAUSAL))
+    if table is None or not _takes_kept(q, k, scale, ex):
+        return None
+    return BackwardPlan(table, ex is CAUSAL)
