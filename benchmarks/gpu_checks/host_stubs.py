@@ -56,7 +56,7 @@ def main() -> None:
     stub_bwd = lambda *a, **kw: grads  # (stands in for _sm90.backward or _ops._backward)
     stub_fwd = lambda q, k, v, scale, ex: (fwd_out.detach(), lse)
     cases = {
-        "ours fwd+bwd": (ours, None),
+        "ours fwd+bwd (the forward's plan)": (ours, None),
         "ours fwd+bwd, no plan (the kept backward found in the backward)": (
             ours, lambda: mock.patch.object(ops, "TRITON", Kernels(ops._forward,
                                                                    ops._kernel_backward))),
