@@ -56,17 +56,13 @@ def main() -> None:
     stub_bwd = lambda *a, **kw: grads  # (stands in for _sm90.backward or _ops._backward)
     stub_fwd = lambda q, k, v, scale, ex: (fwd_out.detach(), lse)
     cases = {
-        "ours fwd+bwd (the forward's plan)": (ours, None),
-        "ours fwd+bwd, no plan (the kept backward found in the backward)": (
-            ours, lambda: mock.patch.object(ops, "TRITON", Kernels(ops._forward,
-                                                                   ops._kernel_backward))),
+        "ours fwd+bwd (the kept backward)": (ours, None),
         "ours fwd+bwd, the general backward (nothing kept)": (
-            ours, lambda: mock.patch.multiple(sm, kept_backward=lambda *a: None,
-                                              backward_plan=lambda *a: None)),
+            ours, lambda: mock.patch.object(sm, "kept_backward", lambda *a: None)),
         "ours fwd+bwd, _sm90.backward a stub": (
             ours, lambda: mock.patch.object(sm, "backward", stub_bwd)),
         "ours fwd+bwd, the whole kernel backward a stub": (
-            ours, lambda: mock.patch.object(ops, "TRITON", Kernels(ops._forward, stub_bwd))),
+            ours, lambda: mock.patch.object(ops, "_backward", stub_bwd)),
         "ours fwd+bwd, forward and backward stubs (dispatch + autograd only)": (
             ours, lambda: mock.patch.object(ops, "TRITON", Kernels(stub_fwd, stub_bwd))),
         # the backward on the calling thread, not autograd's device thread (the context
@@ -106,44 +102,34 @@ def main() -> None:
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     out, lse = ops._forward(qd, kd, vd, SHAPE[-1] ** -0.5, CAUSAL)
     scale = SHAPE[-1] ** -0.5
-    ops._kernel_backward(dout, qd, kd, vd, out, lse, None, scale, CAUSAL)  # (kept after)
-    plan = ops._backward_plan(qd, kd, vd, out, lse, scale, CAUSAL)
-    assert plan is not None, "no plan for a kept problem"
     parts = {
         "forward, grad on (main thread)": lambda: ours(q, k, v),
         "our backward (_kernel_backward, called directly)": lambda: ops._kernel_backward(
             dout, qd, kd, vd, out, lse, None, scale, CAUSAL),
-        "our backward (the forward's plan, called directly)": lambda: plan(
-            dout, qd, kd, vd, out, lse, scale),
     }  # fmt: skip
-    # Our backward as autograd runs it (its engine thread: the forward's plan, or the general
-    # path where there is none) against the plan's call made directly:
+    # Our backward as autograd runs it (its engine thread) against the same call made directly:
     # wall time inside it per call, then its cProfile on that thread.
-    direct = host_us(parts["our backward (the forward's plan, called directly)"], calls, 20)
+    direct = host_us(parts["our backward (_kernel_backward, called directly)"], calls, 20)
     inside: list[float] = []
     prof = cProfile.Profile()
     profiling = [False]
 
-    def timed_backward(*args, run=ops._kernel_backward):
+    def timed_backward(*args):
         start = time.perf_counter()
         if profiling[0]:
             prof.enable()
         try:
-            return run(*args)
+            return ops._kernel_backward(*args)
         finally:
             if profiling[0]:
                 prof.disable()
             inside.append(time.perf_counter() - start)
 
-    def timed_plan(*args):  # the plan the forward makes, its call in the backward timed
-        plan = ops._backward_plan(*args)
-        return None if plan is None else lambda *a: timed_backward(*a, run=plan)
-
     step = _peers.fwd_bwd(ours, (q, k, v), dout)
-    with mock.patch.object(ops, "TRITON", Kernels(ops._forward, timed_backward, timed_plan)):
+    with mock.patch.object(ops, "TRITON", Kernels(ops._forward, timed_backward)):
         whole = host_us(step, calls, 20)
         n = len(inside)
-        print(f"our backward (plan), direct call: {direct['wall_us']:.0f} us a call; inside autograd: "
+        print(f"our backward, direct call: {direct['wall_us']:.0f} us a call; inside autograd: "
               f"{sum(inside[-calls:]) / calls * 1e6:.0f} us a call inside it, the fwd+bwd "
               f"{whole['wall_us']:.0f} us ({n} calls)")  # fmt: skip
         profiling[0] = True

@@ -166,12 +166,11 @@ class _Recorder:
 
 
 def test_a_kept_backward_runs_only_where_the_switches_and_rules_still_send_it(monkeypatch):
-    """kept_backward (in the backward) and backward_plan (in the forward; its plan called in the
-    backward) give a problem's kept backward only for its own key (shapes, strides, dtypes,
-    mask, device, alignment; dO's strides) and only while the switches and the length rule send
-    the problem to the fused kernel, without dLSE, ordered sums or launch hooks; a plan made
-    before forget_launches refuses. The kept backward allocates the buffers and passes the two
-    launches what backward_prep and the fused kernel take. CUDA stood in on CPU (device -1)."""
+    """kept_backward gives a problem's kept backward only for its own key (shapes, strides,
+    dtypes, mask, device, alignment) and only while the switches and the length rule send the
+    problem to the fused kernel, without dLSE, ordered sums or launch hooks; the kept backward
+    allocates the buffers and passes the two launches what backward_prep and the fused kernel
+    take. CUDA stood in on CPU (device -1)."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
     monkeypatch.setattr(_sm90, "ENABLED", True)
@@ -184,11 +183,10 @@ def test_a_kept_backward_runs_only_where_the_switches_and_rules_still_send_it(mo
     out, lse = torch.randn_like(q), torch.randn(2, 8, 512)
     args = (dout, q, k, v, out, lse, None, 0.125, CAUSAL)
     assert _sm90.kept_backward(*args) is None  # nothing kept yet
-    assert _sm90.backward_plan(q, k, v, out, lse, 0.125, CAUSAL) is None
     prep = _Recorder(lambda values: values[4].zero_())  # (the kernel zeroes the dQ sums)
     fused = _Recorder(lambda values: values[8].add_(1.5))  # (and the fused kernel adds to them)
     kept = _sm90._KeptBackward(prep, fused, -1, tuple(q.shape), None, False)
-    _sm90._KEPT[_sm90._problem_key(q, k, v, out, lse, True)] = {dout.stride(): kept}
+    _sm90._KEPT[_sm90._kept_key(dout, q, k, v, out, lse, True)] = kept
     assert _sm90.kept_backward(*args) is kept
     dq, dk, dv = _sm90.backward(*args[:-1], True, kept=kept)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
@@ -200,11 +198,7 @@ def test_a_kept_backward_runs_only_where_the_switches_and_rules_still_send_it(mo
     assert values[:5] == (q, k, v, dout, lse) and values[5] is delta and values[8] is acc
     assert values[-2:] == (0.125 * _sm90.LOG2E, 0.125)
     assert torch.equal(dq, torch.full_like(q, 1.5))  # the sums converted after the kernels
-    plan = _sm90.backward_plan(q, k, v, out, lse, 0.125, CAUSAL)
-    assert plan is not None and _sm90.backward_plan(q, k, v, out, lse, 0.125, PLAIN) is None
-    with mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy:
-        assert torch.equal(plan(dout, q, k, v, out, lse, 0.125)[0], dq)
-    assert spy.call_args.kwargs["kept"] is kept and len(fused.calls) == 2
+    misaligned = torch.empty(dout.numel() + 1, dtype=dout.dtype)[1:].view_as(dout)
     others = [
         (dout, q, k, v, out, lse, torch.zeros_like(lse), 0.125, CAUSAL),  # dLSE
         (dout, q, k, v, out, lse, None, 0.125, PLAIN),  # another mask
@@ -214,13 +208,10 @@ def test_a_kept_backward_runs_only_where_the_switches_and_rules_still_send_it(mo
          None, 0.125, CAUSAL),  # other shapes
         (dout.half(), q, k, v, out, lse, None, 0.125, CAUSAL),  # dO of another dtype
         (dout, q, k, v, out, lse, None, -0.125, CAUSAL),  # a negative scale
+        (misaligned, q, k, v, out, lse, None, 0.125, CAUSAL),  # dO not 16-byte aligned
     ]  # fmt: skip
     for other in others:
         assert _sm90.kept_backward(*other) is None
-    misaligned = torch.empty(dout.numel() + 1, dtype=dout.dtype)[1:].view_as(dout)
-    for d in (others[2][0], others[4][0], dout[:, :, :256], misaligned):  # (the plan: dO's)
-        assert plan(d, q, k, v, out, lse, 0.125) is None
-    assert _sm90.kept_backward(misaligned, *args[1:]) is None
     for name, value in [
         ("ENABLED", False),
         ("FUSED_ENABLED", False),
@@ -229,21 +220,13 @@ def test_a_kept_backward_runs_only_where_the_switches_and_rules_still_send_it(mo
     ]:
         with mock.patch.object(_sm90, name, value):
             assert _sm90.kept_backward(*args) is None, name
-            assert _sm90.backward_plan(q, k, v, out, lse, 0.125, CAUSAL) is None, name
     with _deterministic_algorithms():
         assert _sm90.kept_backward(*args) is None
-        assert plan(dout, q, k, v, out, lse, 0.125) is None
     with mock.patch.object(torch.cuda, "current_device", lambda: 0):  # another device current
         assert _sm90.kept_backward(*args) is None
-        assert plan(dout, q, k, v, out, lse, 0.125) is None
     with mock.patch.object(_sm90, "launch_hooks_set", lambda: True):  # a profiler's hooks
         assert _sm90.kept_backward(*args) is None
-        assert plan(dout, q, k, v, out, lse, 0.125) is None
     assert _sm90.kept_backward(*args) is kept  # (each refusal above for its own reason)
-    assert plan(dout, q, k, v, out, lse, 0.125) is not None
-    _sm90.forget_launches()  # (the tables emptied: the plan made before it refuses)
-    _sm90._KEPT[_sm90._problem_key(q, k, v, out, lse, True)] = {dout.stride(): kept}
-    assert plan(dout, q, k, v, out, lse, 0.125) is None
 
 
 def test_the_dynamic_schedule_keeps_one_counter_per_device_and_stream(monkeypatch):
@@ -1211,16 +1194,13 @@ def test_fused_backward_matches_float64(case, dtype):
 )  # fmt: skip
 def test_a_repeated_backward_runs_its_kept_launches_and_matches_float64(case):
     """From the second eager backward of a launch key on (no dLSE, as in training), the fused
-    backward runs its kept launches (the forward's plan: no rules' or launch keys' work) and gives
+    backward runs its kept launches (kept_backward: no rules' or launch keys' work) and gives
     float64's gradients with each call's fresh inputs; a call with dLSE takes the general path
     again (head dims 64 and 128, GQA, 3-D and (B, L, H, D) layouts, seq_k above and below
     seq_q)."""
     _sm90.forget_launches()
     try:
-        with (
-            _fused_backward() as spy,
-            mock.patch.object(_sm90, "kept_backward", wraps=_sm90.kept_backward) as looked_up,
-        ):
+        with _fused_backward() as spy:
             for seed in range(3):
                 check_against_reference(replace(case, seed=seed), torch.bfloat16, _run(case),
                                         device="cuda", lse_grad=False)  # fmt: skip
@@ -1228,8 +1208,7 @@ def test_a_repeated_backward_runs_its_kept_launches_and_matches_float64(case):
                                     device="cuda")  # fmt: skip
         kept = [c.kwargs.get("kept") is not None for c in spy.call_args_list]
         assert kept == [False, True, True, False]
-        # (4-D: calls 2 and 3 found by the forward's plan; 3-D inputs: by the backward)
-        assert looked_up.call_count == (4 if case.rank3 else 2)
+
     finally:
         _sm90.forget_launches()
 

@@ -35,10 +35,6 @@ class Kernels(NamedTuple):
 
     forward: Callable  # (q, k, v, scale, ex) -> (out, lse)
     backward: Callable  # (dout, q, k, v, out, lse, dlse, scale, ex) -> (dq, dk, dv), first order
-    # (q, k, v, out, lse, scale, ex) -> a plan of the backward or None, made by the forward on
-    # the calling thread: plan(dout, q, k, v, out, lse, scale) -> (dq, dk, dv), or None (then
-    # ``backward`` runs); only without dLSE
-    plan: Callable | None = None
 
 
 TORCH = Kernels(forward, differentiable_backward)
@@ -57,7 +53,6 @@ class Attention(torch.autograd.Function):
         q, k, v, scale, ex, kernels = inputs
         ctx.save_for_backward(q, k, v, *output)
         ctx.scale, ctx.ex, ctx.kernels = scale, ex, kernels
-        ctx.plan = None if kernels.plan is None else kernels.plan(q, k, v, *output, scale, ex)
         ctx.set_materialize_grads(False)  # an unused lse gets no zero-filled gradient
 
     @staticmethod
@@ -73,14 +68,7 @@ class Attention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         # create_graph=True: the gradients must be differentiable
-        if torch.is_grad_enabled():
-            backward = differentiable_backward
-        else:
-            if ctx.plan is not None and dlse is None:
-                grads = ctx.plan(dout, q, k, v, out, lse, ctx.scale)
-                if grads is not None:
-                    return (*grads, None, None, None)
-            backward = ctx.kernels.backward
+        backward = differentiable_backward if torch.is_grad_enabled() else ctx.kernels.backward
         dq, dk, dv = backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
         return dq, dk, dv, None, None, None
 

@@ -79,15 +79,7 @@ def _kernel_backward(dout, q, k, v, out, lse, dlse, scale: float, ex: Extras):
     return _backward(dout, q, k, v, out, lse, dlse, scale, ex)
 
 
-def _backward_plan(q, k, v, out, lse, scale: float, ex: Extras):
-    """The Hopper backward's plan (``_sm90.backward_plan``) of a 4-D problem outside functorch
-    transforms, made as the forward's autograd context is set up; else None."""
-    if not _sm90._KEPT or q.dim() != 4 or _functorch_active():
-        return None
-    return _sm90.backward_plan(q, k, v, out, lse, scale, ex)
-
-
-TRITON = Kernels(_forward, _kernel_backward, _backward_plan)
+TRITON = Kernels(_forward, _kernel_backward)
 
 # The Extras fields (and the scale) the custom ops take after their tensors, with their schema
 # types: the one definition of the ops' argument order.

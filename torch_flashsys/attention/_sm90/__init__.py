@@ -569,10 +569,8 @@ def forget_launches() -> None:
     the build the module's switches choose now. The switches (FWD_PIN_WAIT, FWD_QBUF2_MAX, ...)
     are read when a key is first planned and are not in the keys: changing one at run time (the
     tests and benchmarks that compare builds) needs this after."""
-    global _generation
     for plans in (_PLANS, _BWD_PLANS, _PREP_PLANS, _FUSED_PLANS, _KEPT):
         plans.clear()
-    _generation += 1
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -940,15 +938,14 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return torch.empty_like(q).copy_(dq_acc), dk, dv
 
 
-# The kept backwards: a problem's key (:func:`_problem_key`) -> dO's strides -> its backward
-_KEPT: dict[tuple, dict[tuple, _KeptBackward]] = {}
-_generation = 0  # forget_launches' count: a plan made before it is stale
+# The kept backwards: a launch key (:func:`_kept_key`) -> its decisions and planned launches
+_KEPT: dict[tuple, _KeptBackward] = {}
 
 
 class _KeptBackward:
     """The fused backward of one launch key, its two planned launches (the preprocessing kernel's
     and the fused kernel's) and the buffers it allocates, decided once: what :func:`backward`
-    runs for a problem :func:`kept_backward` or a :class:`BackwardPlan` found."""
+    runs for a problem :func:`kept_backward` found."""
 
     __slots__ = ("acc_shape", "convert", "fused", "index", "prep", "sem_shape")
 
@@ -976,50 +973,32 @@ class _KeptBackward:
         return dq, dk, dv
 
 
-def _problem_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool) -> tuple:  # fmt: skip
-    """What fixes a backward's decisions and launches, but dO's strides and the switches and
-    rules read each call: shapes, strides, the dtype, the mask, the device, and whether every
-    pointer is 16-byte aligned (TMA's and Triton's specialization)."""
-    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
-            lse.stride(), q.dtype, causal, q.get_device(), not ptrs & 15)  # fmt: skip
+def _kept_key(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor, lse: torch.Tensor, causal: bool) -> tuple:  # fmt: skip
+    """What fixes a backward's decisions and launches but the switches and rules that
+    :func:`kept_backward` reads each call: shapes, strides, dtypes, the mask, the device, and
+    whether every pointer is 16-byte aligned (TMA's and Triton's specialization)."""
+    ptrs = (q.data_ptr() | k.data_ptr() | v.data_ptr() | dout.data_ptr() | out.data_ptr()
+            | lse.data_ptr())  # fmt: skip
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), dout.shape,
+            dout.stride(), out.stride(), lse.stride(), q.dtype, dout.dtype, causal,
+            q.get_device(), not ptrs & 15)  # fmt: skip
 
 
 def _keep_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, convert: bool, index: int,
                    fused_key: tuple, sem: torch.Tensor | None) -> None:  # fmt: skip
-    """After :func:`backward` ran a key without dLSE or ordered sums: keep its launches, where
-    both were planned and every pointer is aligned."""
-    key = _problem_key(q, k, v, out, lse, causal)
-    if not key[-1] or dout.data_ptr() & 15 or dout.stride() in _KEPT.get(key, ()):
+    """After :func:`backward` ran a key without dLSE or ordered sums: keep its launches for
+    :func:`kept_backward`, where both were planned and every pointer is aligned."""
+    key = _kept_key(dout, q, k, v, out, lse, causal)
+    if not key[-1] or key in _KEPT:
         return
     prep = _PREP_PLANS.get(prep_key(out, dout, lse, None, convert, 1, index))
     fused = _FUSED_PLANS.get(fused_key)
     if prep is not None and fused is not None:
         sem_shape = None if sem is None else tuple(sem.shape)
-        table = _KEPT.get(key)
-        if table is None:
-            remember(_KEPT, key, table := {})
-        table[dout.stride()] = _KeptBackward(prep, fused, index, tuple(q.shape), sem_shape,
-                                             convert)  # fmt: skip
-
-
-def _kept(table: dict, dout: torch.Tensor, q: torch.Tensor) -> _KeptBackward | None:
-    """The backward in ``table`` (a problem's) for this dO, where it may run now: dO of q's shape
-    and dtype, aligned, no ordered sums asked for, its device current, no launch hooks."""
-    if dout.dtype != q.dtype or dout.shape != q.shape or dout.data_ptr() & 15:
-        return None
-    kept = table.get(dout.stride())
-    if (kept is None or torch.are_deterministic_algorithms_enabled()
-            or kept.index != torch.cuda.current_device() or launch_hooks_set()):  # fmt: skip
-        return None
-    return kept
-
-
-def _takes_kept(q: torch.Tensor, k: torch.Tensor, scale: float, ex: Extras) -> bool:
-    """The switches and rules a kept backward must still meet (its key fixes the rest)."""
-    return ENABLED and scale > 0 and k.shape[2] >= MIN_SEQ_K and fused_rule(q, k, ex, False)
+        remember(_KEPT, key, _KeptBackward(prep, fused, index, tuple(q.shape), sem_shape,
+                                           convert))  # fmt: skip
 
 
 def kept_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1028,47 +1007,15 @@ def kept_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """The kept backward of a problem whose launch key (shapes, strides, dtypes, mask, device,
     alignment) the fused backward has run before without dLSE or ordered sums, where the
     switches and rules still send it there (:func:`backward` runs it); else None (the caller
-    decides as usual): one key and a few checks, not the rules' and launch keys' work."""
-    if not _KEPT or dlse is not None or not (ex is CAUSAL or ex is PLAIN):
+    decides as usual). An eager backward's host work (autograd runs it on its CUDA device
+    thread): one key and a few checks, not the rules' and launch keys' (docs/benchmarks.md)."""
+    if not _KEPT or dlse is not None or not ENABLED:
         return None
-    table = _KEPT.get(_problem_key(q, k, v, out, lse, ex is CAUSAL))
-    if table is None or not _takes_kept(q, k, scale, ex):
+    causal = ex is CAUSAL
+    if not (causal or ex is PLAIN) or torch.are_deterministic_algorithms_enabled():
         return None
-    return _kept(table, dout, q)
-
-
-class BackwardPlan:
-    """A forward's plan of its backward (:func:`backward_plan`), made on the calling thread:
-    autograd runs a CUDA backward on its device thread, where the host's work measured ~2x
-    slower (docs/benchmarks.md), so the forward looks the problem's kept backwards up and the
-    backward checks just dO and the state that may have changed since."""
-
-    __slots__ = ("causal", "generation", "table")
-
-    def __init__(self, table: dict, causal: bool) -> None:
-        self.table, self.causal, self.generation = table, causal, _generation
-
-    def __call__(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, scale: float,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        """``(dq, dk, dv)`` from the kept backward for this dO (no dLSE), or None (the caller's
-        general path)."""
-        if self.generation != _generation:  # forget_launches since the forward
-            return None
-        kept = _kept(self.table, dout, q)
-        if kept is None:
-            return None
-        return backward(dout, q, k, v, out, lse, None, scale, self.causal, kept=kept)
-
-
-def backward_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, scale: float, ex: Extras) -> BackwardPlan | None:  # fmt: skip
-    """In the forward (4-D problems, grad wanted): a plan of the backward where the fused
-    backward has run this problem's key before and the switches and rules send it there now;
-    else None."""
-    if not _KEPT or not (ex is CAUSAL or ex is PLAIN):
+    kept = _KEPT.get(_kept_key(dout, q, k, v, out, lse, causal))
+    if (kept is None or scale <= 0 or k.shape[2] < MIN_SEQ_K or not fused_rule(q, k, ex, False)
+            or kept.index != torch.cuda.current_device() or launch_hooks_set()):  # fmt: skip
         return None
-    table = _KEPT.get(_problem_key(q, k, v, out, lse, ex is CAUSAL))
-    if table is None or not _takes_kept(q, k, scale, ex):
-        return None
-    return BackwardPlan(table, ex is CAUSAL)
+    return kept
