@@ -1208,7 +1208,6 @@ def test_a_repeated_backward_runs_its_kept_launches_and_matches_float64(case):
                                     device="cuda")  # fmt: skip
         kept = [c.kwargs.get("kept") is not None for c in spy.call_args_list]
         assert kept == [False, True, True, False]
-
     finally:
         _sm90.forget_launches()
 
