@@ -16,6 +16,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.attention.cases import Case, cases, check_against_reference, triton_run
+from tests.reference import attention_reference
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
@@ -1046,6 +1047,41 @@ def test_hopper_path_is_deterministic_and_keeps_the_query_layout(causal):
     assert spy.call_count == 2
     assert torch.equal(first, again)
     assert first.stride() == q.stride()
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_broadcast_inputs_and_gradients_match_float64(causal):
+    """Tensors with zero strides (broadcast by ``expand``) on the Hopper kernels, their TMA
+    descriptors taking the zero strides: a key/value head expanded over the query heads, and dO
+    expanded from one row of weights (``out.backward(w.expand_as(out))``), twice, so that the
+    second backward runs the kept launches; out, dQ, dK and dV match float64."""
+    _sm90.forget_launches()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(2, 8, 1100, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kv = torch.randn(2, 2, 1, 1100, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for _ in range(2):
+        qg = q.clone().requires_grad_()
+        k = kv[:, 0].clone().requires_grad_()
+        v = kv[:, 1].clone().requires_grad_()
+        kx, vx = (t[:, :1].expand(2, 8, 1100, 64) for t in (k, v))  # stride 0 over heads
+        with (mock.patch.object(_sm90, "forward", wraps=_sm90.forward) as fwd,
+              mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as bwd):  # fmt: skip
+            out = flash_attention(qg, kx, vx, is_causal=causal)
+            out.backward(w.expand_as(out))  # dO = w broadcast: strides (0, 0, 0, 1)
+        assert fwd.call_count == 1 and bwd.call_count == 1
+        assert bwd.call_args.args[0].stride() == (0, 0, 0, 1)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (qg, k, v))
+        out64, _ = attention_reference(q64, k64[:, :1].expand(2, 8, 1100, 64),
+                                       v64[:, :1].expand(2, 8, 1100, 64), causal)  # fmt: skip
+        out64.backward(w.double().expand_as(out64))
+        for name, ours, ref in (("out", out, out64), ("dq", qg.grad, q64.grad),
+                                ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):  # fmt: skip
+            err = (ours.double() - ref).abs().max().item()
+            assert err <= 2e-2 * max(1.0, ref.abs().max().item()), (name, err)
+    _sm90.forget_launches()
 
 
 @gpu
