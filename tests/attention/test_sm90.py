@@ -186,7 +186,7 @@ def test_a_kept_backward_runs_only_where_the_switches_and_rules_still_send_it(mo
     assert _sm90.kept_backward(*args) is None  # nothing kept yet
     prep = _Recorder(lambda values: values[4].zero_())  # (the kernel zeroes the dQ sums)
     fused = _Recorder(lambda values: values[8].add_(1.5))  # (and the fused kernel adds to them)
-    kept = _sm90._KeptBackward(prep, fused, -1, tuple(q.shape), None, False)
+    kept = _sm90._KeptBackward(prep, fused, -1, False)
     _sm90._KEPT[_sm90._kept_key(dout, q, k, v, out, lse, True)] = kept
     assert _sm90.kept_backward(*args) is kept
     dq, dk, dv = _sm90.backward(*args[:-1], True, kept=kept)

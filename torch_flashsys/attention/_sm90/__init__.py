@@ -736,12 +736,9 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
     pointer's 16-byte alignment, so the key has that of the three inputs (the buffers made here
     are the caching allocator's, always aligned)."""
     batch, heads, seq_q, d = out.shape
-    delta = torch.empty_like(lse)
-    dq_acc = out.new_empty((copies * batch, heads, seq_q, d), dtype=torch.float32)
     n_blocks = triton_cdiv(seq_q, PREP_BLOCK)
     counters = deterministic or convert
-    sem = (out.new_empty((copies * batch, heads, n_blocks), dtype=torch.int32)
-           if counters else None)  # fmt: skip
+    delta, dq_acc, sem = prep_buffers(out, lse, copies, counters)
     rows = lse if dlse is None else dlse
     index = out.get_device()
     key = prep_key(out, dout, lse, dlse, counters, copies, index)
@@ -754,6 +751,18 @@ def backward_prep(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
         return (n_blocks, batch * heads, 1), prep_meta(d, dlse is not None, counters, copies)
 
     _launch_planned(attn_bwd_prep, _PREP_PLANS, key, index, values, args, plan)
+    return delta, dq_acc, sem
+
+
+def prep_buffers(out: torch.Tensor, lse: torch.Tensor, copies: int, counters: bool,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """The buffers :func:`backward_prep` fills (unfilled): delta, the float32 dQ sums and, with
+    ``counters``, the int32 counters."""
+    batch, heads, seq_q, d = out.shape
+    delta = torch.empty_like(lse)
+    dq_acc = out.new_empty((copies * batch, heads, seq_q, d), dtype=torch.float32)
+    sem = (out.new_empty((copies * batch, heads, triton_cdiv(seq_q, PREP_BLOCK)),
+                         dtype=torch.int32) if counters else None)  # fmt: skip
     return delta, dq_acc, sem
 
 
@@ -930,7 +939,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                     functools.partial(fused_launch_args, q, k, v, dout, lse, delta, dk, dv,
                                       dq_acc, scale, sem, dq=dq), plan)  # fmt: skip
     if dlse is None and not deterministic:  # the next calls of this key: kept_backward
-        _keep_backward(dout, q, k, v, out, lse, causal, convert, index, key, sem)
+        _keep_backward(dout, q, k, v, out, lse, causal, convert, index, key)
     if dq is not None:
         return dq, dk, dv
     if copies > 1:  # the chains' sums, added in a fixed order
@@ -947,27 +956,22 @@ class _KeptBackward:
     and the fused kernel's) and the buffers it allocates, decided once: what :func:`backward`
     runs for a problem :func:`kept_backward` found."""
 
-    __slots__ = ("acc_shape", "convert", "fused", "index", "prep", "sem_shape")
+    __slots__ = ("convert", "fused", "index", "prep")
 
-    def __init__(self, prep, fused, index: int, acc_shape: tuple, sem_shape: tuple | None,
-                 convert: bool) -> None:  # fmt: skip
-        self.prep, self.fused, self.index = prep, fused, index
-        self.acc_shape, self.sem_shape, self.convert = acc_shape, sem_shape, convert
+    def __init__(self, prep, fused, index: int, convert: bool) -> None:
+        self.prep, self.fused, self.index, self.convert = prep, fused, index, convert
 
     def __call__(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """:func:`backward`'s buffers and launches, nothing else."""
-        delta = torch.empty_like(lse)
-        dq_acc = out.new_empty(self.acc_shape, dtype=torch.float32)
-        counts = (dq_acc if self.sem_shape is None
-                  else out.new_empty(self.sem_shape, dtype=torch.int32))  # fmt: skip
+        delta, dq_acc, sem = prep_buffers(out, lse, 1, self.convert)
         dq = torch.empty_like(q) if self.convert else None
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         stream = torch._C._cuda_getCurrentRawStream(self.index)
-        self.prep(stream, (out, dout, lse, delta, dq_acc, counts))  # (backward_prep's values)
+        self.prep(stream, (out, dout, lse, delta, dq_acc, dq_acc if sem is None else sem))
         self.fused(stream, fused_launch_values(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale,
-                                               counts, dq))  # fmt: skip
+                                               sem, dq))  # fmt: skip
         if dq is None:
             dq = torch.empty_like(q).copy_(dq_acc)
         return dq, dk, dv
@@ -987,7 +991,7 @@ def _kept_key(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def _keep_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: torch.Tensor, lse: torch.Tensor, causal: bool, convert: bool, index: int,
-                   fused_key: tuple, sem: torch.Tensor | None) -> None:  # fmt: skip
+                   fused_key: tuple) -> None:  # fmt: skip
     """After :func:`backward` ran a key without dLSE or ordered sums: keep its launches for
     :func:`kept_backward`, where both were planned and every pointer is aligned."""
     key = _kept_key(dout, q, k, v, out, lse, causal)
@@ -996,9 +1000,7 @@ def _keep_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     prep = _PREP_PLANS.get(prep_key(out, dout, lse, None, convert, 1, index))
     fused = _FUSED_PLANS.get(fused_key)
     if prep is not None and fused is not None:
-        sem_shape = None if sem is None else tuple(sem.shape)
-        remember(_KEPT, key, _KeptBackward(prep, fused, index, tuple(q.shape), sem_shape,
-                                           convert))  # fmt: skip
+        remember(_KEPT, key, _KeptBackward(prep, fused, index, convert))
 
 
 def kept_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
