@@ -1,0 +1,145 @@
+"""Attention whose query and key lengths differ (cross-attention, few queries over many keys),
+as users run it, against SDPA's default and its pinned backends (issue 27: swapping
+flash_attention in must not make training slower; the peer grid has only self-attention).
+
+Per problem (bf16): our output and gradients and cuDNN's against float64 (SDPA's math path;
+max abs error of each), ``do_bench`` medians of the forward (no grad) and forward+backward in
+``--rounds`` rounds of alternating order, the GPU time of one fwd+bwd (the union of its kernels,
+torch.profiler) and the kernels ours ran (which path took it).
+
+    PYTHONPATH=. python3 benchmarks/gpu_checks/cross_shapes.py [--rounds 3] [--only I,J]
+        [--out cross_shapes_h100.csv]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import _peers
+from benchmarks._harness import (
+    _merged,
+    bench,
+    device_kernels,
+    markdown_table,
+    profiled,
+    write_results,
+)
+from torch_flashsys import flash_attention
+
+# batch, heads, kv heads, query length, key length, head dim, causal (top-left, as SDPA)
+CASES = [
+    (2, 10, 10, 4096, 77, 64, False),  # text-conditioned diffusion (SDXL-like) cross-attention
+    (8, 10, 10, 1024, 77, 64, False),
+    (8, 20, 20, 448, 1500, 64, False),  # speech decoder over encoder frames (Whisper-like)
+    (4, 16, 16, 4096, 1024, 64, False),
+    (4, 16, 16, 1024, 4096, 64, False),
+    (8, 16, 16, 256, 8192, 64, False),  # few queries, many keys (latents, Perceiver-like)
+    (4, 16, 16, 2048, 256, 128, False),
+    (4, 32, 8, 1024, 4096, 128, False),
+    (2, 16, 16, 4096, 2048, 64, True),
+]
+IMPLS = ("ours", "sdpa default", "cudnn", "flash")
+
+
+def _fn(name: str, causal: bool):
+    if name == "ours":
+        return lambda q, k, v: flash_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    if name == "sdpa default":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                              enable_gqa=True)  # fmt: skip
+    backend = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION"}[name]
+    return _peers.sdpa_call(backend, is_causal=causal, enable_gqa=True)
+
+
+def _inputs(case, seed: int = 0):
+    b, h, hk, nq, nk, d, _ = case
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(b, h, nq, d), (b, hk, nk, d), (b, hk, nk, d), (b, h, nq, d)]
+    ts = [torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen) for s in shapes]
+    return [t.requires_grad_(i < 3) for i, t in enumerate(ts)]
+
+
+def _errors(fn, case) -> float:
+    """Max abs error of fn's output and gradients against float64 (on two batch rows)."""
+    small = (min(case[0], 2), *case[1:])
+    q, k, v, dout = _inputs(small, seed=1)
+    out = fn(q, k, v)
+    out.backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=case[-1], enable_gqa=True)
+    ref.backward(dout.double())
+    pairs = [(out, ref), (q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)]
+    return max((a.double() - b).abs().max().item() for a, b in pairs)
+
+
+def _gpu_ms(step, iters: int = 10) -> tuple[float, list[str]]:
+    """GPU ms per call of ``step`` (the union of its kernels) and its kernels' names."""
+    prof, _ = profiled(step, iters, warmup=2)
+    kernels = device_kernels(prof)
+    spans = _merged([(s, e) for _, s, e in kernels])
+    names = sorted({name[:48] for name, _, _ in kernels})
+    return sum(e - s for s, e in spans) / 1e3 / iters, names
+
+
+def measure(case, rounds: int) -> list[dict]:
+    b, h, hk, nq, nk, d, causal = case
+    label = f"{b}x{h}/{hk}x{nq}q{nk}k x{d}{' causal' if causal else ''}"
+    q, k, v, dout = _inputs(case)
+    fns, rows = {}, {}
+    for name in IMPLS:
+        fn = _fn(name, causal)
+        try:
+            with torch.no_grad():
+                fn(q, k, v)
+            _peers.fwd_bwd(fn, (q, k, v), dout)()
+            fns[name] = fn
+            rows[name] = {"case": label, "impl": name, "err": _errors(fn, case)}
+        except Exception as exc:  # a backend that cannot run this problem
+            rows[name] = {"case": label, "impl": name, "note": str(exc).splitlines()[0][:60]}
+    times: dict = {}
+    for r in range(rounds):
+        for name, fn in list(fns.items())[:: 1 if r % 2 == 0 else -1]:
+            with torch.no_grad():
+                fwd = bench(lambda fn=fn: fn(q, k, v), "cuda", rep_ms=50)["median_ms"]
+            both = bench(_peers.fwd_bwd(fn, (q, k, v), dout), "cuda", rep_ms=50)["median_ms"]
+            times.setdefault(name, []).append((fwd, both))
+    for name, fn in fns.items():
+        row = rows[name]
+        row["fwd ms"] = statistics.median(t[0] for t in times[name])
+        row["fwd+bwd ms"] = statistics.median(t[1] for t in times[name])
+        row["gpu fwd+bwd ms"], kernels = _gpu_ms(_peers.fwd_bwd(fn, (q, k, v), dout))
+        if name == "ours":
+            row["kernels"] = "; ".join(kernels)
+    base = rows["sdpa default"].get("fwd+bwd ms")
+    base_fwd = rows["sdpa default"].get("fwd ms")
+    for row in rows.values():
+        if base and row.get("fwd+bwd ms"):
+            row["fwd / sdpa"] = row["fwd ms"] / base_fwd
+            row["fwd+bwd / sdpa"] = row["fwd+bwd ms"] / base
+    return list(rows.values())
+
+
+def main() -> None:
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+    cases = CASES
+    if "--only" in sys.argv:
+        cases = [CASES[int(i)] for i in sys.argv[sys.argv.index("--only") + 1].split(",")]
+    rows = []
+    for case in cases:
+        rows += measure(case, rounds)
+        torch.cuda.empty_cache()
+    if "--out" in sys.argv:
+        write_results(sys.argv[sys.argv.index("--out") + 1], rows)
+    kernels = [f"{r['case']}: {r['kernels']}" for r in rows if r.get("kernels")]
+    print("\n".join(kernels), file=sys.stderr)
+    cols = ["case", "impl", "err", "fwd ms", "fwd+bwd ms", "gpu fwd+bwd ms", "fwd / sdpa",
+            "fwd+bwd / sdpa", "note"]  # fmt: skip
+    print(markdown_table(rows, cols))
+
+
+if __name__ == "__main__":
+    main()
