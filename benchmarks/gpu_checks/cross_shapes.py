@@ -5,7 +5,10 @@ flash_attention in must not make training slower; the peer grid has only self-at
 Per problem (bf16): our output and gradients and cuDNN's against float64 (SDPA's math path;
 max abs error of each), ``do_bench`` medians of the forward (no grad) and forward+backward in
 ``--rounds`` rounds of alternating order, the GPU time of one fwd+bwd (the union of its kernels,
-torch.profiler) and the kernels ours ran (which path took it).
+torch.profiler) and the kernels ours ran (which path took it); the host's wall microseconds per fwd+bwd call of an
+unsynchronized loop, and for ours the portable backward's fast launches per call (2 when it
+runs: none fell back to Triton's JIT), the Hopper launch keys planned during that loop, and
+our kernel backward's host us per call when called directly (no autograd).
 
     PYTHONPATH=. python3 benchmarks/gpu_checks/cross_shapes.py [--rounds 3] [--only I,J]
         [--out cross_shapes_h100.csv]
@@ -24,11 +27,15 @@ from benchmarks._harness import (
     _merged,
     bench,
     device_kernels,
+    host_us,
     markdown_table,
     profiled,
     write_results,
 )
 from torch_flashsys import flash_attention
+from torch_flashsys.attention import _ops, _sm90
+from torch_flashsys.attention._extras import CAUSAL, PLAIN
+from torch_flashsys.attention._triton_bwd import _launch_dkdv, _launch_dq
 
 # batch, heads, kv heads, query length, key length, head dim, causal (top-left, as SDPA)
 CASES = [
@@ -85,6 +92,17 @@ def _gpu_ms(step, iters: int = 10) -> tuple[float, list[str]]:
     return sum(e - s for s, e in spans) / 1e3 / iters, names
 
 
+def _backward_alone_us(q, k, v, dout, causal: bool) -> float:
+    """Host us per call of our kernel backward called directly (the calling thread, no
+    autograd), with the forward's out and lse."""
+    ex, scale = (CAUSAL if causal else PLAIN), q.shape[-1] ** -0.5
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    out, lse = _ops._forward(qd, kd, vd, scale, ex)
+    return host_us(lambda: _ops._backward(dout, qd, kd, vd, out, lse, None, scale, ex), 200)[
+        "wall_us"
+    ]
+
+
 def measure(case, rounds: int) -> list[dict]:
     b, h, hk, nq, nk, d, causal = case
     label = f"{b}x{h}/{hk}x{nq}q{nk}k x{d}{' causal' if causal else ''}"
@@ -109,6 +127,13 @@ def measure(case, rounds: int) -> list[dict]:
             times.setdefault(name, []).append((fwd, both))
     for name, fn in fns.items():
         row = rows[name]
+        step = _peers.fwd_bwd(fn, (q, k, v), dout)
+        hits, planned = _launch_dq.hits + _launch_dkdv.hits, _sm90.planned
+        row["host us"] = host_us(step, calls=200)["wall_us"]
+        if name == "ours":  # fast launches of the portable backward's kernels, new Hopper keys
+            row["bwd fast launches"] = (_launch_dq.hits + _launch_dkdv.hits - hits) / 230
+            row["new keys"] = _sm90.planned - planned
+            row["bwd alone us"] = _backward_alone_us(q, k, v, dout, causal)
         row["fwd ms"] = statistics.median(t[0] for t in times[name])
         row["fwd+bwd ms"] = statistics.median(t[1] for t in times[name])
         row["gpu fwd+bwd ms"], kernels = _gpu_ms(_peers.fwd_bwd(fn, (q, k, v), dout))
@@ -136,8 +161,8 @@ def main() -> None:
         write_results(sys.argv[sys.argv.index("--out") + 1], rows)
     kernels = [f"{r['case']}: {r['kernels']}" for r in rows if r.get("kernels")]
     print("\n".join(kernels), file=sys.stderr)
-    cols = ["case", "impl", "err", "fwd ms", "fwd+bwd ms", "gpu fwd+bwd ms", "fwd / sdpa",
-            "fwd+bwd / sdpa", "note"]  # fmt: skip
+    cols = ["case", "impl", "err", "fwd ms", "fwd+bwd ms", "gpu fwd+bwd ms", "host us",
+            "fwd / sdpa", "fwd+bwd / sdpa", "bwd fast launches", "new keys", "bwd alone us", "note"]  # fmt: skip
     print(markdown_table(rows, cols))
 
 
