@@ -11,11 +11,18 @@ runs: none fell back to Triton's JIT), the Hopper launch keys planned during tha
 our kernel backward's host us per call when called directly (no autograd).
 
     PYTHONPATH=. python3 benchmarks/gpu_checks/cross_shapes.py [--rounds 3] [--only I,J]
+        [--shapes 8x16/16x256:8192x64,...] [--impls ours,ours fused,...] [--no-host]
         [--out cross_shapes_h100.csv]
+
+``--shapes``: ``BxH/HKVxNQ:NKxD[c]`` items instead of :data:`CASES`. ``--impls``: of
+:data:`IMPLS`; ``ours fused`` / ``ours portable`` run our Hopper fused backward wherever it can
+take the problem (``_sm90.FUSED_ALL``) / the portable backward (``FUSED_ENABLED`` off), for the
+length rule. ``--no-host``: without the host loops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 
@@ -49,11 +56,36 @@ CASES = [
     (4, 32, 8, 1024, 4096, 128, False),
     (2, 16, 16, 4096, 2048, 64, True),
 ]
-IMPLS = ("ours", "sdpa default", "cudnn", "flash")
+IMPLS = ("ours", "ours fused", "ours portable", "sdpa default", "cudnn", "flash")
+# The switches each of our variants runs under (its calls, backwards included)
+SWITCHES = {"ours fused": {"FUSED_ALL": True}, "ours portable": {"FUSED_ENABLED": False}}
+
+
+@contextlib.contextmanager
+def _switched(name: str):
+    """``_sm90``'s switches set for impl ``name`` (none for the others), then restored."""
+    saved = {attr: getattr(_sm90, attr) for attr in SWITCHES.get(name, {})}
+    try:
+        for attr, value in SWITCHES.get(name, {}).items():
+            setattr(_sm90, attr, value)
+        yield
+    finally:
+        for attr, value in saved.items():
+            setattr(_sm90, attr, value)
+
+
+def _shapes(text: str) -> list[tuple]:
+    """``8x16/16x256:8192x64c,...`` -> :data:`CASES`-like tuples."""
+    cases = []
+    for item in text.split(","):
+        b, heads, lengths, d = item.rstrip("c").split("x")
+        (h, hk), (nq, nk) = heads.split("/"), lengths.split(":")
+        cases.append((int(b), int(h), int(hk), int(nq), int(nk), int(d), item.endswith("c")))
+    return cases
 
 
 def _fn(name: str, causal: bool):
-    if name == "ours":
+    if name.startswith("ours"):
         return lambda q, k, v: flash_attention(q, k, v, is_causal=causal, enable_gqa=True)
     if name == "sdpa default":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
@@ -103,66 +135,77 @@ def _backward_alone_us(q, k, v, dout, causal: bool) -> float:
     ]
 
 
-def measure(case, rounds: int) -> list[dict]:
+def measure(case, rounds: int, impls=IMPLS, host: bool = True) -> list[dict]:
     b, h, hk, nq, nk, d, causal = case
     label = f"{b}x{h}/{hk}x{nq}q{nk}k x{d}{' causal' if causal else ''}"
     q, k, v, dout = _inputs(case)
     fns, rows = {}, {}
-    for name in IMPLS:
+    for name in impls:
         fn = _fn(name, causal)
         try:
-            with torch.no_grad():
+            with _switched(name), torch.no_grad():
                 fn(q, k, v)
-            _peers.fwd_bwd(fn, (q, k, v), dout)()
+            with _switched(name):
+                _peers.fwd_bwd(fn, (q, k, v), dout)()
+                rows[name] = {"case": label, "impl": name, "err": _errors(fn, case)}
             fns[name] = fn
-            rows[name] = {"case": label, "impl": name, "err": _errors(fn, case)}
         except Exception as exc:  # a backend that cannot run this problem
             rows[name] = {"case": label, "impl": name, "note": str(exc).splitlines()[0][:60]}
     times: dict = {}
     for r in range(rounds):
         for name, fn in list(fns.items())[:: 1 if r % 2 == 0 else -1]:
-            with torch.no_grad():
+            with _switched(name), torch.no_grad():
                 fwd = bench(lambda fn=fn: fn(q, k, v), "cuda", rep_ms=50)["median_ms"]
-            both = bench(_peers.fwd_bwd(fn, (q, k, v), dout), "cuda", rep_ms=50)["median_ms"]
+            with _switched(name):
+                step = _peers.fwd_bwd(fn, (q, k, v), dout)
+                both = bench(step, "cuda", rep_ms=50)["median_ms"]
             times.setdefault(name, []).append((fwd, both))
     for name, fn in fns.items():
         row = rows[name]
         step = _peers.fwd_bwd(fn, (q, k, v), dout)
-        hits, planned = _launch_dq.hits + _launch_dkdv.hits, _sm90.planned
-        row["host us"] = host_us(step, calls=200)["wall_us"]
-        if name == "ours":  # fast launches of the portable backward's kernels, new Hopper keys
-            row["bwd fast launches"] = (_launch_dq.hits + _launch_dkdv.hits - hits) / 230
-            row["new keys"] = _sm90.planned - planned
-            row["bwd alone us"] = _backward_alone_us(q, k, v, dout, causal)
+        with _switched(name):
+            if host:
+                hits, planned = _launch_dq.hits + _launch_dkdv.hits, _sm90.planned
+                row["host us"] = host_us(step, calls=200)["wall_us"]
+            if host and name.startswith("ours"):  # the portable backward's fast launches
+                row["bwd fast launches"] = (_launch_dq.hits + _launch_dkdv.hits - hits) / 230
+                row["new keys"] = _sm90.planned - planned
+                row["bwd alone us"] = _backward_alone_us(q, k, v, dout, causal)
+            row["gpu fwd+bwd ms"], kernels = _gpu_ms(step)
         row["fwd ms"] = statistics.median(t[0] for t in times[name])
         row["fwd+bwd ms"] = statistics.median(t[1] for t in times[name])
-        row["gpu fwd+bwd ms"], kernels = _gpu_ms(_peers.fwd_bwd(fn, (q, k, v), dout))
-        if name == "ours":
+        if name.startswith("ours"):
             row["kernels"] = "; ".join(kernels)
-    base = rows["sdpa default"].get("fwd+bwd ms")
-    base_fwd = rows["sdpa default"].get("fwd ms")
+    base = rows.get("sdpa default", rows.get("cudnn", {}))
     for row in rows.values():
-        if base and row.get("fwd+bwd ms"):
-            row["fwd / sdpa"] = row["fwd ms"] / base_fwd
-            row["fwd+bwd / sdpa"] = row["fwd+bwd ms"] / base
+        if base.get("fwd+bwd ms") and row.get("fwd+bwd ms"):
+            row["fwd / sdpa"] = row["fwd ms"] / base["fwd ms"]
+            row["fwd+bwd / sdpa"] = row["fwd+bwd ms"] / base["fwd+bwd ms"]
+            row["gpu / sdpa"] = row["gpu fwd+bwd ms"] / base["gpu fwd+bwd ms"]
     return list(rows.values())
 
 
 def main() -> None:
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
-    cases = CASES
-    if "--only" in sys.argv:
-        cases = [CASES[int(i)] for i in sys.argv[sys.argv.index("--only") + 1].split(",")]
+    arg = lambda name: sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+    cases = _shapes(arg("--shapes")) if arg("--shapes") else CASES
+    if arg("--only"):
+        cases = [cases[int(i)] for i in arg("--only").split(",")]
+    impls = arg("--impls").split(",") if arg("--impls") else ("ours", "sdpa default", "cudnn",
+                                                                 "flash")  # fmt: skip
+    if set(impls) - set(IMPLS):
+        raise SystemExit(f"--impls: unknown {sorted(set(impls) - set(IMPLS))}; of {IMPLS}")
     rows = []
     for case in cases:
-        rows += measure(case, rounds)
+        rows += measure(case, rounds, impls, host="--no-host" not in sys.argv)
         torch.cuda.empty_cache()
     if "--out" in sys.argv:
         write_results(sys.argv[sys.argv.index("--out") + 1], rows)
     kernels = [f"{r['case']}: {r['kernels']}" for r in rows if r.get("kernels")]
     print("\n".join(kernels), file=sys.stderr)
     cols = ["case", "impl", "err", "fwd ms", "fwd+bwd ms", "gpu fwd+bwd ms", "host us",
-            "fwd / sdpa", "fwd+bwd / sdpa", "bwd fast launches", "new keys", "bwd alone us", "note"]  # fmt: skip
+            "fwd / sdpa", "fwd+bwd / sdpa", "gpu / sdpa", "bwd fast launches", "new keys",
+            "bwd alone us", "note"]  # fmt: skip
     print(markdown_table(rows, cols))
 
 
