@@ -17,7 +17,8 @@ our kernel backward's host us per call when called directly (no autograd).
 ``--shapes``: ``BxH/HKVxNQ:NKxD[c]`` items instead of :data:`CASES`. ``--impls``: of
 :data:`IMPLS`; ``ours fused`` / ``ours portable`` run our Hopper fused backward wherever it can
 take the problem (``_sm90.FUSED_ALL``) / the portable backward (``FUSED_ENABLED`` off), for the
-length rule. ``--no-host``: without the host loops.
+length rule; ``ours portable dkdv=BMxBNxWxS`` (or ``dq=``) the portable backward with that
+tile. ``--no-host``: without the host loops.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from benchmarks._harness import (
     write_results,
 )
 from torch_flashsys import flash_attention
-from torch_flashsys.attention import _ops, _sm90
+from torch_flashsys.attention import _ops, _sm90, _triton_bwd
 from torch_flashsys.attention._extras import CAUSAL, PLAIN
+from torch_flashsys.attention._kernel_config import _arch, load_table
 from torch_flashsys.attention._triton_bwd import _launch_dkdv, _launch_dq
 
 # batch, heads, kv heads, query length, key length, head dim, causal (top-left, as SDPA)
@@ -61,17 +63,39 @@ IMPLS = ("ours", "ours fused", "ours portable", "sdpa default", "cudnn", "flash"
 SWITCHES = {"ours fused": {"FUSED_ALL": True}, "ours portable": {"FUSED_ENABLED": False}}
 
 
+def _tile_override(name: str) -> tuple[str, tuple] | None:
+    """``ours portable dkdv=32x128x4x3`` -> ("dkdv", (32, 128, 4, 3)); else None."""
+    if not name.startswith("ours portable ") or "=" not in name:
+        return None
+    kernel, tile = name.removeprefix("ours portable ").split("=")
+    return kernel, tuple(int(x) for x in tile.split("x"))
+
+
 @contextlib.contextmanager
 def _switched(name: str):
-    """``_sm90``'s switches set for impl ``name`` (none for the others), then restored."""
-    saved = {attr: getattr(_sm90, attr) for attr in SWITCHES.get(name, {})}
+    """``_sm90``'s switches set for impl ``name`` (none for the others), then restored; an
+    ``ours portable KERNEL=BMxBNxWxS`` impl: the portable backward with that tile for KERNEL
+    (``dq`` or ``dkdv``) at every length of the committed table (its plans made afresh)."""
+    override = _tile_override(name)
+    switches = SWITCHES.get("ours portable" if override else name, {})
+    saved = {attr: getattr(_sm90, attr) for attr in switches}
+    table = load_table(_arch(torch.cuda.current_device()))
+    saved_tiles = dict(table)
     try:
-        for attr, value in SWITCHES.get(name, {}).items():
+        for attr, value in switches.items():
             setattr(_sm90, attr, value)
+        if override:
+            for key in table:
+                if key.startswith(override[0] + "/"):
+                    table[key] = override[1]
+            _triton_bwd._PLANS.clear()
         yield
     finally:
         for attr, value in saved.items():
             setattr(_sm90, attr, value)
+        if override:
+            table.update(saved_tiles)
+            _triton_bwd._PLANS.clear()
 
 
 def _shapes(text: str) -> list[tuple]:
@@ -116,11 +140,15 @@ def _errors(fn, case) -> float:
 
 
 def _gpu_ms(step, iters: int = 10) -> tuple[float, list[str]]:
-    """GPU ms per call of ``step`` (the union of its kernels) and its kernels' names."""
+    """GPU ms per call of ``step`` (the union of its kernels) and its kernels' names with their
+    ms per call."""
     prof, _ = profiled(step, iters, warmup=2)
     kernels = device_kernels(prof)
     spans = _merged([(s, e) for _, s, e in kernels])
-    names = sorted({name[:48] for name, _, _ in kernels})
+    per: dict[str, float] = {}
+    for name, s, e in kernels:
+        per[name[:40]] = per.get(name[:40], 0.0) + (e - s) / 1e3 / iters
+    names = [f"{name} {ms:.3f}" for name, ms in sorted(per.items())]
     return sum(e - s for s, e in spans) / 1e3 / iters, names
 
 
@@ -193,7 +221,7 @@ def main() -> None:
         cases = [cases[int(i)] for i in arg("--only").split(",")]
     impls = arg("--impls").split(",") if arg("--impls") else ("ours", "sdpa default", "cudnn",
                                                                  "flash")  # fmt: skip
-    if set(impls) - set(IMPLS):
+    if {i for i in impls if not _tile_override(i)} - set(IMPLS):
         raise SystemExit(f"--impls: unknown {sorted(set(impls) - set(IMPLS))}; of {IMPLS}")
     rows = []
     for case in cases:
