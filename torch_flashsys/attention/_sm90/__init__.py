@@ -17,7 +17,8 @@ Triton kernel:
 The backward of a problem that the forward rule admits (and whose dO a TMA descriptor can read)
 runs a fused Gluon kernel (after the preprocessing kernel ``_prep``) at the lengths where it
 measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at the lengths in
-``FUSED_SEQ_Q`` (with GQA 256-16384; without GQA 1024-16384); head dim 128,
+``FUSED_SEQ_Q`` (with GQA 256-16384; without GQA 1024-16384; and, without GQA or a causal
+mask, 512-1023 keys against 2048-16384 query rows, ``FUSED_FEW_KEYS``); head dim 128,
 ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (with GQA 256-16384; without GQA
 1024-16384, causal from 2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed
 order, so it is not bitwise reproducible; when ``torch.are_deterministic_algorithms_enabled()``,
@@ -176,6 +177,14 @@ FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fus
     (False, True): (256, 16384),
     (False, False): (1024, 16384),
 }
+# Cross-attention over a few hundred keys: per (causal, GQA), (query rows, keys) from which the
+# fused kernel also runs with fewer keys than FUSED_SEQ_Q's lower bound (the queries and keys
+# still at most its upper one). H100, 2026-11-27 (``gpu_checks/cross_shapes.py``, GPU time of a
+# fwd+bwd, two runs of 4 x 16 x 4096 x 512 keys): without a causal mask or GQA, 512 keys, its
+# kernels took 0.85x the portable ones' time at 4096 query rows (twice), 0.93x at 2048, 0.83x
+# at 8192 (0.90-0.97x cuDNN's), but 1.01x at 1024 rows, 1.00x at 4096 x 256 keys, 1.14x at
+# 4096 x 77 keys; causal 0.97x (top-left, 4096 x 512), left out.
+FUSED_FEW_KEYS = {(False, False): (2048, 512)}
 FUSED_STAGES = {64: 4, 128: 2}  # head dims the fused kernels serve -> Q/dO ring depth (64 KB)
 # Head dim 128: the lengths (queries and keys) per (causal, GQA) where the split kernel runs by
 # default (H100, ``benchmarks/sm90_bwd.py --rule --head-dim 128``: its backward took 0.60-0.97x the
@@ -454,7 +463,8 @@ def rule_lengths() -> tuple[int, ...]:
     portable kernels' tiles, from tables keyed on the nearest measured length), up to
     RULE_LENGTH_MAX: evaluated at these, the rules pick every build they pick at any length."""
     bounds = {PERSISTENT_CAUSAL_MAX, *FWD_DYNAMIC_MAX.values(), *FWD_QBUF2_MAX.values(),
-              *FWD_CONSUMERS3_MIN.values(), *(1 << e for e in range(6, 18))}  # fmt: skip
+              *FWD_CONSUMERS3_MIN.values(), *(1 << e for e in range(6, 18)),
+              *(n for pair in FUSED_FEW_KEYS.values() for n in pair)}  # fmt: skip
     for rule in (FUSED_SEQ_Q, SPLIT_SEQ_Q, DETERMINISTIC_SEQ_Q, DETERMINISTIC_SPLIT_SEQ_Q):
         for lo, hi in rule.values():
             bounds |= {lo, hi + 1}
@@ -715,8 +725,18 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     1.09-1.22x at 256-512. Only self-attention was measured (as many keys as query rows), so
     the keys must be in the range too: with few keys (cross-attention) the kernel has few
     programs, each looping over every query tile. Head dim 128 (the split kernel): the lengths
-    in SPLIT_SEQ_Q, from one ``--rule --head-dim 128`` run (docs/benchmarks.md)."""
-    return _in_rule(SPLIT_SEQ_Q if q.shape[-1] in SPLIT_HEAD_DIMS else FUSED_SEQ_Q, q, k, ex)
+    in SPLIT_SEQ_Q, from one ``--rule --head-dim 128`` run (docs/benchmarks.md). Cross-attention
+    over fewer keys: FUSED_FEW_KEYS (head dim 64)."""
+    if q.shape[-1] in SPLIT_HEAD_DIMS:
+        return _in_rule(SPLIT_SEQ_Q, q, k, ex)
+    if _in_rule(FUSED_SEQ_Q, q, k, ex):
+        return True
+    kind = (ex is CAUSAL, q.shape[1] > k.shape[1])
+    few, bounds = FUSED_FEW_KEYS.get(kind), FUSED_SEQ_Q.get(kind)
+    if few is None or bounds is None or not (ex is CAUSAL or ex is PLAIN):
+        return False
+    (min_q, min_k), hi = few, bounds[1]
+    return min_q <= q.shape[2] <= hi and min_k <= k.shape[2] <= hi
 
 
 _PREP_PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
