@@ -1259,6 +1259,31 @@ def test_a_repeated_backward_runs_its_kept_launches_and_matches_float64(case):
 @gpu
 @needs_sm90
 @pytest.mark.parametrize(
+    ("case", "fused"),
+    [(Case(2, 3, 1, 2048, 512, 64, False, None, False, False, seed=0), True),
+     (Case(1, 2, 1, 2500, 700, 64, False, 0.3, False, True, seed=1), True),
+     (Case(2, 2, 1, 3000, 1023, 64, False, None, True, False, seed=2), True),
+     (Case(2, 3, 1, 1024, 512, 64, False, None, False, False, seed=3), False),
+     (Case(2, 3, 1, 2048, 511, 64, False, None, False, False, seed=4), False),
+     (Case(2, 3, 1, 2048, 512, 64, True, None, False, False, seed=5), False)],
+)  # fmt: skip
+def test_cross_attention_over_a_few_hundred_keys_takes_the_fused_backward_by_default(case, fused):
+    """With the default switches, 512-1023 keys against 2048 or more query rows (head dim 64,
+    no GQA, no causal mask: FUSED_FEW_KEYS) take the fused backward, and its gradients match
+    float64's (3-D and (B, L, H, D) layouts); 1024 query rows, 511 keys or a causal mask keep
+    the portable backward."""
+    _sm90.forget_launches()
+    try:
+        with mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy:
+            check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
+        assert spy.called is fused
+    finally:
+        _sm90.forget_launches()
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize(
     "case",
     [Case(4, 4, 4, 1100, 1100, 64, True, None, False, True, seed=1),
      Case(2, 4, 2, 1100, 1100, 128, True, None, False, True, seed=5),
