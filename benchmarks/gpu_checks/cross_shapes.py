@@ -18,7 +18,8 @@ our kernel backward's host us per call when called directly (no autograd).
 :data:`IMPLS`; ``ours fused`` / ``ours portable`` run our Hopper fused backward wherever it can
 take the problem (``_sm90.FUSED_ALL``) / the portable backward (``FUSED_ENABLED`` off), for the
 length rule; ``ours portable dkdv=BMxBNxWxS`` (or ``dq=``) the portable backward with that
-tile. ``--no-host``: without the host loops.
+tile; ``ours, no kv grads`` without the dQ kernel's dK/dV (KV_GRADS), ``ours kv=BMxBNxWxS``
+with that KV_GRADS tile. ``--no-host``: without the host loops.
 """
 
 from __future__ import annotations
@@ -58,43 +59,57 @@ CASES = [
     (4, 32, 8, 1024, 4096, 128, False),
     (2, 16, 16, 4096, 2048, 64, True),
 ]
-IMPLS = ("ours", "ours fused", "ours portable", "sdpa default", "cudnn", "flash")
-# The switches each of our variants runs under (its calls, backwards included)
-SWITCHES = {"ours fused": {"FUSED_ALL": True}, "ours portable": {"FUSED_ENABLED": False}}
+IMPLS = ("ours", "ours fused", "ours portable", "ours, no kv grads", "sdpa default", "cudnn",
+         "flash")  # fmt: skip
+# The switches each of our variants runs under (its calls, backwards included): module attributes
+SWITCHES = {
+    "ours fused": {(_sm90, "FUSED_ALL"): True},
+    "ours portable": {(_sm90, "FUSED_ENABLED"): False},
+    "ours, no kv grads": {(_triton_bwd, "KV_GRADS_MAX_Q"): 0},  # the dK/dV kernel runs
+}
 
 
 def _tile_override(name: str) -> tuple[str, tuple] | None:
-    """``ours portable dkdv=32x128x4x3`` -> ("dkdv", (32, 128, 4, 3)); else None."""
-    if not name.startswith("ours portable ") or "=" not in name:
-        return None
-    kernel, tile = name.removeprefix("ours portable ").split("=")
-    return kernel, tuple(int(x) for x in tile.split("x"))
+    """``ours portable dkdv=32x128x4x3`` -> ("dkdv", (32, 128, 4, 3)); ``ours kv=256x32x8x3``
+    -> ("kv", ...): the KV_GRADS tile of that many query rows; else None."""
+    for prefix in ("ours portable ", "ours "):
+        if name.startswith(prefix) and "=" in name:
+            kernel, tile = name.removeprefix(prefix).split("=")
+            return kernel, tuple(int(x) for x in tile.split("x"))
+    return None
 
 
 @contextlib.contextmanager
 def _switched(name: str):
-    """``_sm90``'s switches set for impl ``name`` (none for the others), then restored; an
-    ``ours portable KERNEL=BMxBNxWxS`` impl: the portable backward with that tile for KERNEL
-    (``dq`` or ``dkdv``) at every length of the committed table (its plans made afresh)."""
+    """The switches of impl ``name`` (:data:`SWITCHES`; none for the others) set, then
+    restored; an ``ours portable KERNEL=BMxBNxWxS`` impl: the portable backward with that tile
+    for KERNEL (``dq`` or ``dkdv``) at every length of the committed table; ``ours
+    kv=BMxBNxWxS``: that KV_GRADS tile for BM query rows. Our plans are made afresh."""
     override = _tile_override(name)
-    switches = SWITCHES.get("ours portable" if override else name, {})
-    saved = {attr: getattr(_sm90, attr) for attr in switches}
+    switches = SWITCHES.get("ours portable" if override and override[0] != "kv" else name, {})
+    saved = {key: getattr(*key) for key in switches}
     table = load_table(_arch(torch.cuda.current_device()))
-    saved_tiles = dict(table)
+    saved_tiles, saved_kv = dict(table), dict(_triton_bwd.KV_GRADS_TILES)
     try:
-        for attr, value in switches.items():
-            setattr(_sm90, attr, value)
-        if override:
+        for (module, attr), value in switches.items():
+            setattr(module, attr, value)
+        if override and override[0] == "kv":
+            for key in _triton_bwd.KV_GRADS_TILES:
+                if key[1] == override[1][0]:
+                    _triton_bwd.KV_GRADS_TILES[key] = override[1]
+        elif override:
             for key in table:
                 if key.startswith(override[0] + "/"):
                     table[key] = override[1]
+        if name.startswith("ours"):
             _triton_bwd._PLANS.clear()
         yield
     finally:
-        for attr, value in saved.items():
-            setattr(_sm90, attr, value)
-        if override:
-            table.update(saved_tiles)
+        for (module, attr), value in saved.items():
+            setattr(module, attr, value)
+        table.update(saved_tiles)
+        _triton_bwd.KV_GRADS_TILES.update(saved_kv)
+        if name.startswith("ours"):
             _triton_bwd._PLANS.clear()
 
 

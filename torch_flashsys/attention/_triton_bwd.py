@@ -18,6 +18,7 @@ from torch import Tensor
 import torch_flashsys.attention._precompile as _precompile
 import torch_flashsys.attention._sm90 as _sm90
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
+from torch_flashsys.attention._kernel_config import dim_class, tile_meta
 from torch_flashsys.attention._launch import (
     LaunchCache,
     Plan,
@@ -26,6 +27,7 @@ from torch_flashsys.attention._launch import (
     remember,
 )
 from torch_flashsys.attention._triton_common import (
+    AUTOTUNE,
     LOG2E,
     batch_strides,
     check_blocks,
@@ -40,6 +42,7 @@ from torch_flashsys.attention._triton_common import (
     make_autotune,
     mask_tile,
     mod_scores,
+    next_pow2,
     plan_tile,
     problem_dims,
     program_scalars,
@@ -65,6 +68,19 @@ DQ_SHAPES = {
     128: [(128, 64, 8, 3), (64, 64, 4, 2), (64, 32, 4, 3)],
     256: [(64, 32, 4, 2), (64, 16, 4, 2), (128, 32, 8, 2)],
 }
+# Few query rows over many keys (cross-attention: latents, a short decoder over a long input):
+# the dK/dV kernel's programs would each loop over a handful of query tiles. Where one program
+# can hold every query row of its head (at most KV_GRADS_MAX_Q, one query head per key head, no
+# dropout, mask or window) and there are at least KV_GRADS_MIN_KEYS keys per query row, the dQ
+# kernel computes each key tile's dK and dV too (KV_GRADS) and the dK/dV kernel does not run.
+# Its tile per (head-dim class, query rows): (BLOCK_M, BLOCK_N, warps, stages); 16-bit inputs.
+KV_GRADS_MAX_Q = 256
+KV_GRADS_MIN_KEYS = 4
+KV_GRADS_TILES = {
+    (64, 64): (64, 64, 4, 3), (64, 128): (128, 64, 8, 3), (64, 256): (256, 32, 8, 3),
+    (128, 64): (64, 64, 4, 3), (128, 128): (128, 32, 8, 3), (128, 256): (256, 32, 8, 2),
+}  # fmt: skip
+_KV_GRADS_INTERPRETER_N = 16  # the interpreter's key tile (its query tile covers the rows)
 _SPECIALIZE_NOT = [
     "seq_q", "seq_k", "tune_len", "left", "right", "threshold",
     "stride_mn", "stride_ab", "stride_ah",
@@ -86,16 +102,19 @@ def _dq_footprint(block_m: int, block_n: int, block_d: int, stages: int) -> int:
 @triton.jit
 def _attn_bwd_dq_inner(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, strides, offs_m, offs_n, dmasks, row_ok, lo, hi,
-    seq_k, mods, window, mask, drop,
+    seq_k, mods, window, mask, drop, kv_out,
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_GRADS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Key tiles [lo, hi) into dq; the bundles as in ``_attn_fwd_inner``."""
+    """Key tiles [lo, hi) into dq; the bundles as in ``_attn_fwd_inner``. ``KV_GRADS`` (every
+    query row of the head in this program, no dropout): each key tile's dK and dV too, stored
+    at ``kv_out``'s (dK pointers, dV pointers, their row strides)."""
     stride_kn, stride_vn = strides
     mask_d, mask_dv = dmasks
+    dk_ptrs, dv_ptrs, stride_dkn, stride_dvn = kv_out
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -122,6 +141,13 @@ def _attn_bwd_dq_inner(
         if SOFTCAP:
             ds = ds * dcap  # 1 - tanh^2
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        if KV_GRADS:  # this key tile's whole dV = P^T dO and dK = scale * dS^T Q
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * mods[1]
+            store_rows(dk_ptrs, dk, cols < seq_k, mask_d, EVEN_D)
+            store_rows(dv_ptrs, dv, cols < seq_k, mask_dv, EVEN_DV)
+            dk_ptrs += BLOCK_N * stride_dkn
+            dv_ptrs += BLOCK_N * stride_dvn
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
@@ -129,10 +155,11 @@ def _attn_bwd_dq_inner(
 
 @triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE, DLSE, Delta, DQ, Mask, Alibi, Seed, CuQ, CuK, SeqUsed,
+    Q, K, V, O, DO, LSE, DLSE, Delta, DQ, DK, DV, Mask, Alibi, Seed, CuQ, CuK, SeqUsed,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
+    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
     n_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
     left, right, softcap, threshold, inv_keep,
@@ -142,9 +169,12 @@ def _attn_bwd_dq(
     MASK_CONTIG: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
     VARLEN: tl.constexpr, SEQUSED: tl.constexpr, HAS_DLSE: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, KV_GRADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(not SEQUSED)  # KV-cache decoding is forward only
+    # KV_GRADS: one program holds every query row of its head (the caller's rule: seq_q <=
+    # BLOCK_M, one query head per key head), so each key tile's dK and dV are whole here
+    tl.static_assert(not (KV_GRADS and (DROPOUT or VARLEN or HAS_LEFT or HAS_RIGHT)))
     check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
@@ -191,6 +221,8 @@ def _attn_bwd_dq(
     v_base = tile_ptrs(V, b, hk, stride_vb, stride_vh, cols, stride_vn, offs_dv)
     mods = (qk_scale, sm_scale, softcap, slope)
     drop = (seed, bh.to(tl.int32), threshold, inv_keep)
+    dk_base = tile_ptrs(DK, b, hk, stride_dkb, stride_dkh, cols, stride_dkn, offs_d)
+    dv_base = tile_ptrs(DV, b, hk, stride_dvb, stride_dvh, cols, stride_dvn, offs_dv)
     # Loop: the key tiles in three segments (as the forward).
     for seg in tl.static_range(3):
         seg_lo, seg_hi = segment(seg, lo, mid_lo, mid_hi, hi)
@@ -200,8 +232,10 @@ def _attn_bwd_dq(
                 k_base + seg_lo.to(tl.int64) * stride_kn, v_base + seg_lo.to(tl.int64) * stride_vn,
                 (stride_kn, stride_vn), offs_m, offs_n, (mask_d, mask_dv), row_ok, seg_lo, seg_hi,
                 seq_k, mods, (left, right), mask, drop,
+                (dk_base + seg_lo.to(tl.int64) * stride_dkn,
+                 dv_base + seg_lo.to(tl.int64) * stride_dvn, stride_dkn, stride_dvn),
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
-                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, BLOCK_N,
+                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, KV_GRADS, BLOCK_N,
             )  # fmt: skip
     # Epilogue: dQ = scale * sum_j dS K_j.
     dq *= sm_scale
@@ -362,7 +396,7 @@ def _attn_bwd_dkdv(
 
 _attn_bwd_dq_tuned = make_autotune(_attn_bwd_dq, DQ_SHAPES, _dq_footprint)
 _attn_bwd_dkdv_tuned = make_autotune(_attn_bwd_dkdv, DKDV_SHAPES, _dkdv_footprint)
-_launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=15)
+_launch_dq = LaunchCache(_attn_bwd_dq_tuned, n_tensors=17)
 _launch_dkdv = LaunchCache(_attn_bwd_dkdv_tuned, n_tensors=14)
 
 
@@ -396,7 +430,7 @@ def attention_backward(
         dv.zero_()
     delta = torch.empty_like(lse)
     first, launches = backward_launches(dout, q, k, v, out, lse, dlse, scale, ex, dq, dk, dv, delta)
-    hopper = _sm90.backward_takes(q, k, v, dout, scale, ex)
+    hopper = len(launches) == 2 and _sm90.backward_takes(q, k, v, dout, scale, ex)
     if hopper:  # dK/dV on the Hopper kernel, after the dQ kernel has stored D
         launches = launches[:1]
     if first and q.is_cuda:  # a new key: compile both kernels at once (if not compiled yet)
@@ -444,12 +478,13 @@ def backward_builds(dout, q, k, v, out, lse, dlse, scale, ex, deterministic: boo
     rows = lse if dlse is None else dlse
     jobs = []
     for plan_dq, plan_dkdv in tiles.values():
-        dq_args = (q, k, v, out, dout, lse, rows, lse, q, *tensors, *plan_dq.ints, *tail)
-        dkdv_args = (q, k, v, dout, lse, lse, k, v, *tensors, *plan_dkdv.ints, *tail)
-        jobs += [_precompile.Job(_launch_dq.kernel, tuple(map(mock, dq_args)),
-                                 plan_dq.constexprs, index),
-                 _precompile.Job(_launch_dkdv.kernel, tuple(map(mock, dkdv_args)),
-                                 plan_dkdv.constexprs, index)]  # fmt: skip
+        dq_args = (q, k, v, out, dout, lse, rows, lse, q, k, v, *tensors, *plan_dq.ints, *tail)
+        jobs.append(_precompile.Job(_launch_dq.kernel, tuple(map(mock, dq_args)),
+                                    plan_dq.constexprs, index))  # fmt: skip
+        if plan_dkdv is not None:
+            dkdv_args = (q, k, v, dout, lse, lse, k, v, *tensors, *plan_dkdv.ints, *tail)
+            jobs.append(_precompile.Job(_launch_dkdv.kernel, tuple(map(mock, dkdv_args)),
+                                        plan_dkdv.constexprs, index))  # fmt: skip
     if fused and _sm90.fused_fits(q, k, v, dout, scale, ex):
         jobs += _sm90.fused_builds(q, k, v, dout, out, lse, dlse, scale, ex is CAUSAL,
                                    deterministic)  # fmt: skip
@@ -473,16 +508,35 @@ def backward_launches(dout, q, k, v, out, lse, dlse, scale, ex, dq, dk, dv, delt
         remember(_PLANS, key, plan)
     plan_dq, plan_dkdv = plan
     tail = (scale * LOG2E, scale, *runtime[6:])
-    dq_args = (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, *tensors,
-               *plan_dq.ints, *tail)  # fmt: skip
+    dq_args = (q, k, v, out, dout, lse, lse if dlse is None else dlse, delta, dq, dk, dv,
+               *tensors, *plan_dq.ints, *tail)  # fmt: skip
+    if plan_dkdv is None:  # the dQ kernel computes dK and dV too
+        return first, [(_launch_dq, plan_dq, dq_args)]
     dkdv_args = (q, k, v, dout, lse, delta, dk, dv, *tensors, *plan_dkdv.ints, *tail)
     return first, [(_launch_dq, plan_dq, dq_args), (_launch_dkdv, plan_dkdv, dkdv_args)]
+
+
+def kv_grads_tile(q: Tensor, ex: Extras, n_heads: int, n_kv_heads: int, seq_q: int,
+                  seq_k: int) -> tuple[int, int, int, int] | None:  # fmt: skip
+    """The dQ kernel's tile when it also computes dK and dV (KV_GRADS: see KV_GRADS_MAX_Q),
+    else None: a plain problem (no mask, dropout, window or causal mask), one query head per key
+    head, 16-bit inputs, at most KV_GRADS_MAX_Q query rows and KV_GRADS_MIN_KEYS keys per row;
+    never under the opt-in autotuner (whose tiles may not cover the rows)."""
+    if ex is not PLAIN or n_heads != n_kv_heads or q.element_size() != 2 or AUTOTUNE:
+        return None
+    if not 0 < seq_q <= KV_GRADS_MAX_Q or seq_k < KV_GRADS_MIN_KEYS * seq_q:
+        return None
+    rows = max(64, next_pow2(seq_q))
+    if not q.is_cuda:  # the interpreter: the rows in one tile, a small key tile
+        return (rows, _KV_GRADS_INTERPRETER_N, 4, 1)
+    return KV_GRADS_TILES.get((dim_class(q.shape[-1]), rows))
 
 
 def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precision,
           tile_len: int | None = None):  # fmt: skip
     """The dQ and dK/dV plans of a new launch key (``tile_len``: the length whose tile to take,
-    else the problem's own)."""
+    else the problem's own); the dK/dV plan None where the dQ kernel computes dK and dV
+    (:func:`kv_grads_tile`)."""
     n_heads, head_dim, n_kv_heads, dim_v = q.shape[1], q.shape[3], k.shape[1], v.shape[3]
     batch, seq_q, seq_k, lse_strides = problem_dims(q, k, ex)
     qs, ks, vs, os_, dos, dqs, dks, dvs = (
@@ -492,20 +546,21 @@ def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precisio
     tl_len = tune_len(seq_q, seq_k)
     constexprs = kernel_constexprs(head_dim, dim_v, precision, flags._asdict())
     tile = (q, constexprs, flags, tile_len or max(seq_q, seq_k))
-    dq_ints = (*qs, *ks, *vs, *os_, *dos, *dqs, *lse_strides, *runtime[:6],
+    dq_ints = (*qs, *ks, *vs, *os_, *dos, *dqs, *dks, *dvs, *lse_strides, *runtime[:6],
                n_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
     dkdv_ints = (*qs, *ks, *vs, *dos, *dks, *dvs, *lse_strides, *runtime[:6],
                  n_heads, n_kv_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
+    kv_tile = kv_grads_tile(q, ex, n_heads, n_kv_heads, seq_q, seq_k)
+    dq_tile = tile_meta(kv_tile) if kv_tile else plan_tile("dq", *tile, DQ_SHAPES, _dq_footprint)
+    plan_dq = Plan(
+        lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
+        dq_ints,
+        {**constexprs, "HAS_DLSE": has_dlse, "KV_GRADS": kv_tile is not None, **dq_tile},
+    )
+    if kv_tile:
+        return plan_dq, None
     return (
-        Plan(
-            lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
-            dq_ints,
-            {
-                **constexprs,
-                "HAS_DLSE": has_dlse,
-                **plan_tile("dq", *tile, DQ_SHAPES, _dq_footprint),
-            },
-        ),
+        plan_dq,
         Plan(
             lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads,),
             dkdv_ints,
