@@ -18,7 +18,7 @@ our kernel backward's host us per call when called directly (no autograd).
 :data:`IMPLS`; ``ours fused`` / ``ours portable`` run our Hopper fused backward wherever it can
 take the problem (``_sm90.FUSED_ALL``) / the portable backward (``FUSED_ENABLED`` off), for the
 length rule; ``ours portable dkdv=BMxBNxWxS`` (or ``dq=``) the portable backward with that
-tile; ``ours, no kv grads`` without the dQ kernel's dK/dV (KV_GRADS), ``ours kv=BMxBNxWxS``
+tile; ``ours without kv grads`` without the dQ kernel's dK/dV (KV_GRADS), ``ours kv=BMxBNxWxS``
 with that KV_GRADS tile. ``--no-host``: without the host loops.
 """
 
@@ -59,13 +59,13 @@ CASES = [
     (4, 32, 8, 1024, 4096, 128, False),
     (2, 16, 16, 4096, 2048, 64, True),
 ]
-IMPLS = ("ours", "ours fused", "ours portable", "ours, no kv grads", "sdpa default", "cudnn",
+IMPLS = ("ours", "ours fused", "ours portable", "ours without kv grads", "sdpa default", "cudnn",
          "flash")  # fmt: skip
 # The switches each of our variants runs under (its calls, backwards included): module attributes
 SWITCHES = {
     "ours fused": {(_sm90, "FUSED_ALL"): True},
     "ours portable": {(_sm90, "FUSED_ENABLED"): False},
-    "ours, no kv grads": {(_triton_bwd, "KV_GRADS_MAX_Q"): 0},  # the dK/dV kernel runs
+    "ours without kv grads": {(_triton_bwd, "KV_GRADS_MAX_Q"): 0},  # the dK/dV kernel runs
 }
 
 
@@ -236,8 +236,9 @@ def main() -> None:
         cases = [cases[int(i)] for i in arg("--only").split(",")]
     impls = arg("--impls").split(",") if arg("--impls") else ("ours", "sdpa default", "cudnn",
                                                                  "flash")  # fmt: skip
-    if {i for i in impls if not _tile_override(i)} - set(IMPLS):
-        raise SystemExit(f"--impls: unknown {sorted(set(impls) - set(IMPLS))}; of {IMPLS}")
+    unknown = {i for i in impls if not _tile_override(i)} - set(IMPLS)
+    if unknown:
+        raise SystemExit(f"--impls: unknown {sorted(unknown)}; of {IMPLS} and tile overrides")
     rows = []
     for case in cases:
         rows += measure(case, rounds, impls, host="--no-host" not in sys.argv)
