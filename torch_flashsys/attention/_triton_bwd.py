@@ -10,6 +10,8 @@ same dropout random numbers (regenerated, never stored).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -70,15 +72,20 @@ DQ_SHAPES = {
 }
 # Few query rows over many keys (cross-attention: latents, a short decoder over a long input):
 # the dK/dV kernel's programs would each loop over a handful of query tiles. Where one program
-# can hold every query row of its head (at most KV_GRADS_MAX_Q, one query head per key head, no
-# dropout, mask or window) and there are at least KV_GRADS_MIN_KEYS keys per query row, the dQ
-# kernel computes each key tile's dK and dV too (KV_GRADS) and the dK/dV kernel does not run.
-# Its tile per (head-dim class, query rows): (BLOCK_M, BLOCK_N, warps, stages); 16-bit inputs.
+# can hold every query row of its head (KV_GRADS_TILES' rows: 256 at head dims <= 64, 128 up to
+# 128), one query head per key head, no dropout, mask or window, at least KV_GRADS_MIN_KEYS
+# keys per query row and enough heads to fill the GPU (batch x heads >= KV_GRADS_MIN_FILL x its
+# SMs: one program per head), the dQ kernel computes each key tile's dK and dV too (KV_GRADS)
+# and the dK/dV kernel does not run. H100, 2026-11-27 (``gpu_checks/cross_shapes.py``, GPU
+# time of a fwd+bwd): 0.65-0.90x cuDNN's where the two kernels took 1.09-1.26x it; with 16
+# heads in all (2 x 8) 2-3x slower than the two kernels. Tiles per (head-dim class, query rows):
+# (BLOCK_M, BLOCK_N, warps, stages); 16-bit inputs (float32 takes the two kernels).
 KV_GRADS_MAX_Q = 256
 KV_GRADS_MIN_KEYS = 4
+KV_GRADS_MIN_FILL = 0.75
 KV_GRADS_TILES = {
-    (64, 64): (64, 64, 4, 3), (64, 128): (128, 64, 8, 3), (64, 256): (256, 32, 8, 3),
-    (128, 64): (64, 64, 4, 3), (128, 128): (128, 32, 8, 3), (128, 256): (256, 32, 8, 2),
+    (64, 64): (64, 64, 4, 3), (64, 128): (128, 64, 8, 3), (64, 256): (256, 64, 8, 3),
+    (128, 64): (64, 64, 4, 3), (128, 128): (128, 32, 8, 3),
 }  # fmt: skip
 _KV_GRADS_INTERPRETER_N = 16  # the interpreter's key tile (its query tile covers the rows)
 _SPECIALIZE_NOT = [
@@ -472,7 +479,7 @@ def backward_builds(dout, q, k, v, out, lse, dlse, scale, ex, deterministic: boo
             continue
         plans = _plan(dout, q, k, v, out, q, k, v, dlse is not None, ex, runtime, flags,
                       precision, tile_len=n)  # fmt: skip
-        tiles.setdefault(repr([p.constexprs for p in plans]), plans)
+        tiles.setdefault(repr([p.constexprs for p in plans if p is not None]), plans)
     index, mock = q.get_device(), _precompile.stand_in
     tail = (scale * LOG2E, scale, *runtime[6:])
     rows = lse if dlse is None else dlse
@@ -516,12 +523,13 @@ def backward_launches(dout, q, k, v, out, lse, dlse, scale, ex, dq, dk, dv, delt
     return first, [(_launch_dq, plan_dq, dq_args), (_launch_dkdv, plan_dkdv, dkdv_args)]
 
 
-def kv_grads_tile(q: Tensor, ex: Extras, n_heads: int, n_kv_heads: int, seq_q: int,
+def kv_grads_tile(q: Tensor, v: Tensor, ex: Extras, n_heads: int, n_kv_heads: int, seq_q: int,
                   seq_k: int) -> tuple[int, int, int, int] | None:  # fmt: skip
     """The dQ kernel's tile when it also computes dK and dV (KV_GRADS: see KV_GRADS_MAX_Q),
     else None: a plain problem (no mask, dropout, window or causal mask), one query head per key
-    head, 16-bit inputs, at most KV_GRADS_MAX_Q query rows and KV_GRADS_MIN_KEYS keys per row;
-    never under the opt-in autotuner (whose tiles may not cover the rows)."""
+    head, 16-bit inputs, at most KV_GRADS_MAX_Q query rows (and a tile that holds them), at
+    least KV_GRADS_MIN_KEYS keys per row, batch x heads >= KV_GRADS_MIN_FILL x the SMs; never
+    under the opt-in autotuner (whose tiles may not cover the rows)."""
     if ex is not PLAIN or n_heads != n_kv_heads or q.element_size() != 2 or AUTOTUNE:
         return None
     if not 0 < seq_q <= KV_GRADS_MAX_Q or seq_k < KV_GRADS_MIN_KEYS * seq_q:
@@ -529,7 +537,14 @@ def kv_grads_tile(q: Tensor, ex: Extras, n_heads: int, n_kv_heads: int, seq_q: i
     rows = max(64, next_pow2(seq_q))
     if not q.is_cuda:  # the interpreter: the rows in one tile, a small key tile
         return (rows, _KV_GRADS_INTERPRETER_N, 4, 1)
-    return KV_GRADS_TILES.get((dim_class(q.shape[-1]), rows))
+    if q.shape[0] * n_heads < KV_GRADS_MIN_FILL * _sm_count(q.get_device()):
+        return None
+    return KV_GRADS_TILES.get((dim_class(max(q.shape[-1], v.shape[-1])), rows))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precision,
@@ -550,7 +565,7 @@ def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precisio
                n_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
     dkdv_ints = (*qs, *ks, *vs, *dos, *dks, *dvs, *lse_strides, *runtime[:6],
                  n_heads, n_kv_heads, group, seq_q, seq_k, tl_len)  # fmt: skip
-    kv_tile = kv_grads_tile(q, ex, n_heads, n_kv_heads, seq_q, seq_k)
+    kv_tile = kv_grads_tile(q, v, ex, n_heads, n_kv_heads, seq_q, seq_k)
     dq_tile = tile_meta(kv_tile) if kv_tile else plan_tile("dq", *tile, DQ_SHAPES, _dq_footprint)
     plan_dq = Plan(
         lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]) * batch * n_heads,),
