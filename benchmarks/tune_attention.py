@@ -99,8 +99,9 @@ class Problem:
                     *s(self.v), *s(self.out), *lse_strides, *runtime[:6], h, 1, *tail)  # fmt: skip
         if kernel == "dq":
             return (self.q, self.k, self.v, self.out, self.do, self.lse, self.lse, self.delta,
-                    self.dq, *tensors, *s(self.q), *s(self.k), *s(self.v), *s(self.out),
-                    *s(self.do), *s(self.dq), *lse_strides, *runtime[:6], h, 1, *tail)  # fmt: skip
+                    self.dq, self.dk, self.dv, *tensors, *s(self.q), *s(self.k), *s(self.v),
+                    *s(self.out), *s(self.do), *s(self.dq), *s(self.dk), *s(self.dv),
+                    *lse_strides, *runtime[:6], h, 1, *tail)  # fmt: skip
         return (self.q, self.k, self.v, self.do, self.lse, self.delta, self.dk, self.dv, *tensors,
                 *s(self.q), *s(self.k), *s(self.v), *s(self.do), *s(self.dk), *s(self.dv),
                 *lse_strides, *runtime[:6], h, h, 1, *tail)  # fmt: skip
@@ -110,8 +111,10 @@ class Problem:
 
         d = self.shape[-1]
         c = kernel_constexprs(d, d, "tf32", self._extras()[2]._asdict())
-        # fwd: no score modification, positive scale (FOLD_SCALE); dq: no gradient into the lse
-        return {**c, **({"FOLD_SCALE": True} if kernel == "fwd" else {"HAS_DLSE": False})}
+        # fwd: no score modification, positive scale (FOLD_SCALE); dq: no gradient into the lse,
+        # dQ only (KV_GRADS off: the dK/dV kernel's problems)
+        dq = {"HAS_DLSE": False, "KV_GRADS": False}
+        return {**c, **({"FOLD_SCALE": True} if kernel == "fwd" else dq)}
 
     def launch(self, kernel: str, cfg):
         import triton
