@@ -77,7 +77,7 @@ DQ_SHAPES = {
 # keys per query row and enough heads to fill the GPU (batch x heads >= KV_GRADS_MIN_FILL x its
 # SMs: one program per head), the dQ kernel computes each key tile's dK and dV too (KV_GRADS)
 # and the dK/dV kernel does not run. H100, 2026-11-27 (``gpu_checks/cross_shapes.py``, GPU
-# time of a fwd+bwd): 0.65-0.90x cuDNN's where the two kernels took 1.09-1.26x it; with 16
+# time of a fwd+bwd): 0.65-0.89x cuDNN's where the two kernels took 1.00-1.27x it; with 16
 # heads in all (2 x 8) 2-3x slower than the two kernels. Tiles per (head-dim class, query rows):
 # (BLOCK_M, BLOCK_N, warps, stages); 16-bit inputs (float32 takes the two kernels).
 KV_GRADS_MAX_Q = 256
