@@ -36,14 +36,16 @@ def test_few_query_rows_get_their_key_gradients_from_the_dq_kernel(
 
 
 def _tile(batch, heads, kv_heads, seq_q, seq_k, d, causal=False, dtype=torch.bfloat16, sms=132,
-          ex=None):  # fmt: skip
-    """kv_grads_tile for a CUDA problem of these sizes (stand-in tensors, ``sms`` SMs)."""
+          ex=None, smem=232448):  # fmt: skip
+    """kv_grads_tile for a CUDA problem of these sizes (stand-in tensors, ``sms`` SMs, ``smem``
+    bytes of shared memory per block: an H100's by default)."""
     q = torch.empty(batch, heads, seq_q, d, dtype=dtype, device="meta")
     v = torch.empty(batch, kv_heads, seq_k, d, dtype=dtype, device="meta")
     ex = ex or make_extras(q.shape, seq_k, q.device, dtype, None, 0.0, causal, None, None, None)
     with (
         mock.patch.object(torch.Tensor, "is_cuda", new=True),
         mock.patch.object(_triton_bwd, "_sm_count", return_value=sms),
+        mock.patch.object(_triton_bwd, "shared_memory_bytes", return_value=smem),
     ):
         return _triton_bwd.kv_grads_tile(q, v, ex, heads, kv_heads, seq_q, seq_k)
 
@@ -97,3 +99,19 @@ def test_few_query_rows_get_their_key_gradients_from_the_dq_kernel_on_the_gpu(ca
     with mock.patch.object(_triton_bwd, "_launch_dkdv", wraps=_triton_bwd._launch_dkdv) as dkdv:
         check_against_reference(case, torch.bfloat16, triton_run(case), device="cuda")
     assert not dkdv.called
+
+
+@pytest.mark.parametrize(
+    ("sizes", "smem", "fits"),
+    [((8, 16, 16, 256, 8192, 64), 232448, True), ((8, 16, 16, 256, 8192, 64), 166912, False),
+     ((8, 16, 16, 128, 8192, 64), 166912, True), ((8, 16, 16, 128, 8192, 64), 101376, False),
+     ((32, 16, 16, 64, 2048, 64), 101376, True), ((16, 16, 16, 128, 4096, 128), 232448, True),
+     ((16, 16, 16, 128, 4096, 128), 166912, False), ((32, 16, 16, 64, 2048, 128), 101376, False)],
+)  # fmt: skip
+def test_a_gpu_with_less_shared_memory_takes_the_two_kernels_where_the_tile_does_not_fit(
+    sizes, smem, fits
+):
+    """The tiles were measured on an H100 (227 KB a block), where all fit; by the estimate
+    pick_tile uses (a quarter spare) an A100's 163 KB takes the head-dim-64 tiles up to 128
+    rows, a 99 KB GPU only the head-dim-64 64-row tile; the rest take the two kernels."""
+    assert (_tile(*sizes, smem=smem) is not None) is fits

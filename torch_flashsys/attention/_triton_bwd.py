@@ -20,7 +20,7 @@ from torch import Tensor
 import torch_flashsys.attention._precompile as _precompile
 import torch_flashsys.attention._sm90 as _sm90
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
-from torch_flashsys.attention._kernel_config import dim_class, tile_meta
+from torch_flashsys.attention._kernel_config import dim_class, shared_memory_bytes, tile_meta
 from torch_flashsys.attention._launch import (
     LaunchCache,
     Plan,
@@ -528,8 +528,9 @@ def kv_grads_tile(q: Tensor, v: Tensor, ex: Extras, n_heads: int, n_kv_heads: in
     """The dQ kernel's tile when it also computes dK and dV (KV_GRADS: see KV_GRADS_MAX_Q),
     else None: a plain problem (no mask, dropout, window or causal mask), one query head per key
     head, 16-bit inputs, at most KV_GRADS_MAX_Q query rows (and a tile that holds them), at
-    least KV_GRADS_MIN_KEYS keys per row, batch x heads >= KV_GRADS_MIN_FILL x the SMs; never
-    under the opt-in autotuner (whose tiles may not cover the rows)."""
+    least KV_GRADS_MIN_KEYS keys per row, batch x heads >= KV_GRADS_MIN_FILL x the SMs, the
+    tile's shared memory estimate within the GPU's; never under the opt-in autotuner (whose
+    tiles may not cover the rows)."""
     if ex is not PLAIN or n_heads != n_kv_heads or q.element_size() != 2 or AUTOTUNE:
         return None
     if not 0 < seq_q <= KV_GRADS_MAX_Q or seq_k < KV_GRADS_MIN_KEYS * seq_q:
@@ -537,9 +538,21 @@ def kv_grads_tile(q: Tensor, v: Tensor, ex: Extras, n_heads: int, n_kv_heads: in
     rows = max(64, next_pow2(seq_q))
     if not q.is_cuda:  # the interpreter: the rows in one tile, a small key tile
         return (rows, _KV_GRADS_INTERPRETER_N, 4, 1)
-    if q.shape[0] * n_heads < KV_GRADS_MIN_FILL * _sm_count(q.get_device()):
+    index = q.get_device()
+    if q.shape[0] * n_heads < KV_GRADS_MIN_FILL * _sm_count(index):
         return None
-    return KV_GRADS_TILES.get((dim_class(max(q.shape[-1], v.shape[-1])), rows))
+    tile = KV_GRADS_TILES.get((dim_class(max(q.shape[-1], v.shape[-1])), rows))
+    if tile is None:
+        return None
+    # The tiles were measured on an H100; a GPU with less shared memory per block takes the two
+    # kernels where the estimate (as pick_tile's, a quarter spare) does not fit.
+    bm, bn, _, stages = tile
+    block_d = max(next_pow2(q.shape[-1]), next_pow2(v.shape[-1]))
+    if q.element_size() * _dq_footprint(bm, bn, block_d, stages) > 0.75 * shared_memory_bytes(
+        index
+    ):
+        return None
+    return tile
 
 
 @functools.cache
