@@ -700,12 +700,21 @@ def _deterministic_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     return _in_rule(rule, q, k, ex)
 
 
+def _rule_kind(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> tuple[bool, bool] | None:
+    """The length rules' key of a causal or plain problem, (causal, GQA); None for the others
+    (no rule takes them)."""
+    if not (ex is CAUSAL or ex is PLAIN):
+        return None
+    return ex is CAUSAL, q.shape[1] > k.shape[1]
+
+
 def _in_rule(rule: dict, q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     """Whether a causal or plain problem's query and key lengths are both in ``rule``'s range
     for its kind ((causal, GQA) -> (lo, hi); a kind not in ``rule``: never)."""
-    if not (ex is CAUSAL or ex is PLAIN):
+    kind = _rule_kind(q, k, ex)
+    if kind is None:
         return False
-    lo, hi = rule.get((ex is CAUSAL, q.shape[1] > k.shape[1]), (1, 0))
+    lo, hi = rule.get(kind, (1, 0))
     return lo <= q.shape[2] <= hi and lo <= k.shape[2] <= hi
 
 
@@ -731,9 +740,9 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
         return _in_rule(SPLIT_SEQ_Q, q, k, ex)
     if _in_rule(FUSED_SEQ_Q, q, k, ex):
         return True
-    kind = (ex is CAUSAL, q.shape[1] > k.shape[1])
+    kind = _rule_kind(q, k, ex)
     few, bounds = FUSED_FEW_KEYS.get(kind), FUSED_SEQ_Q.get(kind)
-    if few is None or bounds is None or not (ex is CAUSAL or ex is PLAIN):
+    if few is None or bounds is None:
         return False
     (min_q, min_k), hi = few, bounds[1]
     return min_q <= q.shape[2] <= hi and min_k <= k.shape[2] <= hi
