@@ -424,7 +424,7 @@ def _fused_by_default(heads: int, kv_heads: int, seq: int, seq_k: int, d: int,
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "seq", "seq_k", "causal", "fused"),
     [(16, 4, 1024, 1024, True, True), (16, 4, 16384, 16384, True, True),
-     (16, 4, 32768, 32768, True, False), (16, 16, 1024, 1024, True, True),
+     (16, 4, 32768, 32768, True, True), (16, 16, 1024, 1024, True, True),
      (16, 16, 2048, 2048, True, True), (16, 16, 512, 512, True, False),
      (16, 16, 4096, 4096, True, True), (16, 16, 16384, 16384, True, True),
      (16, 16, 512, 512, False, False), (16, 16, 1024, 1024, False, True),
@@ -432,27 +432,29 @@ def _fused_by_default(heads: int, kv_heads: int, seq: int, seq_k: int, d: int,
      (16, 4, 256, 256, True, True), (16, 4, 512, 512, True, True), (16, 4, 255, 255, True, False),
      (16, 4, 256, 256, False, True), (16, 4, 1024, 1024, False, True),
      (16, 4, 8192, 8192, False, True), (16, 4, 16384, 16384, False, True),
-     (16, 16, 16384, 16384, False, True), (16, 4, 32768, 32768, False, False),
+     (16, 16, 16384, 16384, False, True), (16, 4, 32768, 32768, False, True),
+     (16, 16, 32768, 32768, True, True), (16, 16, 65536, 65536, False, True),
+     (16, 16, 131072, 131072, True, True), (16, 4, 1 << 20, 1 << 20, True, True),
      (16, 16, 4096, 77, False, False), (16, 4, 4096, 128, True, False),
      (16, 16, 8192, 4096, True, True),
      (16, 16, 2048, 512, False, True), (16, 16, 8192, 512, False, True),
      (16, 16, 16384, 512, False, True), (16, 16, 1024, 512, False, False),
      (16, 16, 2048, 511, False, False), (16, 16, 4096, 256, False, False),
-     (16, 16, 2048, 512, True, False), (16, 16, 32768, 512, False, False),
+     (16, 16, 2048, 512, True, False), (16, 16, 32768, 512, False, True),
      (16, 16, 512, 4096, False, False), (16, 16, 256, 8192, False, False)],
 )  # fmt: skip
 def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_heads, seq, seq_k,
                                                                      causal, fused):  # fmt: skip
     """The committed rule (H100, ``benchmarks/sm90_bwd.py --rule`` and ``--shapes``,
-    docs/benchmarks.md): with GQA at 256-16384 rows, causal or not; without GQA causal at
-    1024-16384 (since its programs take one head's key tiles in turn,
-    ``benchmarks/gpu_checks/order_ab.py``) and without a causal mask at 1024-16384; the
-    portable backward elsewhere. Queries and keys must both be in the range, except that
-    without GQA or a causal mask 512-1023 keys take it from 2048 query rows (cross-attention,
-    ``benchmarks/gpu_checks/cross_shapes.py``: its kernels 0.83-0.93x the portable ones' time
-    there, no gain at 1024 rows or 256 keys); 77 keys against 4096 queries would be one program
-    per head looping over every query tile, and few query rows over many keys make each
-    program's loop short (the portable backward is faster there)."""
+    docs/benchmarks.md): with GQA from 256 rows, causal or not; without GQA causal from 1024
+    (since its programs take one head's key tiles in turn, ``benchmarks/gpu_checks/order_ab.py``)
+    and without a causal mask from 1024, with no upper bound (0.67-0.73x the portable kernels'
+    time at 32768-131072 rows); the portable backward elsewhere. Queries and keys must both be
+    in the range, except that without GQA or a causal mask 512-1023 keys take it from 2048 query
+    rows (cross-attention, ``benchmarks/gpu_checks/cross_shapes.py``: its kernels 0.83-0.93x
+    the portable ones' time there, no gain at 1024 rows or 256 keys); 77 keys against 4096
+    queries would be one program per head looping over every query tile, and few query rows
+    over many keys make each program's loop short (the portable backward is faster there)."""
     assert _fused_by_default(heads, kv_heads, seq, seq_k, 64, causal) is fused
 
 
@@ -494,16 +496,18 @@ def test_the_deterministic_fused_backward_starts_a_tiles_predecessors_first(d, c
     [(16, 16, 1024, 1024, True, False), (16, 16, 2048, 2048, True, True),
      (16, 16, 16384, 16384, True, True), (16, 4, 1024, 1024, True, True),
      (16, 16, 1024, 1024, False, True), (16, 4, 16384, 16384, False, True),
-     (16, 16, 32768, 32768, True, False), (16, 4, 512, 512, False, True),
+     (16, 16, 32768, 32768, True, True), (16, 4, 512, 512, False, True),
+     (16, 16, 65536, 65536, False, True), (16, 4, 32768, 32768, True, True),
      (16, 4, 256, 256, True, True), (16, 4, 255, 255, False, False),
      (16, 16, 512, 512, False, False), (16, 16, 4096, 77, False, False)],
 )  # fmt: skip
 def test_the_split_backward_runs_by_default_where_it_measured_faster(heads, kv_heads, seq, seq_k,
                                                                      causal, fused):  # fmt: skip
     """Head dim 128 (the split kernel; H100, ``benchmarks/sm90_bwd.py --rule --head-dim 128``
-    and ``--shapes``, docs/benchmarks.md): with GQA 256-16384 rows; without GQA 1024-16384, but
-    causal from 2048 (at 1024 its backward measured no faster than the portable one's); keys in
-    the range too."""
+    and ``--shapes``, docs/benchmarks.md): with GQA from 256 rows; without GQA from 1024, but
+    causal from 2048 (at 1024 its backward measured no faster than the portable one's), with no
+    upper bound (0.76-0.79x the portable kernels' time at 32768-65536 rows); keys in the range
+    too."""
     assert _fused_by_default(heads, kv_heads, seq, seq_k, 128, causal) is fused
 
 
@@ -872,6 +876,15 @@ DTYPES = [torch.bfloat16, torch.float16]
 _run = triton_run
 
 
+@pytest.fixture
+def fresh_launches():
+    """No kept launch from an earlier test before the test, none of its own after it (the
+    launch tables are per process and keyed on shapes a later test may reuse)."""
+    _sm90.forget_launches()
+    yield
+    _sm90.forget_launches()
+
+
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -1060,12 +1073,11 @@ def test_hopper_path_is_deterministic_and_keeps_the_query_layout(causal):
 @gpu
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True])
-def test_broadcast_inputs_and_gradients_match_float64(causal):
+def test_broadcast_inputs_and_gradients_match_float64(causal, fresh_launches):
     """Tensors with zero strides (broadcast by ``expand``) on the Hopper kernels, their TMA
     descriptors taking the zero strides: a key/value head expanded over the query heads, and dO
     expanded from one row of weights (``out.backward(w.expand_as(out))``), twice, so that the
     second backward runs the kept launches; out, dQ, dK and dV match float64."""
-    _sm90.forget_launches()
     gen = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(2, 8, 1100, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
     kv = torch.randn(2, 2, 1, 1100, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -1089,7 +1101,6 @@ def test_broadcast_inputs_and_gradients_match_float64(causal):
                                 ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):  # fmt: skip
             err = (ours.double() - ref).abs().max().item()
             assert err <= 2e-2 * max(1.0, ref.abs().max().item()), (name, err)
-    _sm90.forget_launches()
 
 
 @gpu
@@ -1236,24 +1247,20 @@ def test_fused_backward_matches_float64(case, dtype):
      Case(3, 8, 1, 1500, 700, 128, False, 0.3, False, False, seed=0),
      Case(2, 1, 3, 513, 513, 64, False, None, True, False, seed=0)],
 )  # fmt: skip
-def test_a_repeated_backward_runs_its_kept_launches_and_matches_float64(case):
+def test_a_repeated_backward_runs_its_kept_launches_and_matches_float64(case, fresh_launches):
     """From the second eager backward of a launch key on (no dLSE, as in training), the fused
     backward runs its kept launches (kept_backward: no rules' or launch keys' work) and gives
     float64's gradients with each call's fresh inputs; a call with dLSE takes the general path
     again (head dims 64 and 128, GQA, 3-D and (B, L, H, D) layouts, seq_k above and below
     seq_q)."""
-    _sm90.forget_launches()
-    try:
-        with _fused_backward() as spy:
-            for seed in range(3):
-                check_against_reference(replace(case, seed=seed), torch.bfloat16, _run(case),
-                                        device="cuda", lse_grad=False)  # fmt: skip
-            check_against_reference(replace(case, seed=3), torch.bfloat16, _run(case),
-                                    device="cuda")  # fmt: skip
-        kept = [c.kwargs.get("kept") is not None for c in spy.call_args_list]
-        assert kept == [False, True, True, False]
-    finally:
-        _sm90.forget_launches()
+    with _fused_backward() as spy:
+        for seed in range(3):
+            check_against_reference(replace(case, seed=seed), torch.bfloat16, _run(case),
+                                    device="cuda", lse_grad=False)  # fmt: skip
+        check_against_reference(replace(case, seed=3), torch.bfloat16, _run(case),
+                                device="cuda")  # fmt: skip
+    kept = [c.kwargs.get("kept") is not None for c in spy.call_args_list]
+    assert kept == [False, True, True, False]
 
 
 @gpu
@@ -1267,18 +1274,36 @@ def test_a_repeated_backward_runs_its_kept_launches_and_matches_float64(case):
      (Case(2, 3, 1, 2048, 511, 64, False, None, False, False, seed=4), False),
      (Case(2, 3, 1, 2048, 512, 64, True, None, False, False, seed=5), False)],
 )  # fmt: skip
-def test_cross_attention_over_a_few_hundred_keys_takes_the_fused_backward_by_default(case, fused):
+def test_cross_attention_over_a_few_hundred_keys_takes_the_fused_backward_by_default(
+    case, fused, fresh_launches
+):
     """With the default switches, 512-1023 keys against 2048 or more query rows (head dim 64,
     no GQA, no causal mask: FUSED_FEW_KEYS) take the fused backward, and its gradients match
     float64's (3-D and (B, L, H, D) layouts); 1024 query rows, 511 keys or a causal mask keep
     the portable backward."""
-    _sm90.forget_launches()
-    try:
-        with mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy:
-            check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
-        assert spy.called is fused
-    finally:
-        _sm90.forget_launches()
+    with mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy:
+        check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
+    assert spy.called is fused
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize(
+    "case",
+    [Case(1, 1, 1, 17000, 17000, 64, True, None, False, False, seed=0),
+     Case(1, 1, 2, 16500, 16500, 64, False, None, False, True, seed=1),
+     Case(1, 1, 1, 17000, 17000, 128, True, None, True, False, seed=2),
+     Case(1, 1, 1, 16400, 16400, 128, False, 0.3, False, False, seed=3)],
+)  # fmt: skip
+def test_problems_longer_than_16384_take_the_hopper_backward_by_default(case, fresh_launches):
+    """Past 16384 rows the fused backward (head dim 64) and the split one (128) run by default
+    (no upper bound: their kernels took 0.67-0.79x the portable ones' time at 32768-131072 rows,
+    docs/benchmarks.md), and their gradients match float64's (ragged lengths, GQA, 3-D and
+    (B, L, H, D) layouts; one head, so that the float64 reference's score matrices fit beside
+    the other test processes)."""
+    with mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy:
+        check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
+    assert spy.call_count == 1
 
 
 @gpu
@@ -1292,18 +1317,14 @@ def test_cross_attention_over_a_few_hundred_keys_takes_the_fused_backward_by_def
      Case(1, 11, 1, 1536, 1536, 128, True, None, False, True, seed=17),
      Case(3, 8, 1, 1500, 700, 64, False, 0.3, False, False, seed=2)],
 )  # fmt: skip
-def test_fused_backward_with_dq_converted_in_the_kernel_matches_float64(case):
+def test_fused_backward_with_dq_converted_in_the_kernel_matches_float64(case, fresh_launches):
     """The opt-in in-kernel dQ conversion (FUSED_CONVERT: a converter warp, per-tile counters)
     gives float64's gradients: every tile converted once its last addition landed (a tile
     converted early or twice, or never, would miss whole key tiles' sums), both head dims, GQA,
     ragged lengths, seq_k above and below seq_q."""
-    _sm90.forget_launches()
-    try:
-        with _fused_backward() as spy, mock.patch.object(_sm90, "FUSED_CONVERT", True):
-            check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
-        assert spy.call_count == 1
-    finally:
-        _sm90.forget_launches()
+    with _fused_backward() as spy, mock.patch.object(_sm90, "FUSED_CONVERT", True):
+        check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
+    assert spy.call_count == 1
 
 
 @gpu
@@ -1485,9 +1506,9 @@ print("errors", len(_precompile.errors), "queued builds", queued, "later", build
 @pytest.mark.parametrize("d, causal", [(64, True), (128, False)])
 def test_later_lengths_find_their_builds_compiled(tmp_path, d, causal):
     """In a fresh process (empty Triton cache): a first fwd+bwd at 2048 tokens, its background
-    builds compiled, then calls at lengths across every bound of the length rules (the portable
-    backward below 1024 and above 16384, the forward's other builds at 2049 and 8192) compile
-    nothing more (they took 2.2-3.7 s each before: docs/benchmarks.md)."""
+    builds compiled, then calls at lengths across every bound of the length rules (the
+    backward's from 700 to 16385, the forward's other builds at 2049 and 8192) compile nothing
+    more (they took 2.2-3.7 s each before: docs/benchmarks.md)."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": ROOT}
     later = "700,1500,2049,3000,8192,12000,16385,900"
     done = subprocess.run([sys.executable, "-c", _NEW_LENGTHS_SCRIPT, str(d), str(int(causal)),

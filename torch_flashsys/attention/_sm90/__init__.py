@@ -17,10 +17,10 @@ Triton kernel:
 The backward of a problem that the forward rule admits (and whose dO a TMA descriptor can read)
 runs a fused Gluon kernel (after the preprocessing kernel ``_prep``) at the lengths where it
 measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at the lengths in
-``FUSED_SEQ_Q`` (with GQA 256-16384; without GQA 1024-16384; and, without GQA or a causal
-mask, 512-1023 keys against 2048-16384 query rows, ``FUSED_FEW_KEYS``); head dim 128,
-``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (with GQA 256-16384; without GQA
-1024-16384, causal from 2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed
+``FUSED_SEQ_Q`` (with GQA from 256; without GQA from 1024; and, without GQA or a causal
+mask, 512-1023 keys against 2048 or more query rows, ``FUSED_FEW_KEYS``); head dim 128,
+``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q`` (with GQA from 256; without GQA from
+1024, causal from 2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed
 order, so it is not bitwise reproducible; when ``torch.are_deterministic_algorithms_enabled()``,
 the same kernels run with their dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in
 ``DETERMINISTIC_SEQ_Q`` (head dim 64: causal without GQA, 4096-16384) and
@@ -168,14 +168,18 @@ FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
                                                       and VERIFIED))  # fmt: skip
 FUSED_ALL = _BWD_MODE == "fused"
+NO_BOUND = 1 << 30  # a length table's upper bound where it has none
 # GQA from 256 rows: there its kernels took 0.54-0.77x the portable backward's time at 256-1024
 # (H100, 2026-11-27, ``sm90_bwd.py --shapes``; the portable dK/dV kernel loops over a group's
 # query heads), and the 1B LM's training step at context 512 went from 1.00x SDPA's to 0.99x.
+# No upper bound: longer than 16384 (H100, 2026-11-27, ``sm90_bwd.py --shapes`` at 32768-131072
+# rows, causal or not, GQA 4:1 or not) its kernels took 0.67-0.73x the portable ones' time (fwd+bwd
+# 0.76-0.94x cuDNN's), where until then the portable backward ran (fwd+bwd 1.04-1.19x cuDNN's).
 FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fused kernel runs
-    (True, True): (256, 16384),
-    (True, False): (1024, 16384),
-    (False, True): (256, 16384),
-    (False, False): (1024, 16384),
+    (True, True): (256, NO_BOUND),
+    (True, False): (1024, NO_BOUND),
+    (False, True): (256, NO_BOUND),
+    (False, False): (1024, NO_BOUND),
 }
 # Cross-attention over a few hundred keys: per (causal, GQA), (query rows, keys) from which the
 # fused kernel also runs with fewer keys than FUSED_SEQ_Q's lower bound (the queries and keys
@@ -189,12 +193,15 @@ FUSED_STAGES = {64: 4, 128: 2}  # head dims the fused kernels serve -> Q/dO ring
 # Head dim 128: the lengths (queries and keys) per (causal, GQA) where the split kernel runs by
 # default (H100, ``benchmarks/sm90_bwd.py --rule --head-dim 128``: its backward took 0.60-0.97x the
 # portable one's time at 1024-16384, but 1.08x causal without GQA at 1024, the same kernel time;
-# with GQA its kernels took 0.68-0.76x the portable ones' at 256-512, ``--shapes``, 2026-11-27).
+# with GQA its kernels took 0.68-0.76x the portable ones' at 256-512, ``--shapes``, 2026-11-27;
+# longer than 16384, 0.76-0.79x at 32768-65536 rows, causal or not, GQA 4:1 or not, the same run
+# as FUSED_SEQ_Q's, fwd+bwd 0.99-1.13x cuDNN's where the portable backward gave 1.25-1.36x: no
+# upper bound).
 SPLIT_SEQ_Q = {
-    (True, True): (256, 16384),
-    (True, False): (2048, 16384),
-    (False, True): (256, 16384),
-    (False, False): (1024, 16384),
+    (True, True): (256, NO_BOUND),
+    (True, False): (2048, NO_BOUND),
+    (False, True): (256, NO_BOUND),
+    (False, False): (1024, NO_BOUND),
 }
 SPLIT_HEAD_DIMS = frozenset({128})  # head dims the split kernel serves (the others: attn_bwd_sm90)
 SPLIT_MAX_REGS = 168  # 168 x 384 threads (two consumer warpgroups and the load warp's group)
@@ -472,7 +479,7 @@ def rule_lengths() -> tuple[int, ...]:
     return tuple(sorted(n for n in lengths if n <= RULE_LENGTH_MAX))
 
 
-RULE_LENGTH_MAX = 1 << 21  # longer: the tables' "no bound" (1 << 30), no build compiled for it
+RULE_LENGTH_MAX = 1 << 21  # longer: the tables' "no bound" (NO_BOUND), no build compiled for it
 
 
 def with_length(t, n: int) -> _Shape:
