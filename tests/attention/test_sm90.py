@@ -406,12 +406,13 @@ def _deterministic_algorithms():
 
 
 def _fused_by_default(heads: int, kv_heads: int, seq: int, seq_k: int, d: int,
-                      causal: bool) -> bool:  # fmt: skip
+                      causal: bool, batch: int = 1) -> bool:  # fmt: skip
     """Whether the default rule (no FUSED_ALL) sends this problem's backward to a fused kernel,
-    on a stand-in sm90 GPU."""
-    q = torch.empty(1, heads, seq, d, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(1, kv_heads, seq_k, d, dtype=torch.bfloat16, device="meta")
+    on a stand-in sm90 GPU of 132 SMs (an H100's)."""
+    q = torch.empty(batch, heads, seq, d, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(batch, kv_heads, seq_k, d, dtype=torch.bfloat16, device="meta")
     with (
+        mock.patch.object(_sm90, "_sm_count", return_value=132),
         mock.patch.object(_sm90, "ENABLED", True),
         mock.patch.object(_sm90, "FUSED_ENABLED", True),
         mock.patch.object(_sm90, "FUSED_ALL", False),
@@ -437,10 +438,6 @@ def _fused_by_default(heads: int, kv_heads: int, seq: int, seq_k: int, d: int,
      (16, 16, 131072, 131072, True, True), (16, 4, 1 << 20, 1 << 20, True, True),
      (16, 16, 4096, 77, False, False), (16, 4, 4096, 128, True, False),
      (16, 16, 8192, 4096, True, True),
-     (16, 16, 2048, 512, False, True), (16, 16, 8192, 512, False, True),
-     (16, 16, 16384, 512, False, True), (16, 16, 1024, 512, False, False),
-     (16, 16, 2048, 511, False, False), (16, 16, 4096, 256, False, False),
-     (16, 16, 2048, 512, True, False), (16, 16, 32768, 512, False, True),
      (16, 16, 512, 4096, False, False), (16, 16, 256, 8192, False, False)],
 )  # fmt: skip
 def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_heads, seq, seq_k,
@@ -456,6 +453,36 @@ def test_the_fused_backward_runs_by_default_where_it_measured_faster(heads, kv_h
     queries would be one program per head looping over every query tile, and few query rows
     over many keys make each program's loop short (the portable backward is faster there)."""
     assert _fused_by_default(heads, kv_heads, seq, seq_k, 64, causal) is fused
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "seq_k", "causal", "fused"),
+    [(4, 2048, 512, False, True), (4, 8192, 512, False, True), (4, 16384, 512, False, True),
+     (4, 32768, 512, False, True), (8, 2048, 1023, False, True), (4, 1024, 512, False, False),
+     (4, 2048, 511, False, False), (4, 4096, 256, False, False), (4, 2048, 512, True, False),
+     (2, 4096, 512, False, False), (1, 16384, 512, False, False), (1, 32768, 512, False, False),
+     (3, 4096, 640, False, True), (1, 4096, 1000, False, False), (1, 4096, 1023, False, False),
+     (2, 4096, 1023, False, True)],
+)  # fmt: skip
+def test_cross_attention_over_a_few_hundred_keys_takes_the_fused_backward_where_it_fills_the_gpu(
+    batch, seq, seq_k, causal, fused
+):
+    """512-1023 keys against 2048 or more query rows (16 heads, head dim 64, no GQA, no causal
+    mask: FUSED_FEW_KEYS) take the fused backward where its programs (one per 128 keys and
+    head) number at least the SMs (132 here): 4-8 x 16 heads over 512 keys (256-512 programs)
+    measured 0.83-0.93x the portable kernels' time, 1 x 16 (64 programs) 1.02-1.03x
+    (``benchmarks/gpu_checks/cross_shapes.py``, docs/benchmarks.md)."""
+    assert _fused_by_default(16, 16, seq, seq_k, 64, causal, batch) is fused
+
+
+def test_the_fill_rule_counts_a_stand_in_shape_as_filling_the_gpu():
+    """The background compiles evaluate the rules on shapes without a device: the few-keys
+    clause then counts them as filling the GPU (its builds are queued), asking no device."""
+    q, k = _sm90._Shape((1, 16, 4096, 64)), _sm90._Shape((1, 16, 512, 64))
+    with (mock.patch.object(_sm90, "FUSED_ENABLED", True),
+          mock.patch.object(_sm90, "FUSED_ALL", False),
+          mock.patch.object(_sm90, "_sm_count", side_effect=AssertionError)):  # fmt: skip
+        assert _sm90.fused_rule(q, k, PLAIN, deterministic=False)
 
 
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
@@ -515,7 +542,9 @@ def test_the_split_backward_runs_by_default_where_it_measured_faster(heads, kv_h
     ("heads", "kv_heads", "seq", "d", "causal", "fused"),
     [(16, 16, 16384, 64, True, True), (16, 16, 4096, 64, True, True),
      (16, 16, 2048, 64, True, False), (16, 4, 16384, 64, True, False),
-     (16, 4, 1024, 64, True, False), (16, 16, 32768, 64, True, False),
+     (16, 4, 1024, 64, True, False), (16, 16, 32768, 64, True, True),
+     (16, 16, 1 << 17, 64, True, True), (16, 16, 32768, 128, True, True),
+     (16, 16, 32768, 128, False, False),
      (16, 16, 4096, 64, False, False), (16, 4, 4096, 64, False, False),
      (16, 16, 4096, 128, True, False), (16, 16, 8192, 128, True, True),
      (16, 16, 16384, 128, True, True), (16, 4, 8192, 128, True, False),
@@ -527,10 +556,11 @@ def test_the_deterministic_backward_takes_the_ordered_kernel_where_it_measured_f
 ):
     """Under deterministic algorithms (H100, ``benchmarks/sm90_bwd.py --deterministic``,
     docs/benchmarks.md): the ordered fused kernel for causal head-dim-64 problems without GQA
-    of 4096-16384 rows (0.85-0.98x the portable backward's time; 1.16-1.35x at 1024-2048); with
-    GQA (1.02-1.04x) and without a causal mask (its key tiles wait for each other), the portable
-    backward. Head dim 128 (the ordered split kernel): causal without GQA at 8192-16384, without
-    a causal mask at 4096-8192 (0.84-0.93x); elsewhere the portable backward."""
+    from 4096 rows (0.77-0.98x the portable backward's time up to 65536; 1.16-1.35x at
+    1024-2048); with GQA (1.02-1.04x) and without a causal mask (its key tiles wait for each
+    other), the portable backward. Head dim 128 (the ordered split kernel): causal without GQA
+    from 8192 (0.91-0.93x up to 32768), without a causal mask at 4096-8192 (0.84-0.93x);
+    elsewhere the portable backward."""
     with _deterministic_algorithms():
         assert _fused_by_default(heads, kv_heads, seq, seq, d, causal) is fused
 
@@ -1267,20 +1297,21 @@ def test_a_repeated_backward_runs_its_kept_launches_and_matches_float64(case, fr
 @needs_sm90
 @pytest.mark.parametrize(
     ("case", "fused"),
-    [(Case(2, 3, 1, 2048, 512, 64, False, None, False, False, seed=0), True),
-     (Case(1, 2, 1, 2500, 700, 64, False, 0.3, False, True, seed=1), True),
-     (Case(2, 2, 1, 3000, 1023, 64, False, None, True, False, seed=2), True),
-     (Case(2, 3, 1, 1024, 512, 64, False, None, False, False, seed=3), False),
-     (Case(2, 3, 1, 2048, 511, 64, False, None, False, False, seed=4), False),
-     (Case(2, 3, 1, 2048, 512, 64, True, None, False, False, seed=5), False)],
+    [(Case(12, 3, 1, 2048, 512, 64, False, None, False, False, seed=0), True),
+     (Case(12, 2, 1, 2500, 700, 64, False, 0.3, False, True, seed=1), True),
+     (Case(9, 2, 1, 3000, 1023, 64, False, None, True, False, seed=2), True),
+     (Case(12, 3, 1, 1024, 512, 64, False, None, False, False, seed=3), False),
+     (Case(12, 3, 1, 2048, 511, 64, False, None, False, False, seed=4), False),
+     (Case(12, 3, 1, 2048, 512, 64, True, None, False, False, seed=5), False),
+     (Case(2, 3, 1, 2048, 512, 64, False, None, False, False, seed=6), False)],
 )  # fmt: skip
 def test_cross_attention_over_a_few_hundred_keys_takes_the_fused_backward_by_default(
     case, fused, fresh_launches
 ):
     """With the default switches, 512-1023 keys against 2048 or more query rows (head dim 64,
-    no GQA, no causal mask: FUSED_FEW_KEYS) take the fused backward, and its gradients match
-    float64's (3-D and (B, L, H, D) layouts); 1024 query rows, 511 keys or a causal mask keep
-    the portable backward."""
+    no GQA, no causal mask: FUSED_FEW_KEYS) take the fused backward where its programs fill the
+    H100 (144 here), and its gradients match float64's (3-D and (B, L, H, D) layouts); 1024
+    query rows, 511 keys, a causal mask or 24 programs keep the portable backward."""
     with mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy:
         check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
     assert spy.called is fused
@@ -1304,6 +1335,25 @@ def test_problems_longer_than_16384_take_the_hopper_backward_by_default(case, fr
     with mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy:
         check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
     assert spy.call_count == 1
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_problems_longer_than_16384_take_the_ordered_kernels(d, fresh_launches):
+    """Under deterministic algorithms, causal problems without GQA past 16384 rows take the
+    ordered fused (head dim 64) or split (128) kernel by default (no upper bound: 0.77-0.93x
+    the portable kernels' time at 32768-65536), match float64 and give the same bits twice."""
+    case = Case(1, 1, 1, 16700, 16700, d, True, None, False, False, seed=d)
+    with (mock.patch.object(_sm90, "backward", wraps=_sm90.backward) as spy,
+          _deterministic_algorithms()):  # fmt: skip
+        check_against_reference(case, torch.bfloat16, _run(case), device="cuda")
+        q, k, v = case.make(torch.bfloat16, "cuda")
+        dout = torch.randn_like(q)
+        runs = [torch.autograd.grad(flash_attention(q, k, v, is_causal=True), (q, k, v), dout)
+                for _ in range(2)]  # fmt: skip
+    assert spy.call_count == 3
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 @gpu

@@ -187,7 +187,8 @@ FUSED_SEQ_Q = {  # (causal, GQA) -> the lengths (queries and keys) where the fus
 # fwd+bwd, two runs of 4 x 16 x 4096 x 512 keys): without a causal mask or GQA, 512 keys, its
 # kernels took 0.85x the portable ones' time at 4096 query rows (twice), 0.93x at 2048, 0.83x
 # at 8192 (0.90-0.97x cuDNN's), but 1.01x at 1024 rows, 1.00x at 4096 x 256 keys, 1.14x at
-# 4096 x 77 keys; causal 0.97x (top-left, 4096 x 512), left out.
+# 4096 x 77 keys; causal 0.97x (top-left, 4096 x 512), left out. Only where its programs fill the
+# GPU (:func:`_fills_the_gpu`).
 FUSED_FEW_KEYS = {(False, False): (2048, 512)}
 FUSED_STAGES = {64: 4, 128: 2}  # head dims the fused kernels serve -> Q/dO ring depth (64 KB)
 # Head dim 128: the lengths (queries and keys) per (causal, GQA) where the split kernel runs by
@@ -240,8 +241,9 @@ DETERMINISTIC_SEQ_Q = {  # (causal, GQA) -> the lengths where the ordered fused 
     # its backward took 0.85x (16384), 0.87x (8192) and 0.98x (4096) the portable one's time,
     # 1.16x at 2048 and 1.35x at 1024 (short problems: the copies' zeroing and sum, and the
     # tiles' first waits weigh more); with GQA 4:1, 1.02-1.04x at 1024-16384 (not analysed):
-    # the portable backward.
-    (True, False): (4096, 16384),
+    # the portable backward. Longer (2026-11-27): its kernels 0.85x at (1, 16, 32768) and 0.77x
+    # at (1, 8, 65536) the portable ones' time (fwd+bwd 0.93x and 0.88x): no upper bound.
+    (True, False): (4096, NO_BOUND),
     # Without a causal mask every key tile reaches a query tile at the same step, so each waits
     # for the one before it: 1.36x the unordered kernel (two copies), no faster than the
     # portable backward; it keeps the portable one.
@@ -251,9 +253,11 @@ DETERMINISTIC_SEQ_Q = {  # (causal, GQA) -> the lengths where the ordered fused 
 # under deterministic algorithms: causal without GQA 0.91x at 8192 and 16384 (fwd+bwd 1.01x and
 # 0.92x), 0.97x at 4096 (the same kernel time), 1.14x at 2048; GQA 4:1 1.19x at 4096 (the
 # portable backward); without a causal mask 0.93x at 4096, 0.84x at 8192 (fwd+bwd 0.93x, 0.85x),
-# 1.03x at 2048, and at 16384 0.80x but fwd+bwd 1.08x (not understood: kept portable).
+# 1.03x at 2048, and at 16384 0.80x but fwd+bwd 1.08x (not understood: kept portable; at
+# (1, 16, 32768) again its kernels 0.79x, fwd+bwd 0.98x). Causal at (1, 16, 32768) (2026-11-27):
+# its kernels 0.93x, fwd+bwd 0.94x (the backward alone 1.03x): no upper bound.
 DETERMINISTIC_SPLIT_SEQ_Q = {
-    (True, False): (8192, 16384),
+    (True, False): (8192, NO_BOUND),
     (False, False): (4096, 8192),
 }
 FUSED_MAX_REGS = 128  # 128 x 512 threads (three warpgroups and the load warp's group)
@@ -752,7 +756,18 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     if few is None or bounds is None:
         return False
     (min_q, min_k), hi = few, bounds[1]
-    return min_q <= q.shape[2] <= hi and min_k <= k.shape[2] <= hi
+    return min_q <= q.shape[2] <= hi and min_k <= k.shape[2] <= hi and _fills_the_gpu(q, k)
+
+
+def _fills_the_gpu(q, k) -> bool:
+    """Whether the fused backward has at least one program per SM (its grid: a program per 128
+    keys and key/value head); a stand-in shape (no device: the background compiles) counts as
+    filling it. FUSED_FEW_KEYS needs it: over 512 keys, 4-8 x 16 heads (256-512 programs) took
+    the fused kernel 0.83-0.93x the portable ones' time at 2048-8192 query rows, 1 x 16 (64
+    programs) 1.02x at 16384 and 1.03x at 32768 (``cross_shapes.py``, 2026-11-27)."""
+    if not isinstance(q, torch.Tensor):
+        return True
+    return backward_grid(k)[0] >= _sm_count(q.get_device())
 
 
 _PREP_PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
