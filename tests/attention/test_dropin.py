@@ -463,6 +463,72 @@ def test_sdpa_override_leaves_padded_masks_with_dropout_to_sdpa():
         assert spy.call_count == 1
 
 
+# (head dim of q and k, of v, dtype, backend, routed where the Hopper kernels run)
+_HEAD_DIM_CALLS = [
+    (64, 64, torch.bfloat16, "auto", True), (128, 128, torch.float16, "auto", True),
+    (96, 96, torch.bfloat16, "auto", False), (80, 80, torch.float16, "auto", False),
+    (256, 256, torch.bfloat16, "auto", False), (32, 32, torch.bfloat16, "auto", False),
+    (64, 128, torch.bfloat16, "auto", False), (96, 96, torch.float32, "auto", True),
+    (96, 96, torch.bfloat16, "torch", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("d", "dv", "dtype", "backend", "routed"), _HEAD_DIM_CALLS)
+@pytest.mark.parametrize("hopper", [True, False])
+def test_sdpa_override_leaves_head_dims_the_hopper_kernels_lack_to_sdpa(d, dv, dtype, backend,
+                                                                       routed, hopper):  # fmt: skip
+    """Where the Hopper kernels run (here the CPU standing in for an sm90 GPU), with
+    backend="auto", a 16-bit call whose head dims are not 64 or 128 for query, key and value
+    alike stays on SDPA (the portable kernels took 1.35-3.6x its fwd+bwd time there on an H100);
+    float32 calls, an explicit backend and every call on other devices are routed; the result
+    is SDPA's either way."""
+    gen = torch.Generator().manual_seed(d + dv)
+    q, k = (torch.randn(2, 4, 12, d, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(2, 4, 12, dv, generator=gen).to(dtype)
+    spy = mock.MagicMock(wraps=_dropin.flash_attention)
+    with (mock.patch.object(_dropin, "_on_hopper", return_value=hopper),
+          mock.patch.object(_dropin, "flash_attention", spy), sdpa_override(backend=backend)):  # fmt: skip
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert spy.call_count == int(routed or not hopper)
+    ref = ORIGINAL_SDPA(q.float(), k.float(), v.float(), is_causal=True)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_the_override_knows_the_hopper_kernels_head_dims():
+    """The override's list of the Hopper kernels' head dims is the kernels' own, and a tensor
+    off CUDA is never on a Hopper GPU."""
+    from torch_flashsys.attention import _sm90
+
+    assert set(_sm90.STAGES) == _dropin.HOPPER_HEAD_DIMS
+    assert not _dropin._on_hopper(torch.zeros(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sdpa_override_on_cuda_leaves_head_dims_the_hopper_kernels_lack_to_sdpa():
+    """On the GPU, bf16: on an sm90 GPU with the Hopper path on, head dims 96 and 256 stay on
+    SDPA and 64 and 128 run on flash_attention (elsewhere all four do; with backend="triton"
+    all four everywhere); outputs and gradients match SDPA's to bf16 rounding."""
+    hopper = _dropin._on_hopper(torch.zeros(1, device="cuda"))
+    for d in (64, 96, 128, 256):
+        for backend in ("auto", "triton"):
+            q, k, v = (torch.randn(2, 4, 600, d, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))  # fmt: skip
+            spy = mock.MagicMock(wraps=_dropin.flash_attention)
+            with mock.patch.object(_dropin, "flash_attention", spy), sdpa_override(backend=backend):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            routed = backend == "triton" or not hopper or d in (64, 128)
+            assert spy.call_count == int(routed), (d, backend, hopper)
+            grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+            ref = ORIGINAL_SDPA(q, k, v, is_causal=True)
+            ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+            for ours, theirs in zip((out, *grads), (ref, *ref_grads), strict=True):
+                scale = theirs.float().abs().max().item()
+                err = (ours.float() - theirs.float()).abs().max().item()
+                assert err <= 2e-2 * max(1.0, scale), (d, backend, err)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("seq", [700, 1024])

@@ -157,11 +157,45 @@ def _supported(query: Any, key: Any, value: Any, args: dict[str, Any], backend: 
 MASKS_LEFT_TO_SDPA_ON = frozenset({"cuda"})
 
 
-def _faster_than_sdpa(query, key, args: dict[str, Any], backend: str) -> bool:
-    """Whether a supported call goes to flash_attention: always, but for a masked call on
-    MASKS_LEFT_TO_SDPA_ON with ``backend="auto"`` and without ``is_causal`` (SDPA raises on a
-    mask with is_causal in some of its backends: such calls keep running here), which goes only
-    where its mask is a right-padded causal mask run one call per sequence."""
+# Head dims the Hopper kernels serve (query, key and value alike: ``_sm90.forward_takes``). A
+# 16-bit call with others runs the portable kernels, which on an H100 took 1.30-1.52x the time of
+# SDPA's default (cuDNN) forward and 1.35-1.43x its fwd+bwd at head dims 80 and 96, and 2.3-2.5x
+# and 3.5-3.6x at 256 (docs/benchmarks.md, 2026-11-27): with backend="auto" the override leaves
+# those calls to SDPA on such a GPU.
+HOPPER_HEAD_DIMS = frozenset({64, 128})
+
+
+def _on_hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on an sm90 GPU with the Hopper path on (no Triton: no Hopper path)."""
+    if not t.is_cuda:
+        return False
+    try:
+        from torch_flashsys.attention import _sm90
+    except ImportError:
+        return False
+    return _sm90.enabled() and _sm90._is_sm90(t.get_device())
+
+
+def _slower_head_dims(query, key, value) -> bool:
+    """Whether a 16-bit call has head dims the Hopper kernels do not serve, on a GPU where they
+    run (``_on_hopper``): there the portable kernels' time exceeds SDPA's."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    d = query.shape[-1]
+    if d in HOPPER_HEAD_DIMS and key.shape[-1] == d and value.shape[-1] == d:
+        return False
+    return _on_hopper(query)
+
+
+def _faster_than_sdpa(query, key, value, args: dict[str, Any], backend: str) -> bool:
+    """Whether a supported call goes to flash_attention: always with an explicit backend; with
+    ``backend="auto"``, not a 16-bit call whose head dims the Hopper kernels do not serve on a
+    GPU where they run (:func:`_slower_head_dims`), and not a masked call on
+    MASKS_LEFT_TO_SDPA_ON without ``is_causal`` (SDPA raises on a mask with is_causal in some of
+    its backends: such calls keep running here) unless its mask is a right-padded causal mask
+    run one call per sequence."""
+    if backend == "auto" and _slower_head_dims(query, key, value):
+        return False
     mask = args["attn_mask"]
     if (mask is None or backend != "auto" or args["is_causal"]
             or query.device.type not in MASKS_LEFT_TO_SDPA_ON):  # fmt: skip
@@ -189,7 +223,7 @@ def _make_router(original: Callable[..., torch.Tensor], backend: str) -> Callabl
         # check sees what flash_attention will compute on, as SDPA's does.
         q, k, v = autocast_inputs(query, key, value)
         routed = not extra and _supported(q, k, v, args, backend)
-        if routed and _faster_than_sdpa(q, k, args, backend):
+        if routed and _faster_than_sdpa(q, k, v, args, backend):
             return flash_attention(q, k, v, **args, backend=backend)
         if enable_gqa:  # passed only when set: older torch versions lack the argument
             extra["enable_gqa"] = enable_gqa
@@ -267,7 +301,9 @@ def sdpa_override(*, backend: str = "auto") -> Iterator[None]:
     whose masked kernels are faster than flash_attention's mask path, unless the mask is a
     right-padded causal mask (a Hugging Face model's padded batches) of at least
     ``_padding.PER_SEQUENCE_MIN_SEQ_CUDA`` (1024) tokens, which flash_attention runs without
-    the mask (docs/attention.md). Results
+    the mask (docs/attention.md); and on an H100/H200 with ``backend="auto"``, a float16 or
+    bfloat16 call whose head dims are not 64 or 128 (query, key and value alike) stays on SDPA,
+    whose kernels are faster there than flash_attention's portable ones. Results
     of routed calls match SDPA to floating-point rounding (with dropout: in distribution, the
     random numbers differ); gradients flow through both.
 
