@@ -20,8 +20,9 @@ measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at 
 ``FUSED_SEQ_Q`` (with GQA from 256; without GQA from 1024; and, without GQA or a causal
 mask, 512-1023 keys against 2048 or more query rows where its programs fill the GPU,
 ``FUSED_FEW_KEYS``); head dim 128, ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q``
-(with GQA from 256; without GQA from 1024, causal from 2048). Their dQ is summed in float32 by TMA bulk reductions in no fixed
-order, so it is not bitwise reproducible; when ``torch.are_deterministic_algorithms_enabled()``,
+(with GQA from 256; without GQA from 1024, causal from 2048). Their dQ is summed in float32 by
+TMA bulk reductions in no fixed order, so it is not bitwise reproducible; when
+``torch.are_deterministic_algorithms_enabled()``,
 the same kernels run with their dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in
 ``DETERMINISTIC_SEQ_Q`` (head dim 64: causal without GQA, from 4096) and
 ``DETERMINISTIC_SPLIT_SEQ_Q`` (128: causal without GQA from 8192, without a causal mask
