@@ -170,7 +170,7 @@ def _on_hopper(t: torch.Tensor) -> bool:
     if not t.is_cuda:
         return False
     try:
-        from torch_flashsys.attention import _sm90
+        import torch_flashsys.attention._sm90 as _sm90
     except ImportError:
         return False
     return _sm90.enabled() and _sm90._is_sm90(t.get_device())
