@@ -5,6 +5,8 @@ test suite runs the Triton interpreter, and the stand-in driver must not leak in
 
     python -m tests.attention.sm90_offline            # one line per variant, exit 0 if all compile
     python -m tests.attention.sm90_offline backward   # the portable backward's compiles (counts)
+    python -m tests.attention.sm90_offline spills 256 causal [dkdv=32x32x8x2,...]
+        # the portable kernels' sm90 builds per tile: shared memory, register spills (SASS)
     python -m tests.attention.sm90_offline schedule   # pinned waits: the SASS order (counts)
     python -m tests.attention.sm90_offline precompile 64,1,bfloat16,2048 ...
         # per (head dim, causal, dtype, first length): compiles after the queued builds
@@ -293,6 +295,43 @@ def precompile_misses(d: int, causal: bool, dtype: torch.dtype, first: int, kv_h
     return at_first, compiled() - at_first
 
 
+def portable_spills(d: int, causal: bool, tiles: dict | None = None) -> list[str]:
+    """Per portable kernel (forward, dQ, dK/dV) and tile (the library's list for ``d``'s class,
+    or ``tiles[kernel]``): the sm90 build's shared memory and its local-memory stores and loads
+    (``STL``/``LDL`` in the SASS: register spills), for a (1, 4, 2048, d) bf16 problem."""
+    import re
+
+    from torch_flashsys.attention import _triton_bwd, _triton_fwd
+    from torch_flashsys.attention._extras import CAUSAL, PLAIN
+    from torch_flashsys.attention._kernel_config import dim_class
+    from torch_flashsys.attention._launch import dot_precision
+    from torch_flashsys.attention._triton_common import kernel_extras
+
+    ex = CAUSAL if causal else PLAIN
+    q, k, v, out, dout = (torch.zeros(1, 4, 2048, d, dtype=torch.bfloat16) for _ in range(5))
+    lse, delta = torch.zeros(1, 4, 2048), torch.zeros(1, 4, 2048)
+    tensors, runtime, flags = kernel_extras(ex, q)
+    plan = _triton_fwd._plan(q, k, v, out, ex, runtime, flags, dot_precision(q.dtype), True)
+    fwd_args = (q, k, v, out, lse, *tensors, *plan.ints, 0.125, 0.125, *runtime[6:])
+    launches = [("fwd", _triton_fwd._launch_fwd, plan, fwd_args, _triton_fwd.FWD_SHAPES)]
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _, bwd = _triton_bwd.backward_launches(dout, q, k, v, out, lse, None, 0.125, ex, *grads, delta)
+    shapes = (_triton_bwd.DQ_SHAPES, _triton_bwd.DKDV_SHAPES)
+    launches += [(name, cache, p, args, table) for name, (cache, p, args), table
+                 in zip(("dq", "dkdv"), bwd, shapes, strict=True)]  # fmt: skip
+    lines = []
+    for name, cache, p, args, table in launches:
+        for bm, bn, warps, stages in (tiles or {}).get(name) or table[dim_class(d)]:
+            meta = {**p.constexprs, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps,
+                    "num_stages": stages}  # fmt: skip
+            kernel = cache.kernel.warmup(*args, grid=p.grid, **meta)
+            code = sass(kernel)
+            stl, ldl = (len(re.findall(rf"\b{op}\b", code)) for op in ("STL", "LDL"))
+            lines.append(f"{name} d={d} causal={causal} {bm}x{bn}x{warps}x{stages}: shared "
+                         f"{kernel.metadata.shared} bytes, STL {stl}, LDL {ldl}")  # fmt: skip
+    return lines
+
+
 if __name__ == "__main__":
     triton.runtime.driver.set_active(_Sm90Target())
     if sys.argv[1:] == ["schedule"]:
@@ -307,6 +346,14 @@ if __name__ == "__main__":
                                                 rest[1:] == ["det"])  # fmt: skip
             print(f"{family}: compiles of the first call and its queued builds {at_first}, "
                   f"of later calls {later}")  # fmt: skip
+        sys.exit(0)
+    if sys.argv[1:2] == ["spills"]:  # spills D [causal] [KERNEL=BMxBNxWxS,...] ...
+        d, causal = int(sys.argv[2]), "causal" in sys.argv[3:]
+        picked: dict[str, list] = {}
+        for item in (a for a in sys.argv[3:] if "=" in a):
+            name, tiles = item.split("=")
+            picked[name] = [tuple(map(int, t.split("x"))) for t in tiles.split(",")]
+        print("\n".join(portable_spills(d, causal, picked)))
         sys.exit(0)
     if sys.argv[1:] == ["backward"]:
         together, after = backward_compiles()
