@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.attention.cases import Case, check_against_reference, triton_run
-from torch_flashsys.attention import _triton_bwd
+from torch_flashsys.attention import _kernel_config, _triton_bwd
 from torch_flashsys.attention._extras import PLAIN, make_extras
 
 
@@ -45,7 +45,7 @@ def _tile(batch, heads, kv_heads, seq_q, seq_k, d, causal=False, dtype=torch.bfl
     with (
         mock.patch.object(torch.Tensor, "is_cuda", new=True),
         mock.patch.object(_triton_bwd, "_sm_count", return_value=sms),
-        mock.patch.object(_triton_bwd, "shared_memory_bytes", return_value=smem),
+        mock.patch.object(_kernel_config, "shared_memory_bytes", return_value=smem),
     ):
         return _triton_bwd.kv_grads_tile(q, v, ex, heads, kv_heads, seq_q, seq_k)
 

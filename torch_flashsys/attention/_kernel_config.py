@@ -101,6 +101,12 @@ def _table_lengths(arch: str, kernel: str, klass: int, causal: bool) -> tuple[in
 
 
 @functools.cache
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index``."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
 def shared_memory_bytes(index: int) -> int:
     """Shared memory per block of CUDA device ``index``, in bytes."""
     try:
@@ -157,12 +163,18 @@ def pick_tile(
                 return load_table(arch)[key]
             candidates.append(load_table(arch)[key])
         candidates.extend(defaults[klass])
-    budget = 0.75 * shared_memory_bytes(index)
     for tile in candidates:
-        bm, bn, _, stages = tile
-        if elem_size * footprint(bm, bn, block_d, stages) <= budget:
+        if fits(tile, block_d, elem_size, footprint, index):
             return tile
     return FALLBACK_TILE
+
+
+def fits(tile: Tile, block_d: int, elem_size: int, footprint: Callable[[int, int, int, int], int],
+         index: int) -> bool:  # fmt: skip
+    """Whether ``tile``'s shared-memory estimate (``footprint`` elements of ``elem_size`` bytes,
+    see :func:`pick_tile`) is within three quarters of CUDA device ``index``'s."""
+    bm, bn, _, stages = tile
+    return elem_size * footprint(bm, bn, block_d, stages) <= 0.75 * shared_memory_bytes(index)
 
 
 def tile_meta(tile: Tile) -> dict[str, int]:

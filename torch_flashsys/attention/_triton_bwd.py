@@ -10,8 +10,6 @@ same dropout random numbers (regenerated, never stored).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +18,8 @@ from torch import Tensor
 import torch_flashsys.attention._precompile as _precompile
 import torch_flashsys.attention._sm90 as _sm90
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
-from torch_flashsys.attention._kernel_config import dim_class, shared_memory_bytes, tile_meta
+from torch_flashsys.attention._kernel_config import dim_class, fits, tile_meta
+from torch_flashsys.attention._kernel_config import sm_count as _sm_count
 from torch_flashsys.attention._launch import (
     LaunchCache,
     Plan,
@@ -546,18 +545,8 @@ def kv_grads_tile(q: Tensor, v: Tensor, ex: Extras, n_heads: int, n_kv_heads: in
         return None
     # The tiles were measured on an H100; a GPU with less shared memory per block takes the two
     # kernels where the estimate (as pick_tile's, a quarter spare) does not fit.
-    bm, bn, _, stages = tile
     block_d = max(next_pow2(q.shape[-1]), next_pow2(v.shape[-1]))
-    if q.element_size() * _dq_footprint(bm, bn, block_d, stages) > 0.75 * shared_memory_bytes(
-        index
-    ):
-        return None
-    return tile
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return tile if fits(tile, block_d, q.element_size(), _dq_footprint, index) else None
 
 
 def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precision,

@@ -40,6 +40,7 @@ import torch
 
 import torch_flashsys.attention._precompile as _precompile
 from torch_flashsys.attention._extras import CAUSAL, PLAIN, Extras
+from torch_flashsys.attention._kernel_config import sm_count as _sm_count
 from torch_flashsys.attention._launch import (
     LaunchCache,
     fast_launch_allowed,
@@ -286,11 +287,6 @@ BWD_PIPELINE = True  # keep one step's dV/dK products in flight while the next S
 def enabled() -> bool:
     """Whether the Hopper path may run at all (Gluon available, not switched off)."""
     return ENABLED
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache
