@@ -122,8 +122,8 @@ class Problem:
         c = kernel_constexprs(d, d, "tf32", self._extras()[2]._asdict())
         # fwd: no score modification, positive scale (FOLD_SCALE); dq: no gradient into the lse,
         # dQ only (KV_GRADS off: the dK/dV kernel's problems)
-        dq = {"HAS_DLSE": False, "KV_GRADS": False}
-        return {**c, **({"FOLD_SCALE": True} if kernel == "fwd" else dq)}
+        extra = {"fwd": {"FOLD_SCALE": True}, "dq": {"HAS_DLSE": False, "KV_GRADS": False}}
+        return {**c, **extra.get(kernel, {})}
 
     def launch(self, kernel: str, cfg):
         import triton
@@ -134,7 +134,12 @@ class Problem:
         fn = fn or _triton_bwd._attn_bwd_dkdv
         b, h, n, _ = self.shape
         grid = (triton.cdiv(n, cfg[1] if kernel == "dkdv" else cfg[0]) * b * h,)
-        fn[grid](*self.args(kernel), **self.constexprs(kernel), BLOCK_M=cfg[0], BLOCK_N=cfg[1],
+        constexprs = self.constexprs(kernel)
+        # Triton's interpreter (--smoke) ignores keywords the kernel lacks; a GPU launch raises.
+        unknown = sorted(set(constexprs) - set(fn.arg_names))
+        if unknown:
+            raise TypeError(f"{fn.__name__} has no arguments {unknown}")
+        fn[grid](*self.args(kernel), **constexprs, BLOCK_M=cfg[0], BLOCK_N=cfg[1],
                  num_warps=cfg[2], num_stages=cfg[3])  # fmt: skip
 
 
