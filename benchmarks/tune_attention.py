@@ -55,10 +55,10 @@ CANDIDATES = {
         128: [(32, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
               (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 4, 2), (16, 128, 4, 3)],
         256: [(32, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (16, 32, 4, 2), (64, 32, 8, 3),
-              (32, 32, 8, 3), (64, 16, 4, 2), (16, 64, 4, 2),
-              # 64 keys a program over two warpgroups (the products' M of 64: wgmma), though
-              # their sm90 builds spill some (25-67 STL, offline)
-              (16, 64, 8, 2), (32, 64, 8, 2), (16, 64, 8, 3)],
+              (32, 32, 8, 3), (64, 16, 4, 2), (16, 64, 4, 2)],
+        # (16|32, 64, 8, 2|3), 64 keys a program over two warpgroups, spill 25-67 STL offline
+        # and measured 0.95-1.04x (32x64x8x2) or slower than 64x32x8x3 (H100, one sweep,
+        # docs/data/attention_tune_256_dkdv_h100.csv): not kept
     },
 }  # fmt: skip
 
