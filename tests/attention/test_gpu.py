@@ -203,6 +203,27 @@ def test_triton_features_match_float64_on_cuda(only, data, dtype):
     check_features(case, dtype, "triton", device="cuda")
 
 
+@pytest.mark.parametrize("only", FEATURE_SETS[:4], ids=lambda f: "+".join(f))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_features_at_head_dim_256_match_float64_on_cuda(only, dtype):
+    """Head dim 256 takes the sm90 tile table's largest tiles (forward 128 x 64, 8 warps); a
+    kernel with a feature takes the table's tile only where the shared-memory estimate passes,
+    else a smaller one: each feature compiles, launches and matches float64 there. float32 with
+    TF32 allowed (the table's tile when it fits, as for 16 bits)."""
+    torch.set_float32_matmul_precision("high")
+    try:
+
+        @settings(max_examples=2)
+        @given(case=feature_cases(max_seq=300, head_dims=(256,), only=only))
+        def check(case):
+            atol = ATOL_TF32 if dtype == torch.float32 else None
+            check_features(case, dtype, "triton", device="cuda", atol=atol)
+
+        check()
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
 def test_key_padding_and_window_long_sequence_on_cuda():
     case = FeatureCase(2, 2, 2, 1500, 1500, 64, True, "key_padding", (200, -1), None, "heads",
                        0.1, seed=21)  # fmt: skip
