@@ -28,7 +28,9 @@ from benchmarks import _harness as H
 from benchmarks._peers import decode_rows, device_dtype
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel and head-dim class.
-SMOKE_CANDIDATES = {k: {16: [(16, 16, 4, 1), (32, 16, 4, 1)]} for k in ("fwd", "dq", "dkdv")}
+SMOKE_CANDIDATES = {
+    k: {16: [(16, 16, 4, 1), (32, 16, 4, 1)]} for k in ("fwd", "dq", "dkdv", "dkdv_split")
+}
 CANDIDATES = {
     "fwd": {
         64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3),
@@ -60,6 +62,14 @@ CANDIDATES = {
         # and measured 0.95-1.04x (32x64x8x2) or slower than 64x32x8x3 (H100, one sweep,
         # docs/data/attention_tune_256_dkdv_h100.csv): not kept
     },
+    # The dK/dV kernel SPLIT (one accumulator a program: dK's or dV's), for an A/B against dkdv.
+    # sm90 builds without spills (Triton 3.6, offline) but 64x64x4x3 (6 STL causal)
+    "dkdv_split": {
+        64: [(64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3)],
+        128: [(64, 128, 8, 2), (32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 2)],
+        256: [(32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 3), (64, 32, 8, 3),
+              (32, 64, 8, 2)],
+    },
 }  # fmt: skip
 
 
@@ -82,11 +92,13 @@ class Problem:
         self.expected = {k: [t.clone() for t in self.outputs(k)] for k in ("fwd", "dq", "dkdv")}
 
     def outputs(self, kernel: str):
+        kernel = "dkdv" if kernel == "dkdv_split" else kernel  # the same results
         return {"fwd": (self.out,), "dq": (self.dq,), "dkdv": (self.dk, self.dv)}[kernel]
 
     def max_diff(self, kernel: str) -> float:
         """Largest difference from the first candidate's results (a wrong config shows here)."""
-        got, want = self.outputs(kernel), self.expected[kernel]
+        want = self.expected["dkdv" if kernel == "dkdv_split" else kernel]
+        got = self.outputs(kernel)
         return max(
             (a.float() - b.float()).abs().max().item() for a, b in zip(got, want, strict=True)
         )
@@ -125,8 +137,17 @@ class Problem:
         c = kernel_constexprs(d, d, "tf32", self._extras()[2]._asdict())
         # fwd: no score modification, positive scale (FOLD_SCALE); dq: no gradient into the lse,
         # dQ only (KV_GRADS off: the dK/dV kernel's problems)
-        extra = {"fwd": {"FOLD_SCALE": True}, "dq": {"HAS_DLSE": False, "KV_GRADS": False}}
-        return {**c, **extra.get(kernel, {})}
+        extra = {"fwd": {"FOLD_SCALE": True}, "dq": {"HAS_DLSE": False, "KV_GRADS": False},
+                 "dkdv": {"SPLIT": self.split(kernel)}, "dkdv_split": {"SPLIT": True}}  # fmt: skip
+        return {**c, **extra[kernel]}
+
+    def split(self, kernel: str) -> bool:
+        """dK/dV in two programs per key tile: ``dkdv_split``, or ``dkdv`` where the library's
+        rule (``_triton_bwd.dkdv_split``) splits."""
+        from torch_flashsys.attention._triton_bwd import dkdv_split
+
+        d = self.shape[-1]
+        return kernel == "dkdv_split" or (kernel == "dkdv" and dkdv_split(d, d))
 
     def launch(self, kernel: str, cfg):
         import triton
@@ -136,7 +157,11 @@ class Problem:
         fn = {"fwd": _triton_fwd._attn_fwd, "dq": _triton_bwd._attn_bwd_dq}.get(kernel)
         fn = fn or _triton_bwd._attn_bwd_dkdv
         b, h, n, _ = self.shape
-        grid = (triton.cdiv(n, cfg[1] if kernel == "dkdv" else cfg[0]) * b * h,)
+        if fn is _triton_bwd._attn_bwd_dkdv:  # key tiles, two programs each when split
+            tiles = triton.cdiv(n, cfg[1]) * (2 if self.split(kernel) else 1)
+        else:
+            tiles = triton.cdiv(n, cfg[0])
+        grid = (tiles * b * h,)
         constexprs = self.constexprs(kernel)
         # Triton's interpreter (--smoke) ignores keywords the kernel lacks; a GPU launch raises.
         unknown = sorted(set(constexprs) - set(fn.arg_names))
@@ -163,7 +188,7 @@ def _compile_job(job):
 
 
 def flops(kernel, b, h, n, d, causal):
-    matmuls = {"fwd": 2, "dq": 3, "dkdv": 4}[kernel]
+    matmuls = {"fwd": 2, "dq": 3, "dkdv": 4, "dkdv_split": 4}[kernel]  # split: S counted once
     return 2 * matmuls * b * h * n * n * d * (0.5 if causal else 1.0)
 
 
@@ -180,7 +205,11 @@ def write_table(path: str, rows: list[dict], command: str) -> None:
 
 def main(argv=None):
     p = H.parser(__doc__, smoke="CPU, Triton interpreter, one tiny shape")
-    p.add_argument("--kernels", default="fwd,dq,dkdv", help="a subset of fwd,dq,dkdv, or decode")
+    p.add_argument(
+        "--kernels",
+        default="fwd,dq,dkdv",
+        help="a subset of fwd,dq,dkdv,dkdv_split (the dK/dV kernel split in two programs per key tile), or decode",
+    )
     p.add_argument("--dims", default="64,128", help="head dims")
     p.add_argument("--seqs", default="1024,4096,16384", help="sequence lengths")
     p.add_argument("--batch-heads", default="4x16,4x16,1x16", help="batch x heads per length")

@@ -87,6 +87,15 @@ KV_GRADS_TILES = {
     (128, 64): (64, 64, 4, 3), (128, 128): (128, 32, 8, 3),
 }  # fmt: skip
 _KV_GRADS_INTERPRETER_N = 16  # the interpreter's key tile (its query tile covers the rows)
+# Head dims (the larger of query/key's and value's) from which the dK/dV kernel runs SPLIT: two
+# programs per key tile, one accumulating dK and one dV, so each holds one (BLOCK_N, head dim)
+# float32 accumulator instead of two (S is computed by both). Off until measured faster.
+DKDV_SPLIT_MIN_DIM = 1 << 30
+
+
+def dkdv_split(head_dim: int, dim_v: int) -> bool:
+    """Whether the dK/dV kernel runs SPLIT for these head dims (``DKDV_SPLIT_MIN_DIM``)."""
+    return max(head_dim, dim_v) >= DKDV_SPLIT_MIN_DIM
 _SPECIALIZE_NOT = [
     "seq_q", "seq_k", "tune_len", "left", "right", "threshold",
     "stride_mn", "stride_ab", "stride_ah",
@@ -259,11 +268,12 @@ def _attn_bwd_dkdv_inner(
     MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Query tiles [lo, hi) into (dk, dv); strides are Q's and dO's row strides, mask_keys a
-    key-padding mask loaded once per key tile; the other bundles as in ``_attn_bwd_dq_inner``."""
+    key-padding mask loaded once per key tile; the other bundles as in ``_attn_bwd_dq_inner``.
+    PARTS: 3 both, 1 dK only, 2 dV only (``v`` unused)."""
     stride_qm, stride_dom = strides
     mask_d, mask_dv = dmasks
     inv_keep = drop[3]  # 1 / keep probability
@@ -296,18 +306,22 @@ def _attn_bwd_dkdv_inner(
             pT = tl.where(keep & (offs_m < seq_q)[None, :], pT, 0.0)
         if MASK_KIND == 1:
             pT = tl.where(mvals, pT, 0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if PARTS != 2:
+            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT:
             keep_r = dropout_keep(drop, offs_m, start_n, BLOCK_N, True)
-            dv = tl.dot(tl.where(keep_r, pT * inv_keep, 0.0).to(do.dtype), do, dv,
-                        input_precision=PRECISION)  # fmt: skip
-            dpT = tl.where(keep_r, dpT * inv_keep, 0.0)
-        else:
+            if PARTS != 1:
+                dv = tl.dot(tl.where(keep_r, pT * inv_keep, 0.0).to(do.dtype), do, dv,
+                            input_precision=PRECISION)  # fmt: skip
+            if PARTS != 2:
+                dpT = tl.where(keep_r, dpT * inv_keep, 0.0)
+        elif PARTS != 1:
             dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
-            dsT = dsT * dcapT  # 1 - tanh^2
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
+        if PARTS != 2:
+            dsT = pT * (dpT - delta[None, :])
+            if SOFTCAP:
+                dsT = dsT * dcapT  # 1 - tanh^2
+            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         lse_ptrs += BLOCK_M
@@ -315,55 +329,22 @@ def _attn_bwd_dkdv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=_SPECIALIZE_NOT)
-def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, Delta, DK, DV, Mask, Alibi, Seed, CuQ, CuK, SeqUsed,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
-    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
-    stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
-    n_heads, n_kv_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
-    left, right, softcap, threshold, inv_keep,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
-    MASK_CONTIG: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
-    VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+@triton.jit
+def _attn_bwd_dkdv_heads(
+    dk, dv, k, v, head, strides, scalars, tile,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+    MASK_ROWS: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    MAY_EMPTY: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    PRECISION: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(not SEQUSED)  # KV-cache decoding is forward only
-    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
-    # Setup: this program's key tile of one key/value head; its K and V stay resident.
-    _bhk, b, hk, start_n, q_start, seq_q, k_start, seq_k = program_setup(
-        CuQ, CuK, seq_q, seq_k, n_kv_heads, BLOCK_N, True, False, VARLEN
-    )
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < HEAD_DIM_V
-    key_ok = offs_n < seq_k
-    cols = k_start + offs_n.to(tl.int64)
-    k = load_rows(tile_ptrs(K, b, hk, stride_kb, stride_kh, cols, stride_kn, offs_d),
-                  offs_n, seq_k, mask_d, True, EVEN_D)  # fmt: skip
-    v = load_rows(tile_ptrs(V, b, hk, stride_vb, stride_vh, cols, stride_vn, offs_dv),
-                  offs_n, seq_k, mask_dv, True, EVEN_DV)  # fmt: skip
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    seed, stride_mn = program_scalars(Seed, stride_mn, DROPOUT, MASK_CONTIG)
-    # Query tiles: [lo, mid_lo) and [mid_hi, hi) cross a window edge, the causal diagonal or the
-    # ragged end (masked); [mid_lo, mid_hi) need no position mask. Keys past seq_k are not masked
-    # in the middle: they only touch rows of dK/dV that are never stored.
-    lo, mid_lo, mid_hi, hi = query_tile_range(
-        start_n, seq_q, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
-    )
-    if VARLEN:  # a key tile past this sequence's end: no query tiles, every store masked
-        lo, mid_lo, mid_hi, hi = empty_if(start_n >= seq_k, lo, mid_lo, mid_hi, hi)
-    # Loop: the query heads that share this key/value head, each in three segments.
+    """The query heads that share key/value head ``hk``, each in three segments of query tiles,
+    into (dk, dv) (``PARTS`` as in :func:`_attn_bwd_dkdv_inner`)."""
+    Q, DO, LSE, Delta, Mask, Alibi, b, hk, group, n_heads, q_start, seq_q, seq_k = head
+    (stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_lb, stride_lh,
+     stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah) = strides  # fmt: skip
+    qk_scale, sm_scale, left, right, softcap, seed, threshold, inv_keep = scalars
+    (offs_n, offs_m0, offs_d, offs_dv, mask_d, mask_dv, key_ok, start_n,
+     lo, mid_lo, mid_hi, hi) = tile  # fmt: skip
     for g in range(0, group):
         h = hk * group + g
         q_base = Q + b * stride_qb + h * stride_qh + q_start * stride_qm
@@ -390,14 +371,102 @@ def _attn_bwd_dkdv(
                 offs_n, offs_m0, (mask_d, mask_dv), key_ok, seg_lo, seg_hi, seq_q, seq_k, mods,
                 (left, right), mask, mask_keys, drop, start_n,
                 seg != 1, HAS_LEFT, HAS_RIGHT, MASK_KIND, MASK_ROWS, SOFTCAP, ALIBI, DROPOUT,
-                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, BLOCK_M, BLOCK_N,
+                MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, PARTS, BLOCK_M, BLOCK_N,
             )  # fmt: skip
-    # Epilogue: dK = scale * sum dS^T Q, dV.
-    dk *= sm_scale
-    dk_ptrs = tile_ptrs(DK, b, hk, stride_dkb, stride_dkh, cols, stride_dkn, offs_d)
-    dv_ptrs = tile_ptrs(DV, b, hk, stride_dvb, stride_dvh, cols, stride_dvn, offs_dv)
-    store_rows(dk_ptrs, dk, key_ok, mask_d, EVEN_D)
-    store_rows(dv_ptrs, dv, key_ok, mask_dv, EVEN_DV)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_SPECIALIZE_NOT)
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, Delta, DK, DV, Mask, Alibi, Seed, CuQ, CuK, SeqUsed,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah,
+    n_heads, n_kv_heads, group, seq_q, seq_k, tune_len, qk_scale, sm_scale,
+    left, right, softcap, threshold, inv_keep,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, MASK_ROWS: tl.constexpr,
+    MASK_CONTIG: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MAY_EMPTY: tl.constexpr,
+    VARLEN: tl.constexpr, SEQUSED: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    tl.static_assert(not SEQUSED)  # KV-cache decoding is forward only
+    check_blocks(HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    EVEN_DV: tl.constexpr = BLOCK_DV == HEAD_DIM_V
+    # Setup: this program's key tile of one key/value head; its K and V stay resident. SPLIT:
+    # two programs per key tile (heads counted twice, adjacent), one computing dK, the other dV,
+    # each holding one accumulator instead of two (wide head dims: fewer registers per program).
+    _bhk, b, hk, start_n, q_start, seq_q, k_start, seq_k = program_setup(
+        CuQ, CuK, seq_q, seq_k, n_kv_heads * (2 if SPLIT else 1), BLOCK_N, True, False, VARLEN
+    )
+    if SPLIT:
+        part = hk % 2
+        hk = hk // 2
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < HEAD_DIM_V
+    key_ok = offs_n < seq_k
+    cols = k_start + offs_n.to(tl.int64)
+    k = load_rows(tile_ptrs(K, b, hk, stride_kb, stride_kh, cols, stride_kn, offs_d),
+                  offs_n, seq_k, mask_d, True, EVEN_D)  # fmt: skip
+    if not SPLIT:
+        v = load_rows(tile_ptrs(V, b, hk, stride_vb, stride_vh, cols, stride_vn, offs_dv),
+                      offs_n, seq_k, mask_dv, True, EVEN_DV)  # fmt: skip
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    seed, stride_mn = program_scalars(Seed, stride_mn, DROPOUT, MASK_CONTIG)
+    # Query tiles: [lo, mid_lo) and [mid_hi, hi) cross a window edge, the causal diagonal or the
+    # ragged end (masked); [mid_lo, mid_hi) need no position mask. Keys past seq_k are not masked
+    # in the middle: they only touch rows of dK/dV that are never stored.
+    lo, mid_lo, mid_hi, hi = query_tile_range(
+        start_n, seq_q, left, right, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N
+    )
+    if VARLEN:  # a key tile past this sequence's end: no query tiles, every store masked
+        lo, mid_lo, mid_hi, hi = empty_if(start_n >= seq_k, lo, mid_lo, mid_hi, hi)
+    head = (Q, DO, LSE, Delta, Mask, Alibi, b, hk, group, n_heads, q_start, seq_q, seq_k)
+    strides = (stride_qb, stride_qh, stride_qm, stride_dob, stride_doh, stride_dom, stride_lb,
+               stride_lh, stride_mb, stride_mh, stride_mm, stride_mn, stride_ab, stride_ah)  # fmt: skip
+    scalars = (qk_scale, sm_scale, left, right, softcap, seed, threshold, inv_keep)
+    tile = (offs_n, offs_m0, offs_d, offs_dv, mask_d, mask_dv, key_ok, start_n,
+            lo, mid_lo, mid_hi, hi)  # fmt: skip
+    if not SPLIT:
+        dk, dv = _attn_bwd_dkdv_heads(
+            dk, dv, k, v, head, strides, scalars, tile, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+            MASK_ROWS, SOFTCAP, ALIBI, DROPOUT, MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, 3,
+            BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        # Epilogue: dK = scale * sum dS^T Q, dV.
+        dk *= sm_scale
+        dk_ptrs = tile_ptrs(DK, b, hk, stride_dkb, stride_dkh, cols, stride_dkn, offs_d)
+        dv_ptrs = tile_ptrs(DV, b, hk, stride_dvb, stride_dvh, cols, stride_dvn, offs_dv)
+        store_rows(dk_ptrs, dk, key_ok, mask_d, EVEN_D)
+        store_rows(dv_ptrs, dv, key_ok, mask_dv, EVEN_DV)
+    elif part == 0:  # SPLIT's dK program
+        v = load_rows(tile_ptrs(V, b, hk, stride_vb, stride_vh, cols, stride_vn, offs_dv),
+                      offs_n, seq_k, mask_dv, True, EVEN_DV)  # fmt: skip
+        dk, dv = _attn_bwd_dkdv_heads(
+            dk, dv, k, v, head, strides, scalars, tile, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+            MASK_ROWS, SOFTCAP, ALIBI, DROPOUT, MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, 1,
+            BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        dk *= sm_scale
+        dk_ptrs = tile_ptrs(DK, b, hk, stride_dkb, stride_dkh, cols, stride_dkn, offs_d)
+        store_rows(dk_ptrs, dk, key_ok, mask_d, EVEN_D)
+    else:  # SPLIT's dV program (V unused)
+        dk, dv = _attn_bwd_dkdv_heads(
+            dk, dv, k, k, head, strides, scalars, tile, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+            MASK_ROWS, SOFTCAP, ALIBI, DROPOUT, MAY_EMPTY, EVEN_D, EVEN_DV, PRECISION, 2,
+            BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+        dv_ptrs = tile_ptrs(DV, b, hk, stride_dvb, stride_dvh, cols, stride_dvn, offs_dv)
+        store_rows(dv_ptrs, dv, key_ok, mask_dv, EVEN_DV)
 
 
 _attn_bwd_dq_tuned = make_autotune(_attn_bwd_dq, DQ_SHAPES, _dq_footprint)
@@ -576,11 +645,14 @@ def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precisio
     )
     if kv_tile:
         return plan_dq, None
+    split = dkdv_split(head_dim, dim_v)
+    parts = 2 if split else 1
     return (
         plan_dq,
         Plan(
-            lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads,),
+            lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads * parts,),
             dkdv_ints,
-            {**constexprs, **plan_tile("dkdv", *tile, DKDV_SHAPES, _dkdv_footprint)},
+            {**constexprs, "SPLIT": split,
+             **plan_tile("dkdv", *tile, DKDV_SHAPES, _dkdv_footprint)},
         ),
     )
