@@ -96,6 +96,8 @@ DKDV_SPLIT_MIN_DIM = 1 << 30
 def dkdv_split(head_dim: int, dim_v: int) -> bool:
     """Whether the dK/dV kernel runs SPLIT for these head dims (``DKDV_SPLIT_MIN_DIM``)."""
     return max(head_dim, dim_v) >= DKDV_SPLIT_MIN_DIM
+
+
 _SPECIALIZE_NOT = [
     "seq_q", "seq_k", "tune_len", "left", "right", "threshold",
     "stride_mn", "stride_ab", "stride_ah",
@@ -652,7 +654,10 @@ def _plan(dout, q, k, v, out, dq, dk, dv, has_dlse, ex, runtime, flags, precisio
         Plan(
             lambda meta: (triton.cdiv(seq_k, meta["BLOCK_N"]) * batch * n_kv_heads * parts,),
             dkdv_ints,
-            {**constexprs, "SPLIT": split,
-             **plan_tile("dkdv", *tile, DKDV_SHAPES, _dkdv_footprint)},
+            {
+                **constexprs,
+                "SPLIT": split,
+                **plan_tile("dkdv", *tile, DKDV_SHAPES, _dkdv_footprint),
+            },
         ),
     )
