@@ -56,13 +56,14 @@ CANDIDATES = {
              (32, 64, 4, 4), (64, 128, 4, 3), (16, 128, 4, 5), (128, 128, 8, 2)],
         128: [(32, 128, 4, 2), (32, 128, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3),
               (32, 64, 4, 3), (32, 128, 8, 3), (64, 128, 4, 2), (16, 128, 4, 3)],
-        256: [(32, 64, 4, 2), (32, 32, 8, 2), (64, 32, 8, 2), (16, 32, 4, 2), (64, 32, 8, 3),
-              (32, 32, 8, 3), (64, 16, 4, 2), (16, 64, 4, 2)],
-        # (16|32, 64, 8, 2|3), 64 keys a program over two warpgroups, spill 25-67 STL offline
-        # and measured 0.95-1.04x (32x64x8x2) or slower than 64x32x8x3 (H100, one sweep,
-        # docs/data/attention_tune_256_dkdv_h100.csv): not kept
+        # Head dims past 128 run the kernel SPLIT (``_triton_bwd.DKDV_SPLIT_MIN_DIM``): these
+        # tiles' split builds do not spill (sm90, Triton 3.6, offline). The unsplit kernel's
+        # sweeps: docs/data/attention_tune_256_dkdv_h100.csv.
+        256: [(32, 128, 8, 3), (32, 128, 8, 2), (16, 128, 8, 2), (16, 128, 8, 3), (64, 32, 8, 3),
+              (32, 64, 8, 2)],
     },
-    # The dK/dV kernel SPLIT (one accumulator a program: dK's or dV's), for an A/B against dkdv.
+    # The dK/dV kernel SPLIT (one accumulator a program: dK's or dV's) at any head dim, for an
+    # A/B against dkdv (which splits past 128).
     # sm90 builds without spills (Triton 3.6, offline) but 64x64x4x3 (6 STL causal)
     "dkdv_split": {
         64: [(64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3)],

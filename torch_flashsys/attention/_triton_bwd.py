@@ -89,8 +89,11 @@ KV_GRADS_TILES = {
 _KV_GRADS_INTERPRETER_N = 16  # the interpreter's key tile (its query tile covers the rows)
 # Head dims (the larger of query/key's and value's) from which the dK/dV kernel runs SPLIT: two
 # programs per key tile, one accumulating dK and one dV, so each holds one (BLOCK_N, head dim)
-# float32 accumulator instead of two (S is computed by both). Off until measured faster.
-DKDV_SPLIT_MIN_DIM = 1 << 30
+# float32 accumulator instead of two (S is computed by both, each loads Q and dO). H100
+# (``tune_attention.py --kernels dkdv,dkdv_split``, each kernel alone, the same bits): head dim
+# 256 0.51-0.64x the unsplit kernel's time (its best tile 32 x 128 x 8 warps x 3 stages, where
+# the unsplit kernel's 128-key tiles spill); head dim 128 1.17-1.8x, so from 129.
+DKDV_SPLIT_MIN_DIM = 129
 
 
 def dkdv_split(head_dim: int, dim_v: int) -> bool:
