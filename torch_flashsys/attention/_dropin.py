@@ -159,9 +159,10 @@ MASKS_LEFT_TO_SDPA_ON = frozenset({"cuda"})
 
 # Head dims the Hopper kernels serve (query, key and value alike: ``_sm90.forward_takes``). A
 # 16-bit call with others runs the portable kernels, which on an H100 took 1.30-1.52x the time of
-# SDPA's default (cuDNN) forward and 1.35-1.43x its fwd+bwd at head dims 80 and 96, and 1.2-1.4x
-# and 1.8-1.9x at 256 with its swept tiles (3.5-3.9x before; docs/benchmarks.md, 2026-11-27): with
-# backend="auto" the override leaves those calls to SDPA on such a GPU.
+# SDPA's default (cuDNN) forward and 1.35-1.45x its fwd+bwd at head dims 80 and 96, and 1.2-1.4x
+# and 1.33-1.43x at 256 with its swept tiles and split dK/dV kernel (3.5-3.9x before;
+# docs/benchmarks.md, 2026-11-27): with backend="auto" the override leaves those calls to SDPA on
+# such a GPU.
 HOPPER_HEAD_DIMS = frozenset({64, 128})
 
 
