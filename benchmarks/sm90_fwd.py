@@ -57,9 +57,9 @@ VARIANTS = {  # name: constexprs over the library's (earlier: KV_SPLIT, DYNAMIC,
     "2 query buffers": {"QBUF": 2},
     # a tile's last P V in one turn with the next tile's first S, its epilogue after (CROSS)
     "cross-tile": {"CROSS": True},
-    "cross-tile, 1 query buffer": {"CROSS": True, "QBUF": 1},
-    "cross-tile, 2 query buffers": {"CROSS": True, "QBUF": 2},
-    "cross-tile, 2 consumers": {"CROSS": True, "CONSUMERS": 2, "CONSUMER_REGS": 240},
+    "cross-tile 1 query buffer": {"CROSS": True, "QBUF": 1},
+    "cross-tile 2 query buffers": {"CROSS": True, "QBUF": 2},
+    "cross-tile 2 consumers": {"CROSS": True, "CONSUMERS": 2, "CONSUMER_REGS": 240},
     # measurement-only cuts (wrong output): the consumers release each buffer once loaded, no
     # products (the key/value traffic alone); the load warp loads each ring stage once, then
     # only signals it (no key/value traffic)
