@@ -69,7 +69,11 @@ def _warmup(d: int, causal: bool, dtype: torch.dtype, seq: int, heads: int = 8, 
     consumers = extra.get("CONSUMERS", 2)
     meta = {**_sm90.constexprs(d, causal, consumers=consumers), **extra,
             **_sm90.launch_options(consumers)}  # fmt: skip
-    return attn_fwd_sm90.warmup(*_sm90.launch_args(q, k, k, q, lse, 0.125), **meta, grid=(1,))
+    args = _sm90.launch_args(q, k, k, q, lse, 0.125)
+    # The direct launch passes every parameter after the runtime arguments from ``meta``.
+    missing = set(attn_fwd_sm90.arg_names[len(args) :]) - set(meta)
+    assert not missing, f"constexprs lacks {sorted(missing)}"
+    return attn_fwd_sm90.warmup(*args, **meta, grid=(1,))
 
 
 def _warmup_bwd(d: int, causal: bool, dtype: torch.dtype, seq: int, pipeline: bool,
