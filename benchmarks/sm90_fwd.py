@@ -55,11 +55,6 @@ VARIANTS = {  # name: constexprs over the library's (earlier: KV_SPLIT, DYNAMIC,
     "4 key/value stages": {"STAGES": 4},
     "1 query buffer": {"QBUF": 1},
     "2 query buffers": {"QBUF": 2},
-    # a tile's last P V in one turn with the next tile's first S, its epilogue after (CROSS)
-    "cross-tile": {"CROSS": True},
-    "cross-tile 1 query buffer": {"CROSS": True, "QBUF": 1},
-    "cross-tile 2 query buffers": {"CROSS": True, "QBUF": 2},
-    "cross-tile 2 consumers": {"CROSS": True, "CONSUMERS": 2, "CONSUMER_REGS": 240},
     # measurement-only cuts (wrong output): the consumers release each buffer once loaded, no
     # products (the key/value traffic alone); the load warp loads each ring stage once, then
     # only signals it (no key/value traffic)
@@ -179,7 +174,10 @@ def timeline_rows(shape) -> list[dict]:
             continue  # the probes time two consumers
         launch, _, lse, grid = _launcher(q, k, v, causal, {**extra, "PROBE": 3})
         assert lse.numel() >= N_PROBES * grid[0], "lse too small for the probes"
-        launch()
+        try:
+            launch()
+        except Exception:  # (a variant that does not build for this problem: no timeline)
+            continue
         torch.cuda.synchronize()
         t = lse.reshape(-1)[: grid[0] * N_PROBES].reshape(grid[0], 2, 16).double()
         for wg in range(2):

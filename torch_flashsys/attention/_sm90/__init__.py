@@ -389,7 +389,7 @@ def constexprs(d: int, causal: bool, dynamic: bool = False, qbuf: int = 1,
     return {"CAUSAL": causal, "STAGES": STAGES[d], "KV_SPLIT": FWD_KV_SPLIT, "PROBE": 0,
             "DYNAMIC": dynamic, "QBUF": qbuf, "PIN_WAIT": FWD_PIN_WAIT[(d, causal)],
             "CONSUMERS": consumers, "CONSUMER_REGS": FWD_REGS[consumers][1],
-            "Q_RS": False, "TREE_MAX": FWD_TREE_MAX[(d, causal)], "CROSS": False}  # fmt: skip
+            "Q_RS": False, "TREE_MAX": FWD_TREE_MAX[(d, causal)]}  # fmt: skip
 
 
 def launch_options(consumers: int) -> dict:

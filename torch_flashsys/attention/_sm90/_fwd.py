@@ -239,12 +239,11 @@ if AVAILABLE:
     def _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0, seq_k, qk_scale, turns, k_turn,
               k_empty, v_empty, st, sp, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
               PIN_WAIT: gl.constexpr, MASK: gl.constexpr, WG: gl.constexpr,
-              TREE: gl.constexpr = False, ROW_BOUND: gl.constexpr = True):  # fmt: skip
+              TREE: gl.constexpr = False):  # fmt: skip
         """One key-tile step of a consumer (its K and V loaded): S_j and P_{j-1} V_{j-1} in its
-        turn, the softmax of S_j (masked by ``MASK`` and ``ROW_BOUND``, as
-        :func:`_softmax_tile`) while P V runs. The three-consumer causal loop's, split by mask,
-        and the cross-tile consumer's (the same steps as :func:`_consume`'s loop, without the
-        timeline probes)."""
+        turn, the softmax of S_j (masked by ``MASK``, as :func:`_softmax_tile`) while P V runs.
+        The three-consumer causal loop's, split by mask (the same steps as :func:`_consume`'s
+        loop, without the timeline probes)."""
         o_layout: gl.constexpr = acc.type.layout
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         _my_turn(turns, k_turn, WG)
@@ -255,7 +254,7 @@ if AVAILABLE:
         if KV_SPLIT:
             mbarrier.arrive(k_empty.index(st), count=1)
         p, alpha, m_i, l_i = _softmax_tile(s, j, n_full, r0, m_i, l_i, seq_k, qk_scale, CAUSAL,
-                                           ROW_BOUND, MASK, TREE)  # fmt: skip
+                                           True, MASK, TREE)  # fmt: skip
         if PIN_WAIT:
             schedule_fence(j)
         acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
@@ -267,10 +266,9 @@ if AVAILABLE:
     @gluon.jit
     def _steps(lo, hi, it, q, rings, s, acc, pa, m_i, l_i, k_turn, n_full, r0, seq_k, qk_scale,
                CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr, PIN_WAIT: gl.constexpr,
-               MASK: gl.constexpr, WG: gl.constexpr, TREE: gl.constexpr = False,
-               ROW_BOUND: gl.constexpr = True):  # fmt: skip
-        """Key tiles ``lo`` to ``hi`` (exclusive) of a tile, each a :func:`_step` once its K and V
-        have landed (``it``: the tile's first ring slot); the three-consumer causal loop's two
+               MASK: gl.constexpr, WG: gl.constexpr, TREE: gl.constexpr = False):  # fmt: skip
+        """Key tiles ``lo`` to ``hi`` (exclusive) of the three-consumer causal loop, each a
+        :func:`_step` once its K and V have landed (``it``: the tile's first ring slot); the two
         loops (without and with the mask) are this with MASK 1 and 2."""
         k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns = rings
         STAGES: gl.constexpr = k_smem.type.shape[0]
@@ -285,8 +283,7 @@ if AVAILABLE:
             mbarrier.wait(v_ready.index(sp), ((it + j - 1) // STAGES) & 1)
             s, acc, pa, m_i, l_i = _step(q, k, v, s, acc, pa, m_i, l_i, j, n_full, r0, seq_k,
                                          qk_scale, turns, k_turn, k_empty, v_empty, st, sp,
-                                         CAUSAL, KV_SPLIT, PIN_WAIT, MASK, WG, TREE,
-                                         ROW_BOUND)  # fmt: skip
+                                         CAUSAL, KV_SPLIT, PIN_WAIT, MASK, WG, TREE)  # fmt: skip
             k_turn += 1
         return s, acc, pa, m_i, l_i, k_turn
 
@@ -496,150 +493,6 @@ if AVAILABLE:
             store_probes(base, (c0, c1, c2, c3, c4, c5, c6, c7, n_steps, r))
 
     @gluon.jit
-    def _epilogue(acc, m_i, l_i, b, h, r0, o_desc, o_buf, out, seq_q, s_layout: gl.constexpr):
-        """A consumer's tile done: O = acc / l through shared memory and a TMA store (rows past
-        seq_q are clipped by the descriptor), lse = (m + log2 l) ln 2 stored directly."""
-        LSE, stride_lb, stride_lh, COUNTER = out
-        BLOCK_M: gl.constexpr = acc.type.shape[0]
-        HEAD_DIM: gl.constexpr = acc.type.shape[1]
-        o_tile = acc / gl.convert_layout(l_i, gl.SliceLayout(1, acc.type.layout))[:, None]
-        tma.store_wait(0)  # this warpgroup's previous store has left the buffer
-        o_buf.reshape([BLOCK_M, HEAD_DIM]).store(o_tile.to(o_desc.dtype))
-        fence_async_shared()
-        tma_store(o_desc, [b, h, r0, 0], o_buf)
-        rows_s = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-        lse = (m_i + gl.log2(l_i)) * LN2
-        l_base = LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
-        gl.store(l_base + rows_s, lse, mask=rows_s < seq_q)
-
-    @gluon.jit
-    def _n_full(r0, seq_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """Key tiles every row from ``r0`` (a warpgroup's rows) sees whole: the unmasked ones."""
-        if CAUSAL:
-            n = gl.minimum(r0 + 1, seq_k) // BLOCK_N
-        else:
-            n = seq_k // BLOCK_N
-        return n
-
-    @gluon.jit
-    def _consume_cross(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr,
-                       KV_SPLIT: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                       PIN_WAIT: gl.constexpr, TREE_MAX: gl.constexpr,
-                       WG: gl.constexpr):  # fmt: skip
-        """:func:`_consume` with its steps pipelined across tiles (``CROSS``): a tile's last
-        ``P V`` is issued in the same turn as the next tile's first S, whose softmax then runs
-        while that ``P V`` does, and the tile's epilogue comes after it, beside the other
-        warpgroups' products: one turn fewer per tile, and no product of this warpgroup waits
-        for its epilogue. The same arithmetic per tile in the same order, so the same bits. The
-        S of the turn after a program's last tile is still issued (on whatever the buffers
-        hold, its result unused): no asynchronous product may sit in a branch (Gluon). Without
-        probes and the three-consumer causal loop."""
-        q_desc, k_desc, v_desc, o_desc = descs
-        q_smem, k_smem, v_smem, o_smem = bufs
-        q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turns, tiles = bars
-        n_m, n_bh, n_heads, group, seq_q, seq_k, qk_scale, group_heads = sched
-        BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-        STAGES: gl.constexpr = k_smem.type.shape[0]
-        CONSUMERS: gl.constexpr = turns.type.shape[0]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-        )
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        m_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-        o_buf = o_smem.index(WG)
-        rings = (k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turns)
-        it = 0  # key tiles consumed so far (the ring's position)
-        n_done = 0  # query tiles done so far (the query buffer's phase)
-        k_turn = 0  # rounds of matrix products issued so far (the turn barriers' phase)
-        total = n_m * n_bh
-        r = 0  # query tiles taken so far
-        tid = _next_tile(r, total, tiles, DYNAMIC)
-        b, h, hk, m0, n_kv = _tile(tid, sched, CONSUMERS * BLOCK_M, BLOCK_N, CAUSAL)
-        r0 = m0 + WG * BLOCK_M
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, m_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, m_layout)
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        pa = gl.zeros([BLOCK_M, BLOCK_N], q_desc.dtype, p_layout)
-        qb = WG  # the first tile's query buffer
-        if tid < total:  # the first tile's key tile 0: S, then its softmax
-            q = q_smem.index(qb).reshape([BLOCK_M, HEAD_DIM])
-            mbarrier.wait(q_ready.index(qb), 0)
-            k = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(k_ready.index(0), 0)
-            _my_turn(turns, k_turn, WG)
-            s = warpgroup_mma(q, k.permute((1, 0)), s, use_acc=False, is_async=True)
-            _pass_turn(turns, WG)
-            k_turn += 1
-            s = warpgroup_mma_wait(0, deps=(s, q, k))[0]
-            if KV_SPLIT:
-                mbarrier.arrive(k_empty.index(0), count=1)
-            p, alpha, m_i, l_i = _softmax_tile(s, 0, _n_full(r0, seq_k, BLOCK_N, CAUSAL), r0,
-                                               m_i, l_i, seq_k, qk_scale, CAUSAL, False, 0,
-                                               TREE_MAX)  # fmt: skip
-            pa = gl.convert_layout(p.to(q_desc.dtype), p_layout)
-        while tid < total:
-            q = q_smem.index(qb).reshape([BLOCK_M, HEAD_DIM])
-            s, acc, pa, m_i, l_i, k_turn = _steps(
-                1, n_kv, it, q, rings, s, acc, pa, m_i, l_i, k_turn,
-                _n_full(r0, seq_k, BLOCK_N, CAUSAL), r0, seq_k, qk_scale, CAUSAL, KV_SPLIT,
-                PIN_WAIT, 0, WG, TREE_MAX, False)  # fmt: skip
-            mbarrier.arrive(q_empty.index(qb), count=1)  # every S of this tile is done
-            sp = (it + n_kv - 1) % STAGES  # the tile's last value tile
-            v = v_smem.index(sp).reshape([BLOCK_N, HEAD_DIM])
-            mbarrier.wait(v_ready.index(sp), ((it + n_kv - 1) // STAGES) & 1)
-            it += n_kv
-            n_done += 1
-            r += 1
-            tid2 = _next_tile(r, total, tiles, DYNAMIC)
-            b2, h2, hk2, m02, n_kv2 = _tile(tid2, sched, CONSUMERS * BLOCK_M, BLOCK_N, CAUSAL)
-            r02 = m02 + WG * BLOCK_M
-            more = tid2 < total
-            qb2 = (n_done % QBUF) * CONSUMERS + WG
-            q2 = q_smem.index(qb2).reshape([BLOCK_M, HEAD_DIM])
-            st = it % STAGES
-            k = k_smem.index(st).reshape([BLOCK_N, HEAD_DIM])
-            if more:
-                mbarrier.wait(q_ready.index(qb2), (n_done // QBUF) & 1)
-                mbarrier.wait(k_ready.index(st), (it // STAGES) & 1)
-            # This tile's last P V beside the next tile's first S, in one turn.
-            _my_turn(turns, k_turn, WG)
-            s = warpgroup_mma(q2, k.permute((1, 0)), s, use_acc=False, is_async=True)
-            acc = warpgroup_mma(pa, v, acc, is_async=True)
-            _pass_turn(turns, WG)
-            k_turn += 1
-            s = warpgroup_mma_wait(1, deps=(s, q2, k))[0]  # the next S done; P V may still run
-            if KV_SPLIT:
-                if more:
-                    mbarrier.arrive(k_empty.index(st), count=1)
-            m2 = gl.full([BLOCK_M], float("-inf"), gl.float32, m_layout)
-            l2 = gl.zeros([BLOCK_M], gl.float32, m_layout)
-            p, alpha, m2, l2 = _softmax_tile(s, 0, _n_full(r02, seq_k, BLOCK_N, CAUSAL), r02, m2,
-                                             l2, seq_k, qk_scale, CAUSAL, False, 0,
-                                             TREE_MAX)  # fmt: skip
-            if PIN_WAIT:
-                schedule_fence(r)
-            acc = warpgroup_mma_wait(0, deps=(acc, v, pa))[0]
-            _release_kv(k_empty, v_empty, sp, KV_SPLIT)
-            pa = gl.convert_layout(p.to(q_desc.dtype), p_layout)
-            _epilogue(acc, m_i, l_i, b, h, r0, o_desc, o_buf, out, seq_q, s_layout)
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-            m_i = m2
-            l_i = l2
-            b = b2
-            h = h2
-            r0 = r02
-            n_kv = n_kv2
-            qb = qb2
-            tid = tid2
-        tma.store_wait(0)
-
-    @gluon.jit
     def _release_kv(k_empty, v_empty, st, KV_SPLIT: gl.constexpr):
         """A consumer's P V of stage ``st`` is done: release its value tile (and, without
         KV_SPLIT, the key tile beside it: both wait on ``v_empty``)."""
@@ -684,13 +537,10 @@ if AVAILABLE:
     @gluon.jit
     def _consumer0(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr, TREE_MAX: gl.constexpr,
-                   CROSS: gl.constexpr):  # fmt: skip
+                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr,
+                   TREE_MAX: gl.constexpr):  # fmt: skip
         if PROBE == 4:
             _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 0)
-        elif CROSS:
-            _consume_cross(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, DYNAMIC, QBUF,
-                           PIN_WAIT, TREE_MAX, 0)  # fmt: skip
         else:
             _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
                      PIN_WAIT, Q_RS, TREE_MAX, 0)  # fmt: skip
@@ -698,13 +548,10 @@ if AVAILABLE:
     @gluon.jit
     def _consumer1(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr, TREE_MAX: gl.constexpr,
-                   CROSS: gl.constexpr):  # fmt: skip
+                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr,
+                   TREE_MAX: gl.constexpr):  # fmt: skip
         if PROBE == 4:
             _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 1)
-        elif CROSS:
-            _consume_cross(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, DYNAMIC, QBUF,
-                           PIN_WAIT, TREE_MAX, 1)  # fmt: skip
         else:
             _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
                      PIN_WAIT, Q_RS, TREE_MAX, 1)  # fmt: skip
@@ -712,13 +559,10 @@ if AVAILABLE:
     @gluon.jit
     def _consumer2(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
                    PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr, TREE_MAX: gl.constexpr,
-                   CROSS: gl.constexpr):  # fmt: skip
+                   PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr,
+                   TREE_MAX: gl.constexpr):  # fmt: skip
         if PROBE == 4:
             _drain(descs, bars, sched, CAUSAL, DYNAMIC, QBUF, 2)
-        elif CROSS:
-            _consume_cross(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, DYNAMIC, QBUF,
-                           PIN_WAIT, TREE_MAX, 2)  # fmt: skip
         else:
             _consume(descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC, QBUF,
                      PIN_WAIT, Q_RS, TREE_MAX, 2)  # fmt: skip
@@ -742,8 +586,7 @@ if AVAILABLE:
     @gluon.jit
     def _load(descs, bufs, bars, sched, out, CAUSAL: gl.constexpr, KV_SPLIT: gl.constexpr,
               PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
-              PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr, TREE_MAX: gl.constexpr,
-              CROSS: gl.constexpr):  # fmt: skip
+              PIN_WAIT: gl.constexpr, Q_RS: gl.constexpr, TREE_MAX: gl.constexpr):  # fmt: skip
         """Load warp: per tile, its query slices (one per consumer) once their buffers are free,
         then the key/value ring (with KV_SPLIT a key tile waits for its own buffer's release, else for
         the stage's value tile's). ``DYNAMIC``: a program's first tile is its id, the next the
@@ -813,7 +656,7 @@ if AVAILABLE:
         KV_SPLIT: gl.constexpr, PROBE: gl.constexpr, DYNAMIC: gl.constexpr, QBUF: gl.constexpr,
         PIN_WAIT: gl.constexpr = False, CONSUMERS: gl.constexpr = 2,
         CONSUMER_REGS: gl.constexpr = 240, Q_RS: gl.constexpr = False,
-        TREE_MAX: gl.constexpr = False, CROSS: gl.constexpr = False,
+        TREE_MAX: gl.constexpr = False,
     ):  # fmt: skip
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[2]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -822,9 +665,6 @@ if AVAILABLE:
         gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
         gl.static_assert(PROBE != 3 or CONSUMERS == 2, "the timeline probes two consumers")
         gl.static_assert(PROBE != 4 or KV_SPLIT, "the loads-only probe releases K and V apart")
-        gl.static_assert(not CROSS or (PROBE == 0 and not Q_RS and not (CAUSAL and CONSUMERS == 3)),
-                         "the cross-tile consumer: no probes, Q from shared memory, not the "
-                         "three-consumer causal loop")  # fmt: skip
         dtype: gl.constexpr = q_desc.dtype
         NQ: gl.constexpr = CONSUMERS * QBUF  # query buffers: QBUF per consumer
         q_smem = gl.allocate_shared_memory(dtype, [NQ] + q_desc.block_type.shape, q_desc.layout)
@@ -871,11 +711,11 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX, CROSS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX, CROSS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                             QBUF, PIN_WAIT, Q_RS, TREE_MAX, CROSS)),
+                             QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                 ],
                 [4, 1],
                 [CONSUMER_REGS, 24],
@@ -884,13 +724,13 @@ if AVAILABLE:
             gl.warp_specialize(
                 [
                     (_consumer0, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX, CROSS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_consumer1, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX, CROSS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_consumer2, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX, CROSS)),
+                                  QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                     (_load, (descs, bufs, bars, sched, out, CAUSAL, KV_SPLIT, PROBE, DYNAMIC,
-                             QBUF, PIN_WAIT, Q_RS, TREE_MAX, CROSS)),
+                             QBUF, PIN_WAIT, Q_RS, TREE_MAX)),
                 ],
                 [4, 4, 1],
                 [CONSUMER_REGS, CONSUMER_REGS, 24],
