@@ -91,7 +91,8 @@ def _launcher(q, k, v, causal: bool, extra: dict):
                                                  descriptors)  # fmt: skip
     consumers = extra.get("CONSUMERS", _sm90.forward_consumers(q, causal))
     grid = _sm90.forward_grid(q, causal, False if per_tile else None, dynamic, consumers)
-    meta = {**_sm90.constexprs(d, causal, dynamic, _sm90.query_buffers(q, causal), consumers),
+    meta = {**_sm90.constexprs(_sm90.kernel_dim(d), causal, dynamic,
+                               _sm90.query_buffers(q, causal), consumers),
             **extra, **_sm90.launch_options(consumers)}  # fmt: skip
     values = _sm90.launch_values(q, k, v, out, lse, d**-0.5, counter)
     plans: dict = {}

@@ -11,8 +11,10 @@ and fwd+bwd and the CUDA time of one fwd+bwd's kernels, over three rounds in alt
     PYTHONPATH=. python3 benchmarks/gpu_checks/rule_ab.py [--studies consumers,causal_order]
         [--out rule_ab.csv]
 
-Studies: ``consumers`` (three consumer warpgroups in the causal head-dim-64 forward from 8192
-rows, ``FWD_CONSUMERS3_MIN``), ``causal_order`` (the head-dim-128 fused backward's causal program
+Studies: ``padded`` (head dims between the Hopper kernels' forward on the next kernel,
+``FWD_PADDED_DIMS``, against the portable forward; the backward portable in both),
+``consumers`` (three consumer warpgroups in the causal head-dim-64 forward from 8192 rows,
+``FWD_CONSUMERS3_MIN``), ``causal_order`` (the head-dim-128 fused backward's causal program
 order, ``CAUSAL_ORDER``: chunks of heads against one head's key tiles after another and the
 heaviest key tiles of every head first).
 """
@@ -45,6 +47,13 @@ STUDIES = {  # name: (problems (batch, heads, kv heads, length, head dim, causal
          (4, 16, 16, 4096, 128, True), (1, 16, 16, 16384, 128, True)],
         {"chunks of heads (default)": {}, "keys first": {"CAUSAL_ORDER": _sm90.KEYS_FIRST},
          "heads first": {"CAUSAL_ORDER": _sm90.HEADS_FIRST}},
+    ),
+    "padded": (
+        [(2, 32, 32, 4096, 96, True), (4, 16, 16, 2048, 96, True), (2, 16, 16, 4096, 96, False),
+         (4, 32, 32, 2048, 80, True), (1, 32, 8, 8192, 80, True), (4, 16, 16, 2048, 112, True),
+         (4, 16, 16, 2048, 48, True), (4, 16, 16, 4096, 32, False), (8, 16, 16, 1024, 96, True)],
+        {"portable (default)": {},
+         "padded": {"FWD_PADDED_DIMS": frozenset({32, 48, 80, 96, 112})}},
     ),
 }  # fmt: skip
 

@@ -283,6 +283,57 @@ def test_only_plain_and_causal_problems_of_two_byte_dtypes_qualify():
                 assert not _sm90.forward_takes(*args)
 
 
+PADDED_CANDIDATES = (32, 48, 80, 96, 112)  # head dims the padded forward was measured at
+
+
+def test_padded_head_dims_take_the_next_kernel_forward_and_the_portable_backward():
+    """With a head dim in FWD_PADDED_DIMS the forward runs the kernel of the next head dim it has
+    (64 up to 64, else 128; every length rule keyed by that one), its descriptors' blocks that
+    wide over the narrower tensors (whose own shape the descriptors keep, so TMA reads the
+    missing columns as zeros and clips them from the store), and the backward stays on the
+    portable kernels (the Hopper backward kernels have no such form)."""
+    assert [_sm90.kernel_dim(d) for d in (32, 48, 64, 80, 96, 112, 128)] == [
+        64, 64, 64, 128, 128, 128, 128]  # fmt: skip
+    q = torch.zeros(1, 2, 8, 96, dtype=torch.bfloat16)
+    with (
+        mock.patch.object(_sm90, "ENABLED", True),
+        mock.patch.object(_sm90, "BWD_ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_ENABLED", True),
+        mock.patch.object(_sm90, "FUSED_ALL", True),
+        mock.patch.object(_sm90, "_is_sm90", return_value=True),
+        mock.patch.object(torch.Tensor, "is_cuda", new=True),
+    ):
+        with mock.patch.object(_sm90, "FWD_PADDED_DIMS", frozenset()):
+            assert not _sm90.forward_takes(q, q, q, 0.1, CAUSAL)
+        with mock.patch.object(_sm90, "FWD_PADDED_DIMS", frozenset({96})):
+            assert _sm90.forward_takes(q, q, q, 0.1, CAUSAL)
+            assert _sm90.forward_takes(q, q[:, :1], q[:, :1], 0.1, PLAIN)  # GQA
+            assert not _sm90.backward_takes(q, q, q, q, 0.1, CAUSAL)
+            assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
+            assert not _sm90.forward_takes(q, q[..., :80], q[..., :80], 0.1, PLAIN)
+        for d in (64, 128):  # the kernels' own head dims: the rules unchanged
+            t = torch.zeros(1, 2, 8, d, dtype=torch.bfloat16)
+            assert _sm90.forward_takes(t, t, t, 0.1, CAUSAL)
+            assert _sm90.fused_takes(t, t, t, t, 0.1, CAUSAL)
+    long_q = _sm90.with_length(q, 1 << 20)
+    assert _sm90.forward_meta(long_q, True, False) == _sm90.forward_meta(
+        _sm90.with_length(torch.zeros(1, 2, 8, 128), 1 << 20), True, False)  # fmt: skip
+
+
+@pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize(("d", "kd"), [(96, 128), (80, 128), (48, 64), (64, 64), (128, 128)])
+def test_padded_head_dims_have_descriptors_of_the_kernels_width(d, kd):
+    """The forward's descriptors: blocks of the kernel's head dim over tensors of their own."""
+    q = torch.zeros(2, 4, 300, d, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 200, d, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 4, 300)
+    args = _sm90.launch_args(q, k, k, q, lse, 0.1)
+    rows = (_sm90.BLOCK_M, _sm90.BLOCK_N, _sm90.BLOCK_N, _sm90.BLOCK_M)
+    for desc, t, n in zip(args[:4], (q, k, k, q), rows, strict=True):
+        assert desc.base is t and desc.shape == list(t.shape)
+        assert desc.block_shape == [1, 1, n, kd]
+
+
 def test_environment_switch_is_read_at_import():
     """Unset: on where Gluon's Hopper API imports on a verified Triton; 1: on wherever it
     imports; 0: off."""
@@ -927,6 +978,29 @@ def test_hopper_path_matches_float64(case, dtype):
     float64 as the portable kernels must; the examples have more query tiles than the GPU has
     SMs (the persistent schedule's rounds), seq_k below seq_q and a (B, L, H, D) layout."""
     with _counting_sm90_calls() as spy:
+        check_against_reference(case, dtype, _run(case), device="cuda")
+    assert spy.call_count == 1
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=20, deadline=None)
+@given(case=cases(max_seq=700, head_dims=PADDED_CANDIDATES, max_batch=3))
+@example(case=Case(2, 4, 4, 1100, 1100, 96, True, None, False, True, seed=21))
+@example(case=Case(3, 8, 1, 1500, 700, 80, False, 0.3, False, False, seed=22))
+@example(case=Case(1, 2, 2, 2100, 2100, 48, True, None, False, False, seed=23))
+@example(case=Case(2, 2, 3, 3000, 2500, 112, False, None, False, True, seed=24))
+@example(case=Case(1, 1, 2, 9000, 9000, 32, True, None, False, False, seed=25))
+def test_padded_head_dims_run_the_hopper_forward_and_match_float64(case, dtype):
+    """Head dims between the kernels' (32, 48, 80, 96, 112, every one put in FWD_PADDED_DIMS
+    here) run the forward on the next kernel, its descriptors' blocks wider than the tensors
+    (columns past the head dim read as zeros, clipped from the store), and match float64 with
+    their gradients (the portable backward on that forward's lse) by the portable kernels'
+    rule; the examples: a (B, L, H, D) layout, GQA, the dynamic schedule and the persistent
+    grid's rounds, three consumers (head dim 32 on the 64 kernel at 9000 rows)."""
+    with (mock.patch.object(_sm90, "FWD_PADDED_DIMS", frozenset(PADDED_CANDIDATES)),
+          _counting_sm90_calls() as spy):  # fmt: skip
         check_against_reference(case, dtype, _run(case), device="cuda")
     assert spy.call_count == 1
 

@@ -143,6 +143,11 @@ FWD_CONSUMERS3_MIN = {(64, False): 2049, (64, True): 8192}
 # consumers and the load warp's group are 512 threads, 128 registers each at launch.
 FWD_REGS = {2: (MAX_REGS, 240), 3: (128, 160)}
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# Head dims the forward serves with the kernel of the next head dim it has (:func:`kernel_dim`):
+# its descriptors' blocks that wide over the narrower tensors, TMA reads the columns past the
+# head dim as zeros (they add nothing to Q K^T, and P V's extra columns are zeros) and clips
+# them from the O store, so no copy is made. The backward of these runs the portable kernels.
+FWD_PADDED_DIMS = frozenset()
 MIN_SEQ_K = 1  # shorter key sequences take the portable kernel
 PERSISTENT_CAUSAL_MAX = 1024  # causal query lengths up to this run on the persistent grid
 L2_BUDGET = 24 * 2**20  # bytes of keys and values a causal head group keeps in L2 (H100: 50 MB)
@@ -302,6 +307,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return math.gcd(*strides[:-1]) % (16 // t.element_size()) == 0  # gcd(0, ..., 0) = 0
 
 
+def kernel_dim(d: int) -> int:
+    """The head dim of the forward kernel that serves head dim ``d``: ``d`` itself (64, 128), or
+    for the FWD_PADDED_DIMS the next of them (see there)."""
+    return d if d in STAGES else 64 if d <= 64 else 128
+
+
 def forward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   ex: Extras) -> bool:  # fmt: skip
     """Whether the forward of this 4-D problem runs on the Hopper kernel (the rule above)."""
@@ -310,7 +321,9 @@ def forward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if not (ex is PLAIN or ex is CAUSAL) or scale <= 0 or q.dtype not in _GL_DTYPES:
         return False
     d = q.shape[-1]
-    if d not in STAGES or k.shape[-1] != d or v.shape[-1] != d or not q.is_cuda:
+    if (d not in STAGES and d not in FWD_PADDED_DIMS) or k.shape[-1] != d or v.shape[-1] != d:
+        return False
+    if not q.is_cuda:
         return False
     if k.shape[-2] < MIN_SEQ_K:
         return False
@@ -356,9 +369,9 @@ def launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Te
     seq_k = k.shape[2]
     # Causal: heads grouped so that a group's keys and values fit in L2 (L2_BUDGET).
     group_heads = max(1, L2_BUDGET // (2 * seq_k * d * q.element_size()))
-    desc = descriptors
-    return (_descriptor(q, BLOCK_M, None, desc), _descriptor(k, BLOCK_N, None, desc),
-            _descriptor(v, BLOCK_N, None, desc), _descriptor(out, BLOCK_M, None, desc), lse,
+    desc, kd = descriptors, kernel_dim(d)
+    return (_descriptor(q, BLOCK_M, kd, desc), _descriptor(k, BLOCK_N, kd, desc),
+            _descriptor(v, BLOCK_N, kd, desc), _descriptor(out, BLOCK_M, kd, desc), lse,
             lse.stride(0), lse.stride(1), batch * heads, heads, heads // k.shape[1], seq_q,
             seq_k, scale * LOG2E, group_heads,
             lse if counter is None else counter)  # fmt: skip
@@ -400,13 +413,14 @@ def launch_options(consumers: int) -> dict:
 def forward_consumers(q: torch.Tensor, causal: bool) -> int:
     """Consumer warpgroups of the forward: three from FWD_CONSUMERS3_MIN's length for the
     problem's head dim and mask, else two."""
-    return 3 if q.shape[2] >= FWD_CONSUMERS3_MIN.get((q.shape[3], causal), 1 << 62) else 2
+    key = (kernel_dim(q.shape[3]), causal)
+    return 3 if q.shape[2] >= FWD_CONSUMERS3_MIN.get(key, 1 << 62) else 2
 
 
 def query_buffers(q: torch.Tensor, causal: bool) -> int:
     """Query buffers per consumer warpgroup of the forward: two up to FWD_QBUF2_MAX's length for
     the problem's head dim and mask, else one."""
-    return 2 if q.shape[2] <= FWD_QBUF2_MAX[(q.shape[3], causal)] else 1
+    return 2 if q.shape[2] <= FWD_QBUF2_MAX[(kernel_dim(q.shape[3]), causal)] else 1
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -444,14 +458,15 @@ def forward_jobs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     counter = _precompile.mock(torch.int32, [1])
     return [_precompile.Job(attn_fwd_sm90, tuple(map(_precompile.stand_in, launch_args(
         q, k, v, out, lse, scale, counter if meta["DYNAMIC"] else None))), meta, index)
-            for meta in forward_builds(q.shape[-1], causal)]  # fmt: skip
+            for meta in forward_builds(kernel_dim(q.shape[-1]), causal)]  # fmt: skip
 
 
 def forward_meta(q: torch.Tensor, causal: bool, dynamic: bool) -> dict:
     """The forward's constexprs and launch options for q's shape (``q``: anything with a 4-D
     ``shape``), by the length rules above."""
     consumers = forward_consumers(q, causal)
-    return {**constexprs(q.shape[3], causal, dynamic, query_buffers(q, causal), consumers),
+    return {**constexprs(kernel_dim(q.shape[3]), causal, dynamic, query_buffers(q, causal),
+                         consumers),
             **launch_options(consumers)}  # fmt: skip
 
 
@@ -523,7 +538,7 @@ def dynamic_schedule(q: torch.Tensor, causal: bool, persistent: bool | None = No
     """Whether the forward takes its tiles from a counter (FWD_DYNAMIC: causal, at most
     FWD_DYNAMIC_MAX rows for its head dim, the grid not forced)."""
     return (FWD_DYNAMIC and causal and persistent is None
-            and q.shape[2] <= FWD_DYNAMIC_MAX[q.shape[3]])  # fmt: skip
+            and q.shape[2] <= FWD_DYNAMIC_MAX[kernel_dim(q.shape[3])])  # fmt: skip
 
 
 def forward_grid(q: torch.Tensor, causal: bool, persistent: bool | None = None,
@@ -607,7 +622,8 @@ def backward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
     """Whether the dK/dV of this 4-D problem run on the Hopper kernel: the forward's rule, the
     switch, and dO a TMA operand of q's shape."""
     return (BWD_ENABLED and dout.shape == q.shape and dout.dtype == q.dtype
-            and forward_takes(q, k, v, scale, ex) and _tma_ok(dout))  # fmt: skip
+            and q.shape[-1] in BWD_STAGES and forward_takes(q, k, v, scale, ex)
+            and _tma_ok(dout))  # fmt: skip
 
 
 _BWD_PLANS: dict[tuple, RawLaunch | TritonLaunch] = {}
@@ -685,7 +701,7 @@ def fused_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
                scale: float, ex: Extras) -> bool:  # fmt: skip
     """The part of :func:`fused_takes` that does not depend on the lengths: the forward's rule,
     and dO a TMA operand of q's shape and dtype."""
-    return (dout.shape == q.shape and dout.dtype == q.dtype
+    return (dout.shape == q.shape and dout.dtype == q.dtype and q.shape[-1] in FUSED_STAGES
             and forward_takes(q, k, v, scale, ex) and _tma_ok(dout))  # fmt: skip
 
 
