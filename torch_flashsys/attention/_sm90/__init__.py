@@ -147,7 +147,11 @@ _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # its descriptors' blocks that wide over the narrower tensors, TMA reads the columns past the
 # head dim as zeros (they add nothing to Q K^T, and P V's extra columns are zeros) and clips
 # them from the O store, so no copy is made. The backward of these runs the portable kernels.
-FWD_PADDED_DIMS = frozenset()
+# H100 (``benchmarks/gpu_checks/rule_ab.py --studies padded``, flash_attention as called, three
+# rounds; docs/benchmarks.md): the forward 0.59-0.79x the portable forward's time at head dims 48,
+# 80, 96 and 112 (0.89-0.97x cuDNN's at 80 and 96), fwd+bwd 0.76-0.95x; at 32 1.04x (the portable
+# kernel does not pad it), so 32 stays portable. Other head dims: not measured, portable.
+FWD_PADDED_DIMS = frozenset({48, 80, 96, 112})
 MIN_SEQ_K = 1  # shorter key sequences take the portable kernel
 PERSISTENT_CAUSAL_MAX = 1024  # causal query lengths up to this run on the persistent grid
 L2_BUDGET = 24 * 2**20  # bytes of keys and values a causal head group keeps in L2 (H100: 50 MB)
