@@ -149,7 +149,7 @@ _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # them from the O store, so no copy is made. The backward of these runs the portable kernels.
 # H100 (``benchmarks/gpu_checks/rule_ab.py --studies padded``, flash_attention as called, three
 # rounds; docs/benchmarks.md): the forward 0.59-0.79x the portable forward's time at head dims 48,
-# 80, 96 and 112 (0.89-0.97x cuDNN's at 80 and 96), fwd+bwd 0.76-0.95x; at 32 1.04x (the portable
+# 80, 96 and 112 (0.88-1.05x cuDNN's at 80 and 96), fwd+bwd 0.76-0.95x; at 32 1.04x (the portable
 # kernel does not pad it), so 32 stays portable. Other head dims: not measured, portable.
 FWD_PADDED_DIMS = frozenset({48, 80, 96, 112})
 MIN_SEQ_K = 1  # shorter key sequences take the portable kernel
