@@ -743,16 +743,18 @@ def test_builds_queued_after_a_first_call_serve_every_later_length():
     2048 (H100, docs/benchmarks.md); with nothing queued this check counts 3 later compiles."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # head dim 64 causal GQA (the forward's consumer counts, fused and portable backwards), 128
-    # causal from 700 (the dynamic schedule's counter), 128 causal deterministic (ordered sums)
-    families = ["64,1,bfloat16,2048", "128,1,float16,700", "128,1,float16,9000,4,det"]
+    # causal from 700 (the dynamic schedule's counter), 128 causal deterministic (ordered sums),
+    # 96 causal (the forward on the 128 kernel, the portable backward): the least builds queued
+    families = {"64,1,bfloat16,2048": 5, "128,1,float16,700": 5, "128,1,float16,9000,4,det": 5,
+                "96,1,bfloat16,2048": 4}
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline", "precompile",
                            *families], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    for family in families:
+    for family, least in families.items():
         line = next(x for x in done.stdout.splitlines() if x.startswith(family))
         assert line.endswith("of later calls 0"), done.stdout
-        assert int(line.split("queued builds ")[1].split(",")[0]) >= 5, done.stdout
+        assert int(line.split("queued builds ")[1].split(",")[0]) >= least, done.stdout
 
 
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
