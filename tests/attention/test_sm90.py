@@ -745,8 +745,12 @@ def test_builds_queued_after_a_first_call_serve_every_later_length():
     # head dim 64 causal GQA (the forward's consumer counts, fused and portable backwards), 128
     # causal from 700 (the dynamic schedule's counter), 128 causal deterministic (ordered sums),
     # 96 causal (the forward on the 128 kernel, the portable backward): the least builds queued
-    families = {"64,1,bfloat16,2048": 5, "128,1,float16,700": 5, "128,1,float16,9000,4,det": 5,
-                "96,1,bfloat16,2048": 4}
+    families = {
+        "64,1,bfloat16,2048": 5,
+        "128,1,float16,700": 5,
+        "128,1,float16,9000,4,det": 5,
+        "96,1,bfloat16,2048": 4,
+    }
     done = subprocess.run([sys.executable, "-m", "tests.attention.sm90_offline", "precompile",
                            *families], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
