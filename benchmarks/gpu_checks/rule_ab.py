@@ -11,8 +11,9 @@ and fwd+bwd and the CUDA time of one fwd+bwd's kernels, over three rounds in alt
     PYTHONPATH=. python3 benchmarks/gpu_checks/rule_ab.py [--studies consumers,causal_order]
         [--out rule_ab.csv]
 
-Studies: ``padded`` (head dims between the Hopper kernels' forward on the next kernel,
-``FWD_PADDED_DIMS``, against the portable forward; the backward portable in both),
+Studies: ``padded`` (head dims between the Hopper kernels' on the next kernels: the forward
+alone, ``FWD_PADDED_DIMS``, the forward and the fused backward, ``BWD_PADDED_DIMS``, and the
+portable kernels),
 ``consumers`` (three consumer warpgroups in the causal head-dim-64 forward from 8192 rows,
 ``FWD_CONSUMERS3_MIN``), ``causal_order`` (the head-dim-128 fused backward's causal program
 order, ``CAUSAL_ORDER``: chunks of heads against one head's key tiles after another and the
@@ -34,6 +35,7 @@ from benchmarks._harness import bench, csv_list, kernel_ms, parser, report
 from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 
+_PADDED = frozenset({32, 48, 80, 96, 112})
 STUDIES = {  # name: (problems (batch, heads, kv heads, length, head dim, causal), builds)
     "consumers": (
         [(1, 16, 16, 16384, 64, True), (1, 32, 8, 8192, 64, True), (1, 16, 16, 8192, 64, True),
@@ -52,8 +54,15 @@ STUDIES = {  # name: (problems (batch, heads, kv heads, length, head dim, causal
         [(2, 32, 32, 4096, 96, True), (4, 16, 16, 2048, 96, True), (2, 16, 16, 4096, 96, False),
          (4, 32, 32, 2048, 80, True), (1, 32, 8, 8192, 80, True), (4, 16, 16, 2048, 112, True),
          (4, 16, 16, 2048, 48, True), (4, 16, 16, 4096, 32, False), (8, 16, 16, 1024, 96, True)],
-        {"portable (default)": {},
-         "padded": {"FWD_PADDED_DIMS": frozenset({32, 48, 80, 96, 112})}},
+        {"padded forward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": frozenset()},
+         "padded forward and backward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": _PADDED},
+         "portable": {"FWD_PADDED_DIMS": frozenset(), "BWD_PADDED_DIMS": frozenset()}},
+    ),
+    "padded_bwd": (  # (the padded backward alone, fewer problems)
+        [(2, 32, 32, 4096, 96, True), (2, 16, 16, 4096, 96, False), (4, 32, 32, 2048, 80, True),
+         (1, 32, 8, 8192, 80, True), (4, 16, 16, 2048, 112, True)],
+        {"padded forward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": frozenset()},
+         "padded forward and backward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": _PADDED}},
     ),
 }  # fmt: skip
 

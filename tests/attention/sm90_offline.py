@@ -240,14 +240,17 @@ def _launches_at(n: int, d: int, causal: bool, dtype: torch.dtype, kv_heads: int
         _, portable = backward_launches(q, q, k, k, q, lse, None, 0.125, ex, q, k, k, lse)
         return launches + [(c.kernel, args, plan.constexprs) for c, plan, args in portable]
     copies = _sm90.DETERMINISTIC_CHAINS if deterministic else 1
-    acc = torch.zeros(copies, heads, n, d)
+    kd = _sm90.kernel_dim(d)  # (a padded head dim: the next kernel's, dK, dV and dQ that wide)
+    acc = torch.zeros(copies, heads, n, kd)
+    dk = torch.zeros(1, kv_heads, n, kd, dtype=dtype)
     sem = torch.zeros(copies, heads, 1, dtype=torch.int32) if deterministic else None
     launches += [
         (_sm90.attn_bwd_prep, _sm90.prep_args((q, q, lse, lse, acc, acc if sem is None else sem),
                                               q, q, lse),
          _sm90.prep_meta(d, False, deterministic, copies)),
-        (_sm90.fused_kernel(d), _sm90.fused_launch_args(q, k, k, q, lse, lse, k, k, acc, 0.125, sem),
-         _sm90.fused_constexprs(d, causal, dtype, deterministic)),
+        (_sm90.fused_kernel(kd), _sm90.fused_launch_args(q, k, k, q, lse, lse, dk, dk, acc, 0.125,
+                                                         sem),
+         _sm90.fused_constexprs(kd, causal, dtype, deterministic)),
     ]  # fmt: skip
     if deterministic:
         launches.append((_sm90.attn_bwd_dq_sum, _sm90.dq_sum_args(acc, torch.empty_like(q)),

@@ -286,12 +286,13 @@ def test_only_plain_and_causal_problems_of_two_byte_dtypes_qualify():
 PADDED_CANDIDATES = (32, 48, 80, 96, 112)  # head dims the padded forward was measured at
 
 
-def test_padded_head_dims_take_the_next_kernel_forward_and_the_portable_backward():
+def test_padded_head_dims_take_the_next_kernels():
     """With a head dim in FWD_PADDED_DIMS the forward runs the kernel of the next head dim it has
     (64 up to 64, else 128; every length rule keyed by that one), its descriptors' blocks that
     wide over the narrower tensors (whose own shape the descriptors keep, so TMA reads the
-    missing columns as zeros and clips them from the store), and the backward stays on the
-    portable kernels (the Hopper backward kernels have no such form)."""
+    missing columns as zeros and clips them from the store); with one in BWD_PADDED_DIMS the
+    fused backward of that kernel too, where its rules say (not under deterministic
+    algorithms); the opt-in Hopper dK/dV kernel keeps its own head dims."""
     assert [_sm90.kernel_dim(d) for d in (32, 48, 64, 80, 96, 112, 128)] == [
         64, 64, 64, 128, 128, 128, 128]  # fmt: skip
     q = torch.zeros(1, 2, 8, 96, dtype=torch.bfloat16)
@@ -305,12 +306,19 @@ def test_padded_head_dims_take_the_next_kernel_forward_and_the_portable_backward
     ):
         with mock.patch.object(_sm90, "FWD_PADDED_DIMS", frozenset()):
             assert not _sm90.forward_takes(q, q, q, 0.1, CAUSAL)
-        with mock.patch.object(_sm90, "FWD_PADDED_DIMS", frozenset({96})):
+        with (mock.patch.object(_sm90, "FWD_PADDED_DIMS", frozenset({96})),
+              mock.patch.object(_sm90, "BWD_PADDED_DIMS", frozenset())):  # fmt: skip
             assert _sm90.forward_takes(q, q, q, 0.1, CAUSAL)
             assert _sm90.forward_takes(q, q[:, :1], q[:, :1], 0.1, PLAIN)  # GQA
             assert not _sm90.backward_takes(q, q, q, q, 0.1, CAUSAL)
             assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
             assert not _sm90.forward_takes(q, q[..., :80], q[..., :80], 0.1, PLAIN)
+        with (mock.patch.object(_sm90, "FWD_PADDED_DIMS", frozenset({96})),
+              mock.patch.object(_sm90, "BWD_PADDED_DIMS", frozenset({96}))):  # fmt: skip
+            assert _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
+            assert not _sm90.backward_takes(q, q, q, q, 0.1, CAUSAL)
+            with _deterministic_algorithms():
+                assert not _sm90.fused_takes(q, q, q, q, 0.1, CAUSAL)
         for d in (64, 128):  # the kernels' own head dims: the rules unchanged
             t = torch.zeros(1, 2, 8, d, dtype=torch.bfloat16)
             assert _sm90.forward_takes(t, t, t, 0.1, CAUSAL)
@@ -656,24 +664,27 @@ def test_the_fused_backward_switch_is_read_at_import():
 @given(
     batch=st.integers(1, 2), heads=st.integers(1, 3), seq=st.integers(1, 150),
     transposed=st.booleans(), with_dlse=st.booleans(), deterministic=st.booleans(),
-    convert=st.booleans(), seed=st.integers(0, 2**16),
+    convert=st.booleans(), seed=st.integers(0, 2**16), d=st.sampled_from([64, 48, 96]),
 )  # fmt: skip
+@example(batch=1, heads=2, seq=70, transposed=False, with_dlse=True, deterministic=False,
+         convert=False, seed=1, d=96)  # fmt: skip
 def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, transposed,
                                                           with_dlse, deterministic, convert,
-                                                          seed):  # fmt: skip
+                                                          seed, d):  # fmt: skip
     """The preprocessing kernel (plain Triton; the interpreter on CPU): D = rowsum(dO * O) - dLSE
     for every row of every head, any layout of O and dO, a zeroed dQ buffer and zeroed
     counters, one per tile of BWD_BLOCK query rows (the deterministic backward's, or the
-    in-kernel dQ conversion's)."""
+    in-kernel dQ conversion's). A padded head dim (48, 96): O and dO read up to it (the next
+    row's values sit past it in memory), the dQ buffer of the fused kernel's width."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
 
-    shape = (batch, seq, heads, 64) if transposed else (batch, heads, seq, 64)
+    shape = (batch, seq, heads, d) if transposed else (batch, heads, seq, d)
     out = rand(*shape).half()
     out = out.transpose(1, 2) if transposed else out  # (B, L, H, D) memory
-    dout = rand(batch, heads, seq, 64).half()
+    dout = rand(batch, heads, seq, d).half()
     lse = rand(batch, heads, seq)
     dlse = rand(batch, heads, seq) if with_dlse else None
     delta, dq_acc, sem = _sm90.backward_prep(out, dout, lse, dlse, deterministic, convert=convert)
@@ -682,8 +693,8 @@ def test_the_fused_backward_preprocessing_matches_float64(batch, heads, seq, tra
         ref -= dlse.double()
     assert delta.shape == lse.shape and delta.stride() == lse.stride()
     assert (delta.double() - ref).abs().max().item() <= 1e-5 * (1 + ref.abs().max().item())
-    assert dq_acc.shape == out.shape and dq_acc.dtype == torch.float32 and dq_acc.is_contiguous()
-    assert not dq_acc.any()
+    assert dq_acc.shape == (*out.shape[:-1], _sm90.kernel_dim(d))
+    assert dq_acc.dtype == torch.float32 and dq_acc.is_contiguous() and not dq_acc.any()
     if deterministic or convert:
         assert sem.shape == (batch, heads, -(-seq // _sm90.BWD_BLOCK)) and sem.dtype == torch.int32
         assert not sem.any()
@@ -1024,6 +1035,33 @@ def test_padded_head_dims_run_the_hopper_forward_and_match_float64(case, dtype):
     grid's rounds, three consumers (head dim 32 on the 64 kernel at 9000 rows)."""
     with (mock.patch.object(_sm90, "FWD_PADDED_DIMS", frozenset(PADDED_CANDIDATES)),
           _counting_sm90_calls() as spy):  # fmt: skip
+        check_against_reference(case, dtype, _run(case), device="cuda")
+    assert spy.call_count == 1
+
+
+@gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=15, deadline=None)
+@given(case=cases(max_seq=700, head_dims=PADDED_CANDIDATES, max_batch=3))
+@example(case=Case(2, 4, 4, 1100, 1100, 96, True, None, False, True, seed=31))
+@example(case=Case(3, 8, 1, 1500, 700, 80, False, 0.3, False, False, seed=32))
+@example(case=Case(1, 2, 2, 2100, 2100, 48, True, None, False, False, seed=33))
+@example(case=Case(2, 6, 2, 1, 5, 112, False, None, True, False, seed=34))
+@example(case=Case(1, 3, 4, 1200, 900, 32, True, 0.2, False, True, seed=35))
+def test_padded_head_dims_run_the_fused_backward_and_match_float64(case, dtype):
+    """With FUSED_ALL every backward of a head dim between the kernels' (32-112, all put in
+    FWD_PADDED_DIMS and BWD_PADDED_DIMS here) runs the fused kernel of the next head dim
+    (counted), its loads over TMA's zero fill and its dK, dV and dQ sums in buffers of that
+    width, and dQ, dK and dV match float64 (with a dLSE) by the portable kernels' rule; the
+    examples: a (B, L, H, D) layout, GQA, fewer keys than rows, the split kernel (80-112) and
+    attn_bwd_sm90 (32, 48), one query row."""
+    padded = frozenset(PADDED_CANDIDATES)
+    with (mock.patch.object(_sm90, "FWD_PADDED_DIMS", padded),
+          mock.patch.object(_sm90, "BWD_PADDED_DIMS", padded),
+          mock.patch.object(_sm90, "FUSED_ALL", True),
+          mock.patch.object(_sm90, "_padded_backward", wraps=_sm90._padded_backward) as spy,
+          _counting_sm90_calls()):  # fmt: skip
         check_against_reference(case, dtype, _run(case), device="cuda")
     assert spy.call_count == 1
 

@@ -152,6 +152,11 @@ _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # 80, 96 and 112 (0.88-1.05x cuDNN's at 80 and 96), fwd+bwd 0.76-0.95x; at 32 1.04x (the portable
 # kernel does not pad it), so 32 stays portable. Other head dims: not measured, portable.
 FWD_PADDED_DIMS = frozenset({48, 80, 96, 112})
+# Head dims whose backward runs the fused kernel of the next head dim the same way (loads over
+# TMA's zero fill; dK, dV and the float32 dQ sums into buffers of the kernel's width, whose first
+# columns are the gradients; D = rowsum(dO * O) by PyTorch), where its length rules (FUSED_SEQ_Q,
+# SPLIT_SEQ_Q) send that head dim; not under deterministic algorithms (the portable kernels).
+BWD_PADDED_DIMS = FWD_PADDED_DIMS
 MIN_SEQ_K = 1  # shorter key sequences take the portable kernel
 PERSISTENT_CAUSAL_MAX = 1024  # causal query lengths up to this run on the persistent grid
 L2_BUDGET = 24 * 2**20  # bytes of keys and values a causal head group keeps in L2 (H100: 50 MB)
@@ -312,9 +317,9 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def kernel_dim(d: int) -> int:
-    """The head dim of the forward kernel that serves head dim ``d``: ``d`` itself (64, 128), or
-    for the FWD_PADDED_DIMS the next of them (see there)."""
-    return d if d in STAGES else 64 if d <= 64 else 128
+    """The head dim of the kernels that serve head dim ``d``: ``d`` itself (64, 128; and any past
+    128, which none serves), else the next of them (FWD_PADDED_DIMS, BWD_PADDED_DIMS)."""
+    return d if d in STAGES or d > 128 else 64 if d <= 64 else 128
 
 
 def forward_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -639,11 +644,11 @@ def backward_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout
                          descriptors: bool = True) -> tuple:  # fmt: skip
     """The dK/dV kernel's runtime arguments (descriptors, strides, sizes) for a 4-D problem
     (``descriptors`` False: the tensors in their places)."""
-    batch, heads, seq_q, _ = q.shape
+    batch, heads, seq_q, d = q.shape
     n_kv, seq_k = k.shape[1], k.shape[2]
-    desc = descriptors
-    return (_descriptor(q, BWD_BLOCK, None, desc), _descriptor(k, BWD_BLOCK, None, desc),
-            _descriptor(v, BWD_BLOCK, None, desc), _descriptor(dout, BWD_BLOCK, None, desc), lse,
+    desc, kd = descriptors, kernel_dim(d)
+    return (_descriptor(q, BWD_BLOCK, kd, desc), _descriptor(k, BWD_BLOCK, kd, desc),
+            _descriptor(v, BWD_BLOCK, kd, desc), _descriptor(dout, BWD_BLOCK, kd, desc), lse,
             delta, lse.stride(0), lse.stride(1), dk, dk.stride(0), dk.stride(1), dk.stride(2),
             dv, dv.stride(0), dv.stride(1), dv.stride(2), batch * n_kv, n_kv, heads // n_kv,
             seq_q, seq_k, scale * LOG2E, scale)  # fmt: skip
@@ -705,7 +710,9 @@ def fused_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
                scale: float, ex: Extras) -> bool:  # fmt: skip
     """The part of :func:`fused_takes` that does not depend on the lengths: the forward's rule,
     and dO a TMA operand of q's shape and dtype."""
-    return (dout.shape == q.shape and dout.dtype == q.dtype and q.shape[-1] in FUSED_STAGES
+    d = q.shape[-1]
+    return (dout.shape == q.shape and dout.dtype == q.dtype
+            and (d in FUSED_STAGES or d in BWD_PADDED_DIMS)
             and forward_takes(q, k, v, scale, ex) and _tma_ok(dout))  # fmt: skip
 
 
@@ -713,7 +720,8 @@ def fused_rule(q, k, ex: Extras, deterministic: bool) -> bool:
     """The part of :func:`fused_takes` that depends on the problem's kind and lengths (``q``,
     ``k``: anything with a 4-D ``shape``): the switch, the head dim, and the lengths where the
     fused kernel runs (with ordered dQ sums when ``deterministic``)."""
-    if not (FUSED_ENABLED and q.shape[-1] in FUSED_STAGES):
+    d = q.shape[-1]
+    if not (FUSED_ENABLED and (d in FUSED_STAGES or (d in BWD_PADDED_DIMS and not deterministic))):
         return False
     if FUSED_ALL:
         return True
@@ -764,7 +772,7 @@ def _fused_wins(q: torch.Tensor, k: torch.Tensor, ex: Extras) -> bool:
     programs, each looping over every query tile. Head dim 128 (the split kernel): the lengths
     in SPLIT_SEQ_Q, from one ``--rule --head-dim 128`` run (docs/benchmarks.md). Cross-attention
     over fewer keys: FUSED_FEW_KEYS (head dim 64)."""
-    if q.shape[-1] in SPLIT_HEAD_DIMS:
+    if kernel_dim(q.shape[-1]) in SPLIT_HEAD_DIMS:
         return _in_rule(SPLIT_SEQ_Q, q, k, ex)
     if _in_rule(FUSED_SEQ_Q, q, k, ex):
         return True
@@ -828,7 +836,7 @@ def prep_buffers(out: torch.Tensor, lse: torch.Tensor, copies: int, counters: bo
     ``counters``, the int32 counters."""
     batch, heads, seq_q, d = out.shape
     delta = torch.empty_like(lse)
-    dq_acc = out.new_empty((copies * batch, heads, seq_q, d), dtype=torch.float32)
+    dq_acc = out.new_empty((copies * batch, heads, seq_q, kernel_dim(d)), dtype=torch.float32)
     sem = (out.new_empty((copies * batch, heads, triton_cdiv(seq_q, PREP_BLOCK)),
                          dtype=torch.int32) if counters else None)  # fmt: skip
     return delta, dq_acc, sem
@@ -851,10 +859,12 @@ def prep_args(values: tuple, out: torch.Tensor, dout: torch.Tensor, lse: torch.T
 
 
 def prep_meta(d: int, has_dlse: bool, counters: bool, copies: int) -> dict:
-    """The preprocessing kernel's constexprs (``counters``: it zeroes them, see
-    :func:`backward_prep`)."""
-    return {"HAS_DLSE": has_dlse, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": d,
-            "HAS_SEM": counters, "COPIES": copies}  # fmt: skip
+    """The preprocessing kernel's constexprs for head dim ``d`` (``counters``: it zeroes them, see
+    :func:`backward_prep`): tiles of the fused kernel's head dim (:func:`kernel_dim`), and ``DIM``
+    the head dim's own where that is wider (0: the same)."""
+    kd = kernel_dim(d)
+    return {"HAS_DLSE": has_dlse, "BLOCK_M": PREP_BLOCK, "HEAD_DIM": kd,
+            "HAS_SEM": counters, "COPIES": copies, "DIM": 0 if kd == d else d}  # fmt: skip
 
 
 def fused_builds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -865,21 +875,21 @@ def fused_builds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.
     (``_precompile``): the preprocessing kernel, the fused kernel and, deterministic, the sum of
     the dQ copies."""
     mock = _precompile.stand_in
-    index, d = q.get_device(), q.shape[-1]
+    index, d, kd = q.get_device(), q.shape[-1], kernel_dim(q.shape[-1])
     copies = DETERMINISTIC_CHAINS if deterministic else 1
     counters = deterministic or fused_converts(deterministic)
-    acc = _precompile.mock(torch.float32, [copies * q.shape[0], *q.shape[1:]])  # contiguous
+    acc = _precompile.mock(torch.float32, [copies * q.shape[0], *q.shape[1:3], kd])  # contiguous
     sem = _precompile.mock(torch.int32, [copies, *q.shape[:2]]) if counters else None
     rows = lse if dlse is None else dlse
     values = tuple(map(mock, (out, dout, rows, lse))) + (acc, acc if sem is None else sem)
     jobs = [
         _precompile.Job(attn_bwd_prep, prep_args(values, out, dout, lse),
                         prep_meta(d, dlse is not None, counters, copies), index),
-        _precompile.Job(fused_kernel(d), tuple(map(mock, fused_launch_args(
+        _precompile.Job(fused_kernel(kd), tuple(map(mock, fused_launch_args(
             q, k, v, dout, lse, lse, k, v, acc, scale, sem, dq=q))),
-            fused_constexprs(d, causal, q.dtype, deterministic), index),
+            fused_constexprs(kd, causal, q.dtype, deterministic), index),
     ]  # fmt: skip
-    if copies > 1:  # (dQ takes q's layout)
+    if copies > 1:  # (dQ takes q's layout; never a padded head dim: not deterministic)
         jobs.append(_precompile.Job(attn_bwd_dq_sum, tuple(map(mock, dq_sum_args(acc, q))),
                                     dq_sum_meta(d, copies), index))  # fmt: skip
     return jobs
@@ -922,7 +932,7 @@ def fused_launch_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: t
     dQ buffer stands in) and dQ with its batch, head and row strides (``dq``, in q's dtype: what
     the kernel converts the sums into when CONVERT; unused, q and zero strides stand in)."""
     args = backward_launch_args(q, k, v, dout, lse, delta, dk, dv, scale, descriptors)
-    d = q.shape[-1]  # the split kernel: each consumer adds half of a dQ row
+    d = kernel_dim(q.shape[-1])  # the split kernel: each consumer adds half of a dQ row
     dq_desc = _descriptor(dq_acc, BWD_BLOCK, d // 2 if d in SPLIT_HEAD_DIMS else d, descriptors)
     out = (q, 0, 0, 0) if dq is None else (dq, *dq.stride()[:3])
     return (*args[:16], dq_acc, dq_desc, dq_acc if sem is None else sem, *out, *args[16:])
@@ -989,6 +999,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     problem's kept backward (:func:`kept_backward`), which does just that."""
     if kept is not None:
         return kept(dout, q, k, v, out, lse, scale)
+    if kernel_dim(q.shape[-1]) != q.shape[-1]:
+        return _padded_backward(dout, q, k, v, out, lse, dlse, scale, causal)
     deterministic = torch.are_deterministic_algorithms_enabled()
     copies = DETERMINISTIC_CHAINS if deterministic else 1
     convert = fused_converts(deterministic)
@@ -1013,6 +1025,33 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if copies > 1:  # the chains' sums, added in a fixed order
         return dq_sum(dq_acc, q, copies), dk, dv
     return torch.empty_like(q).copy_(dq_acc), dk, dv
+
+
+def _padded_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                     scale: float, causal: bool,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`backward` for a head dim of BWD_PADDED_DIMS: the fused kernel of the next head dim
+    (:func:`kernel_dim`) reads q, k, v and dO through descriptors of its width (TMA's zero fill
+    past the head dim: the extra columns add nothing to S and dP, and their dQ, dK and dV
+    columns are zeros) and writes dK, dV and the float32 dQ sums into buffers of its width
+    (the preprocessing kernel's D reads O and dO up to the head dim); the gradients are their
+    first columns (dQ converted into q's layout, dK and dV as views). Not kept
+    (:func:`kept_backward`), not deterministic, dQ never converted by the kernel."""
+    d, kd = q.shape[-1], kernel_dim(q.shape[-1])
+    delta, dq_acc, _ = backward_prep(out, dout, lse, dlse)
+    dk, dv = k.new_empty((*k.shape[:-1], kd)), v.new_empty((*v.shape[:-1], kd))
+    index = q.get_device()
+
+    def plan() -> tuple[tuple, dict]:
+        return backward_grid(k), fused_constexprs(kd, causal, q.dtype)
+
+    _launch_planned(fused_kernel(kd), _FUSED_PLANS,
+                    backward_key(q, k, v, dout, lse, dk, dv, causal, index, False), index,
+                    fused_launch_values(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale),
+                    functools.partial(fused_launch_args, q, k, v, dout, lse, delta, dk, dv,
+                                      dq_acc, scale), plan)  # fmt: skip
+    return torch.empty_like(q).copy_(dq_acc[..., :d]), dk[..., :d], dv[..., :d]
 
 
 # The kept backwards: a launch key (:func:`_kept_key`) -> its decisions and planned launches

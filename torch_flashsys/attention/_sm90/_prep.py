@@ -18,19 +18,23 @@ def attn_bwd_prep(
     Out, DO, DLSE, Delta, DQ, SEM, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, n_heads, seq_q, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEM: tl.constexpr = False, COPIES: tl.constexpr = 1,
+    DIM: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (row block, b * n_heads + h). ``DQ`` is (COPIES x B, H, seq_q, HEAD_DIM),
-    contiguous; ``SEM`` (int32, ``HAS_SEM``) is (COPIES x B, H, row blocks), contiguous."""
+    contiguous; ``SEM`` (int32, ``HAS_SEM``) is (COPIES x B, H, row blocks), contiguous. ``DIM``:
+    O's and dO's head dim where it is narrower than HEAD_DIM (the fused kernel's; 0: the same),
+    their columns past it read as zeros."""
     bh = tl.program_id(1)
     b = (bh // n_heads).to(tl.int64)
     h = (bh % n_heads).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, HEAD_DIM)
     ok = rows < seq_q
+    inside = ok[:, None] & (cols < DIM)[None, :] if DIM else ok[:, None]
     o = tl.load(Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + cols[None, :],
-                mask=ok[:, None], other=0.0)  # fmt: skip
+                mask=inside, other=0.0)  # fmt: skip
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom
-                 + cols[None, :], mask=ok[:, None], other=0.0)  # fmt: skip
+                 + cols[None, :], mask=inside, other=0.0)  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     l_off = b * stride_lb + h * stride_lh + rows
     if HAS_DLSE:
