@@ -157,12 +157,12 @@ def _supported(query: Any, key: Any, value: Any, args: dict[str, Any], backend: 
 MASKS_LEFT_TO_SDPA_ON = frozenset({"cuda"})
 
 
-# Head dims the Hopper kernels serve forward and backward (query, key and value alike:
-# ``_sm90.forward_takes``, ``_sm90.fused_takes``). A 16-bit call with others runs the portable
-# backward, and its fwd+bwd took on an H100 1.24-1.38x SDPA's default (cuDNN) at head dims 80 and
-# 96 (the forward on the next Hopper kernel, ``_sm90.FWD_PADDED_DIMS``; 1.35-1.45x before) and
-# 1.33-1.43x at 256 (docs/benchmarks.md, 2026-11-27): with backend="auto" the override leaves
-# those calls to SDPA on such a GPU.
+# Head dims the Hopper kernels serve at their own width (query, key and value alike:
+# ``_sm90.forward_takes``, ``_sm90.fused_takes``). A 16-bit call with others took on an H100
+# 1.01-1.14x SDPA's default (cuDNN) fwd+bwd at head dims 80 and 96 and 4096-8192 tokens (the
+# next Hopper kernels, ``_sm90.FWD_PADDED_DIMS`` and ``BWD_PADDED_DIMS``), 1.27x at 2048 causal
+# tokens (either backward), 1.33-1.43x at 256 (docs/benchmarks.md, 2026-11-27/28): with
+# backend="auto" the override leaves those calls to SDPA on such a GPU.
 HOPPER_HEAD_DIMS = frozenset({64, 128})
 
 

@@ -154,8 +154,12 @@ _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 FWD_PADDED_DIMS = frozenset({48, 80, 96, 112})
 # Head dims whose backward runs the fused kernel of the next head dim the same way (loads over
 # TMA's zero fill; dK, dV and the float32 dQ sums into buffers of the kernel's width, whose first
-# columns are the gradients; D = rowsum(dO * O) by PyTorch), where its length rules (FUSED_SEQ_Q,
-# SPLIT_SEQ_Q) send that head dim; not under deterministic algorithms (the portable kernels).
+# columns are the gradients; the preprocessing kernel's D reads O and dO up to the head dim),
+# where the length rules (FUSED_SEQ_Q, SPLIT_SEQ_Q) send the next kernel's head dim; not under
+# deterministic algorithms (the portable kernels). H100 (``rule_ab.py --studies padded_bwd``,
+# three rounds): fwd+bwd 0.75-0.89x the time with the portable backward at head dims 80 and 96,
+# 4096-8192 tokens (1.01-1.14x cuDNN's, from 1.27-1.35x); 1.00-1.01x (a tie) at 2048 causal
+# tokens, 80 and 112.
 BWD_PADDED_DIMS = FWD_PADDED_DIMS
 MIN_SEQ_K = 1  # shorter key sequences take the portable kernel
 PERSISTENT_CAUSAL_MAX = 1024  # causal query lengths up to this run on the persistent grid
