@@ -349,6 +349,40 @@ def test_the_forward_pads_the_head_dims_where_it_measured_faster(d, padded):
 
 
 @pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
+@pytest.mark.parametrize("d", [48, 96])
+def test_the_padded_backward_launches_arguments_a_planned_launch_takes(d):
+    """The padded backward's fused launch (its preprocessing run through the interpreter here):
+    the runtime arguments hold the values it passes at their places, as a planned launch needs
+    (else every call would take Triton's JIT path), the dQ buffer in the counters' place as in
+    :func:`_sm90.backward`, descriptors of the kernel's width over the head dim's tensors, and
+    dK, dV and the dQ buffer of the kernel's width."""
+    from torch_flashsys.attention._sm90._rawlaunch import _holes
+
+    gen = torch.Generator().manual_seed(d)
+    q, k, v, dout, out = (torch.randn(1, 2, 70, d, generator=gen).half() for _ in range(5))
+    lse = torch.zeros(1, 2, 70)
+    launches = []
+    real = _sm90._launch_planned
+
+    def spy(kernel, plans, key, index, values, args, plan):
+        if kernel is _sm90.attn_bwd_prep:
+            return real(kernel, plans, key, index, values, args, plan)
+        launches.append((kernel, values, args(True), args(False)))
+        return False
+
+    with mock.patch.object(_sm90, "_launch_planned", side_effect=spy):
+        dq, dk, dv = _sm90._padded_backward(dout, q, k, v, out, lse, None, 0.1, True)
+    ((kernel, values, full, plain),) = launches
+    kd = _sm90.kernel_dim(d)
+    assert kernel is _sm90.fused_kernel(kd)
+    assert _holes(plain, values) is not None
+    assert all(not isinstance(a, bool) for a in plain)
+    assert [a.block_shape[-1] for a in full[:4]] == [kd] * 4 and full[0].shape[-1] == d
+    assert dk.shape == k.shape and dv.shape == v.shape and dq.shape == q.shape
+    assert dk._base.shape[-1] == kd and values[8].shape[-1] == kd  # (dK's buffer, the dQ sums)
+
+
+@pytest.mark.skipif(not _sm90.AVAILABLE, reason="this Triton has no Gluon Hopper API")
 @pytest.mark.parametrize(("d", "kd"), [(96, 128), (80, 128), (48, 64), (64, 64), (128, 128)])
 def test_padded_head_dims_have_descriptors_of_the_kernels_width(d, kd):
     """The forward's descriptors: blocks of the kernel's head dim over tensors of their own."""

@@ -1054,7 +1054,7 @@ def _padded_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                     backward_key(q, k, v, dout, lse, dk, dv, causal, index, False), index,
                     fused_launch_values(q, k, v, dout, lse, delta, dk, dv, dq_acc, scale),
                     functools.partial(fused_launch_args, q, k, v, dout, lse, delta, dk, dv,
-                                      dq_acc, scale), plan)  # fmt: skip
+                                      dq_acc, scale, None), plan)  # fmt: skip
     return torch.empty_like(q).copy_(dq_acc[..., :d]), dk[..., :d], dv[..., :d]
 
 
