@@ -354,8 +354,8 @@ def test_the_padded_backward_launches_arguments_a_planned_launch_takes(d):
     """The padded backward's fused launch (its preprocessing run through the interpreter here):
     the runtime arguments hold the values it passes at their places, as a planned launch needs
     (else every call would take Triton's JIT path), the dQ buffer in the counters' place as in
-    :func:`_sm90.backward`, descriptors of the kernel's width over the head dim's tensors, and
-    dK, dV and the dQ buffer of the kernel's width."""
+    :func:`_sm90.backward`, descriptors of the kernel's width over the head dim's tensors, dK,
+    dV and the dQ buffer of the kernel's width, and never the in-kernel dQ conversion."""
     from torch_flashsys.attention._sm90._rawlaunch import _holes
 
     gen = torch.Generator().manual_seed(d)
@@ -367,12 +367,14 @@ def test_the_padded_backward_launches_arguments_a_planned_launch_takes(d):
     def spy(kernel, plans, key, index, values, args, plan):
         if kernel is _sm90.attn_bwd_prep:
             return real(kernel, plans, key, index, values, args, plan)
-        launches.append((kernel, values, args(True), args(False)))
+        launches.append((kernel, values, args(True), args(False), plan()[1]))
         return False
 
-    with mock.patch.object(_sm90, "_launch_planned", side_effect=spy):
+    with (mock.patch.object(_sm90, "_launch_planned", side_effect=spy),
+          mock.patch.object(_sm90, "FUSED_CONVERT", True)):  # fmt: skip
         dq, dk, dv = _sm90._padded_backward(dout, q, k, v, out, lse, None, 0.1, True)
-    ((kernel, values, full, plain),) = launches
+    ((kernel, values, full, plain, meta),) = launches
+    assert meta["CONVERT"] is False  # (dQ is narrower than the kernel's: never converted there)
     kd = _sm90.kernel_dim(d)
     assert kernel is _sm90.fused_kernel(kd)
     assert _holes(plain, values) is not None

@@ -1047,8 +1047,8 @@ def _padded_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dk, dv = k.new_empty((*k.shape[:-1], kd)), v.new_empty((*v.shape[:-1], kd))
     index = q.get_device()
 
-    def plan() -> tuple[tuple, dict]:
-        return backward_grid(k), fused_constexprs(kd, causal, q.dtype)
+    def plan() -> tuple[tuple, dict]:  # (no dQ conversion in the kernel: dQ is narrower)
+        return backward_grid(k), {**fused_constexprs(kd, causal, q.dtype), "CONVERT": False}
 
     _launch_planned(fused_kernel(kd), _FUSED_PLANS,
                     backward_key(q, k, v, dout, lse, dk, dv, causal, index, False), index,
