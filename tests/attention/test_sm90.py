@@ -1069,8 +1069,9 @@ def test_padded_head_dims_run_the_hopper_forward_and_match_float64(case, dtype):
     """Head dims between the kernels' (32, 48, 80, 96, 112, every one put in FWD_PADDED_DIMS
     here) run the forward on the next kernel, its descriptors' blocks wider than the tensors
     (columns past the head dim read as zeros, clipped from the store), and match float64 with
-    their gradients (the portable backward on that forward's lse) by the portable kernels'
-    rule; the examples: a (B, L, H, D) layout, GQA, the dynamic schedule and the persistent
+    their gradients (the backward on that forward's lse: portable, or the padded fused kernel
+    where BWD_PADDED_DIMS and its length rules send it) by the portable kernels' rule; the
+    examples: a (B, L, H, D) layout, GQA, the dynamic schedule and the persistent
     grid's rounds, three consumers (head dim 32 on the 64 kernel at 9000 rows)."""
     with (mock.patch.object(_sm90, "FWD_PADDED_DIMS", frozenset(PADDED_CANDIDATES)),
           _counting_sm90_calls() as spy):  # fmt: skip
