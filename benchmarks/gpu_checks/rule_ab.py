@@ -36,6 +36,10 @@ from torch_flashsys import flash_attention
 from torch_flashsys.attention import _sm90
 
 _PADDED = frozenset({32, 48, 80, 96, 112})
+_PADDED_BUILDS = {  # the padded forward alone (the portable backward), and with the backward
+    "padded forward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": frozenset()},
+    "padded forward and backward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": _PADDED},
+}
 STUDIES = {  # name: (problems (batch, heads, kv heads, length, head dim, causal), builds)
     "consumers": (
         [(1, 16, 16, 16384, 64, True), (1, 32, 8, 8192, 64, True), (1, 16, 16, 8192, 64, True),
@@ -54,15 +58,13 @@ STUDIES = {  # name: (problems (batch, heads, kv heads, length, head dim, causal
         [(2, 32, 32, 4096, 96, True), (4, 16, 16, 2048, 96, True), (2, 16, 16, 4096, 96, False),
          (4, 32, 32, 2048, 80, True), (1, 32, 8, 8192, 80, True), (4, 16, 16, 2048, 112, True),
          (4, 16, 16, 2048, 48, True), (4, 16, 16, 4096, 32, False), (8, 16, 16, 1024, 96, True)],
-        {"padded forward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": frozenset()},
-         "padded forward and backward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": _PADDED},
+        {**_PADDED_BUILDS,
          "portable": {"FWD_PADDED_DIMS": frozenset(), "BWD_PADDED_DIMS": frozenset()}},
     ),
     "padded_bwd": (  # (the padded backward alone, fewer problems)
         [(2, 32, 32, 4096, 96, True), (2, 16, 16, 4096, 96, False), (4, 32, 32, 2048, 80, True),
          (1, 32, 8, 8192, 80, True), (4, 16, 16, 2048, 112, True)],
-        {"padded forward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": frozenset()},
-         "padded forward and backward": {"FWD_PADDED_DIMS": _PADDED, "BWD_PADDED_DIMS": _PADDED}},
+        _PADDED_BUILDS,
     ),
 }  # fmt: skip
 
