@@ -223,6 +223,44 @@ def test_fully_masked_rows_give_zeros_like_sdpa(backend):
     assert all(t.grad.isfinite().all() for t in (q, k, v)) and (q.grad[:, :, 2] == 0).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "fill", [torch.finfo(torch.float32).min, torch.finfo(torch.bfloat16).min, -2.4e38, -1e38]
+)
+def test_rows_masked_by_the_float_minimum_attend_like_sdpa(backend, fill):
+    """Hugging Face's additive masks fill masked entries with the dtype's minimum (float32's or
+    bfloat16's, -3.4e38): finite scores, so a row masked entirely that way is SDPA's average
+    over its keys, not a row with no allowed key, and in a row masked partly those keys get no
+    weight. (The kernels' base-2 softmax multiplies each score by log2(e): below -2.36e38 that
+    overflowed to -inf, and such a row came out 0.) Out, lse and the gradients against SDPA's
+    float32 math path; the entirely masked row gets no upstream gradient (its lse rounds to the
+    mask value, so its gradients are those of SDPA's fused kernels, not its math path's)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=g) for n in (7, 9, 9))
+    mask = torch.zeros(7, 9)
+    mask[2] = fill  # the whole row
+    mask[4, ::2] = fill  # part of a row
+    mask[5, :8] = fill  # all keys but one
+    dout = torch.randn(2, 2, 7, 16, generator=g)
+    dout[:, :, 2] = 0
+    grads = []
+    for run in ("ours", "sdpa"):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        if run == "ours":
+            out, lse = flash_attention(qq, kk, vv, attn_mask=mask, backend=backend,
+                                       return_lse=True)  # fmt: skip
+            assert lse.isfinite().all(), "every row has finite scores"
+        else:
+            with sdpa_kernel([SDPBackend.MATH]):
+                out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)
+        out.backward(dout)
+        grads.append((out, qq.grad, kk.grad, vv.grad))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *grads, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize(
     ("backend", "dtype"),
     [("torch", torch.float16), ("torch", torch.bfloat16),

@@ -26,6 +26,7 @@ from torch_flashsys.attention._kernel_config import (
 LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, so scores are pre-multiplied by it
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest finite value
 _LN2 = tl.constexpr(0.6931471805599453)  # ln(2): turns a base-2 logsumexp into a natural one
 
 
@@ -91,7 +92,13 @@ def mod_scores(
             s = s - slope * tl.abs(q_idx - k_idx).to(tl.float32)
         if FLOAT_MASK:
             s = s + mask_vals
-        s = s * _LOG2E
+            # Finite scores stay finite in base 2: below -FLT_MAX / log2(e) (masks filled with
+            # a dtype's minimum, -3.4e38) the product would overflow to -inf, and a row masked
+            # entirely that way would read as one with no allowed key.
+            s2 = s * _LOG2E
+            s = tl.where((s2 == float("-inf")) & (s != float("-inf")), -_FLT_MAX, s2)
+        else:
+            s = s * _LOG2E
     else:
         s = qk * qk_scale
     return s, dcap
