@@ -121,9 +121,14 @@ def test_matches_single_process_and_torch_ddp(world, seed, small):
                 ours = res[f"ours[{bs}]"]
                 what = f"rank {rank} {kind} bucket_size_mb={bs}"
                 assert ours.pop("views"), f"{what}: param.grad is not a view into a bucket"
-                assert_close_tree(ours, res["torch"], f"{what} vs torch DDP")
+                # "mixed" passes float64 gradients through a float32 layer: float32 tolerances
+                # (float64's drew a 1.1e-7 difference from one process, 3 ranks, once)
+                tol = {"rtol": 1e-5, "atol": 1e-6} if kind == "mixed" else {}
+                assert_close_tree(ours, res["torch"], f"{what} vs torch DDP", **tol)
                 if "single" in single[kind]:
-                    assert_close_tree(ours, single[kind]["single"], f"{what} vs single process")
+                    assert_close_tree(
+                        ours, single[kind]["single"], f"{what} vs single process", **tol
+                    )
                 replica = {k: v for k, v in ours.items() if k != "buffers"}  # buffers: per rank
                 want = {k: v for k, v in runs[0][kind][f"ours[{bs}]"].items() if k != "buffers"}
                 assert_equal_tree(replica, want, f"{what} vs rank 0")
