@@ -145,10 +145,19 @@ def test_triton_backward_is_deterministic():
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
-def test_empty_batch(backend):
-    q = torch.randn(0, 2, 5, 16, requires_grad=True)
-    out = flash_attention(q, q, q, backend=backend)
-    assert out.shape == q.shape
+@pytest.mark.parametrize(
+    ("shape", "gqa"),
+    [((0, 2, 5, 16), False), ((0, 5, 16), False), ((2, 0, 5, 16), False), ((2, 0, 5, 16), True),
+     ((0, 3, 2, 5, 16), False)],
+)  # fmt: skip
+def test_empty_batch(backend, shape, gqa):
+    """No batch entries or no heads (3-D inputs' first dim is their batch): empty results and
+    gradients of the inputs' shapes, as SDPA's (the torch backend divided by the zero head count
+    of 3-D batch-0 and 0-head inputs)."""
+    q = torch.randn(shape, requires_grad=True)
+    out = flash_attention(q, q, q, backend=backend, enable_gqa=gqa)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, enable_gqa=gqa)
+    assert out.shape == expected.shape == q.shape
     out.sum().backward()
     assert q.grad.shape == q.shape
 

@@ -27,7 +27,7 @@ BLOCK_N = 64  # key rows per tile
 def _grouped(t: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
     """View (..., H, L, E) as (B, Hkv, G, L, E): query heads grouped by the key/value head they use."""
     t4 = t.unsqueeze(0) if t.dim() == 3 else t
-    return t4.unflatten(1, (n_kv_heads, t4.shape[1] // n_kv_heads))
+    return t4.unflatten(1, (n_kv_heads, t4.shape[1] // n_kv_heads if n_kv_heads else 1))
 
 
 def _kv(t: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ class _Tiles:
         self.batch, self.heads, self.seq_q = q4.shape[0], q4.shape[1], q4.shape[2]
         self.seq_k = k.shape[-2]
         self.device = q.device
-        group = self.heads // self.n_kv
+        group = self.heads // self.n_kv if self.n_kv else 1  # no heads: nothing to group
         # (B, Hkv, G, 1, 1) index of each query head, for dropout counters and ALiBi slopes
         self.bh = bh_base + torch.arange(self.batch * self.heads, device=q.device).view(
             self.batch, self.n_kv, group, 1, 1
