@@ -176,6 +176,63 @@ def test_scale_takes_what_sdpa_takes(backend, kind):
     assert torch.equal(out, same)
 
 
+DROPOUTS = {
+    "numpy float32": lambda: np.float32(0.25),
+    "numpy float64": lambda: np.float64(0.5),
+    "numpy int64": lambda: np.int64(0),
+    "python int": lambda: 1,
+    "0-d tensor": lambda: torch.tensor(0.25),
+    "0-d float16 tensor": lambda: torch.tensor(0.5, dtype=torch.float16),
+    "0-d int tensor": lambda: torch.tensor(0),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", sorted(DROPOUTS))
+def test_dropout_p_takes_what_sdpa_takes(backend, kind):
+    """numpy scalars and 0-d tensors as ``dropout_p`` (SDPA takes them; they raised ValueError
+    "must be a float in [0, 1]" although in range): the call equals the one with
+    ``float(dropout_p)`` under the same seed, output and gradients."""
+    p = DROPOUTS[kind]()
+    F.scaled_dot_product_attention(*(torch.randn(1, 1, 4, 16) for _ in range(3)), dropout_p=p)
+    g = torch.Generator().manual_seed(len(kind))
+    q, k, v = (torch.randn(2, 2, 13, 16, generator=g) for _ in range(3))
+    runs = []
+    for value in (p, float(p)):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(5)
+        out = flash_attention(qq, kk, vv, dropout_p=value, is_causal=True, backend=backend)
+        out.backward(torch.ones_like(out))
+        runs.append((out, qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("dropout_p", "match"),
+    [
+        (torch.tensor([0.5]), r"dropout_p must be a real number .* got a tensor of shape \(1,\)"),
+        (torch.tensor(True), "dropout_p must be a real number .* dtype torch.bool"),
+        (np.bool_(True), r"dropout_p must be a real number .* got numpy\.bool_? (np\.)?True_?"),
+        (np.float32(1.5), "dropout_p must be a real number in \\[0, 1\\]"),
+        ("0.1", "dropout_p must be a real number .* got str '0.1'"),
+    ],
+)
+def test_dropout_p_errors_name_the_argument(dropout_p, match):
+    q = torch.randn(1, 1, 4, 16)
+    with pytest.raises(ValueError, match=match) as info:
+        flash_attention(q, q, q, dropout_p=dropout_p)
+    assert str(info.value).startswith("flash_attention: dropout_p")
+
+
+def test_flag_errors_name_numpy_types():
+    """A numpy bool as ``is_causal`` is refused as SDPA refuses it, naming the numpy type (the
+    message said "must be a bool, got bool")."""
+    q = torch.randn(1, 1, 4, 16)
+    with pytest.raises(TypeError, match=r"is_causal must be a bool, got numpy\.bool"):
+        flash_attention(q, q, q, is_causal=np.bool_(True))
+
+
 @pytest.mark.parametrize(
     ("scale", "match"),
     [

@@ -119,12 +119,40 @@ def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _type_name(x: object) -> str:
+    """``float``, ``numpy.bool`` (numpy's own types named with their module)."""
+    kind = type(x)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
+def dropout_float(dropout_p: object) -> float:
+    """``dropout_p`` as a float. SDPA takes a float, an int, a numpy scalar or a 0-d tensor
+    holding one; anything else, or a value outside [0, 1], raises ``ValueError``."""
+    expected = "dropout_p must be a real number in [0, 1] (float, int, numpy scalar or 0-d tensor)"
+    value = dropout_p
+    if isinstance(dropout_p, torch.Tensor):
+        if dropout_p.dim() != 0:
+            fail(ValueError, f"{expected}, got a tensor of shape {tuple(dropout_p.shape)}")
+        if dropout_p.dtype == torch.bool or dropout_p.is_complex():
+            fail(ValueError, f"{expected}, got a 0-d tensor of dtype {dropout_p.dtype}")
+        value = dropout_p.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(ValueError, f"{expected}, got {_type_name(dropout_p)} {dropout_p!r}")
+    value = float(value)
+    if not 0.0 <= value <= 1.0:
+        fail(ValueError, f"{expected}, got {dropout_p!r}")
+    return value
+
+
 def check_scalars(dropout_p, is_causal, enable_gqa, scale, backend, window_size, softcap) -> None:
-    if not _is_real(dropout_p) or not 0.0 <= dropout_p <= 1.0:
-        fail(ValueError, f"dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    dropout_float(dropout_p)
     for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
         if not isinstance(flag, bool):
-            fail(TypeError, f"{name} must be a bool, got {type(flag).__name__}")
+            fail(TypeError, f"{name} must be a bool, got {_type_name(flag)}")
     if scale is not None:
         _check_scale(scale)
     if backend not in BACKENDS:

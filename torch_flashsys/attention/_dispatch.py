@@ -16,7 +16,7 @@ import torch
 
 from torch_flashsys.attention._autograd import TORCH, apply, torch_attention
 from torch_flashsys.attention._cache import cache_extras
-from torch_flashsys.attention._checks import check_inputs, softmax_scale
+from torch_flashsys.attention._checks import check_inputs, dropout_float, softmax_scale
 from torch_flashsys.attention._dtensor import is_dtensor, local_inputs, wrap_outputs
 from torch_flashsys.attention._extras import Extras, make_extras
 from torch_flashsys.attention._padding import key_lengths, packed_layout, per_sequence, route
@@ -34,6 +34,8 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
               softcap, alibi_slopes, cu_q, cu_k, max_q, max_k, cache_seqlens, backend,
               return_lse):  # fmt: skip
     """:func:`~torch_flashsys.attention.flash_attention` (same arguments, in its order)."""
+    if dropout_p.__class__ is not float:  # an int, a numpy scalar, a 0-d tensor: SDPA's types
+        dropout_p = dropout_float(dropout_p)
     if query.__class__ is not torch.Tensor and is_dtensor(query):
         unsupported = {"attn_mask": attn_mask, "alibi_slopes": alibi_slopes, "cu_seqlens_q": cu_q,
                        "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
