@@ -109,6 +109,63 @@ def test_zero2_matches_single_process_and_zero1(world_size, case_list):
     check_zero2(results, case_list)
 
 
+_backwards = st.lists(st.sampled_from(["sync", "local"]), min_size=0, max_size=2).map(
+    lambda first: [*first, "sync"]  # 1-3 backwards, the last one synchronizing
+)
+accumulation_cases = st.fixed_dictionaries(
+    {
+        "seed": st.integers(0, 2**20),
+        "bucket_mb": st.sampled_from([None, 0, 0.00005, 25.0]),
+        "to_none": st.booleans(),
+        "steps": st.lists(_backwards, min_size=1, max_size=2),
+    }
+)
+# The reviewer's case: two synchronizing backwards before zero_grad() (ZeRO-2 gave the owner
+# avg1 / world + avg2); then synchronizing, local (no_sync) and synchronizing backwards.
+_SYNC_TWICE = [
+    {"seed": 0, "bucket_mb": 25.0, "to_none": True, "steps": [["sync", "sync"]]},
+    {"seed": 1, "bucket_mb": 0, "to_none": False,
+     "steps": [["sync", "local", "sync"], ["sync", "sync", "sync"]]},
+]  # fmt: skip
+
+
+@SPAWNING
+@given(world_size=st.integers(2, 3), case_list=st.lists(accumulation_cases, min_size=2, max_size=3))
+@example(world_size=2, case_list=_SYNC_TWICE)
+def test_zero2_accumulates_across_synchronizing_backwards(world_size, case_list):
+    """Several backwards before zero_grad(), synchronizing or under no_sync(): the gradients
+    accumulate as with torch DDP and the plain optimizer (an owner's gradient, already averaged by
+    the first backward, counts once: it is not divided by the world size again). ZeRO-2's owned
+    gradients and every step's parameters equal ZeRO-1's and one process's on the whole batch."""
+    results = run_distributed(
+        zero2_cases.accumulate_across_backwards, world_size, args=(case_list,)
+    )
+    tol = {"rtol": 1e-10, "atol": 1e-12}
+    for rank, per_case in enumerate(results):
+        for case, out in zip(case_list, per_case, strict=True):
+            where = f"rank {rank} case {case}"
+            for step, (z2, z1, single) in enumerate(
+                zip(
+                    out["zero2"]["grads"],
+                    out["zero1"]["grads"],
+                    out["single"]["grads"],
+                    strict=True,
+                )
+            ):
+                for i, owned in enumerate(out["owned"]):
+                    what = f"{where} step {step} parameter {i}"
+                    torch.testing.assert_close(z1[i], single[i], **tol, msg=what + " (ZeRO-1)")
+                    if owned:
+                        torch.testing.assert_close(z2[i], single[i], **tol, msg=what + " (ZeRO-2)")
+                    else:
+                        assert z2[i] is None, f"{what}: ZeRO-2 kept another rank's gradient"
+            for z2, z1, single in zip(
+                out["zero2"]["params"], out["zero1"]["params"], out["single"]["params"], strict=True
+            ):
+                torch.testing.assert_close(z2, single, **tol, msg=where + " parameters (ZeRO-2)")
+                torch.testing.assert_close(z1, single, **tol, msg=where + " parameters (ZeRO-1)")
+
+
 def test_world_size_one_costs_nothing():
     """At world size 1 ShardedOptimizer copies no parameter, builds no buffer and issues no
     collective in step(), with or without shard_gradients, and equals the plain optimizer."""

@@ -13,6 +13,7 @@ scalar, groups, steps (as in zero_cases.py), plus
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.distributed as dist
@@ -197,3 +198,57 @@ def run_world_one(rank: int, world: int, case: dict) -> dict:
         out[f"plain[{shard_gradients}]"] = [p.detach().cpu() for p in reference.parameters()]
         out[f"buckets[{shard_gradients}]"] = len(opt._buckets)
     return out
+
+
+def _accum_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def accumulate_across_backwards(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Gradient accumulation across synchronizing backwards (no zero_grad between them), with
+    ZeRO-2, ZeRO-1 and one process on the whole batch (float64, SGD lr 0.1).
+
+    A case: seed, bucket_mb, to_none (zero_grad mode after each step), and per step a list of
+    backwards, each ``"sync"`` or ``"local"`` (a forward under no_sync()); every step ends with a
+    synchronizing one. Returns per step each trainable parameter's gradient before the step
+    (``None`` where this rank holds none: ZeRO-2's other ranks' parameters) and the final
+    parameters."""
+    per = 2
+    results = []
+    for case in cases:
+        base = _accum_model(case["seed"])
+        g = torch.Generator().manual_seed(case["seed"] + 1)
+        batches = [
+            [torch.randn(per * world, 3, generator=g, dtype=torch.float64) for _ in step]
+            for step in case["steps"]
+        ]
+        out: dict = {}
+        for kind in ("zero2", "zero1", "single"):
+            model = copy.deepcopy(base)
+            if kind == "single":
+                wrapped = model
+                opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            else:
+                wrapped = BucketedDDP(model, bucket_size_mb=case["bucket_mb"])
+                opt = ShardedOptimizer(
+                    model.parameters(), torch.optim.SGD, lr=0.1, shard_gradients=kind == "zero2"
+                )
+            grads = []
+            for modes, xs in zip(case["steps"], batches, strict=True):
+                for mode, x in zip(modes, xs, strict=True):
+                    mine = x if kind == "single" else x.view(world, per, 3)[rank]
+                    local = mode == "local" and kind != "single"
+                    with wrapped.no_sync() if local else contextlib.nullcontext():
+                        wrapped(mine).pow(2).mean().backward()
+                grads.append(
+                    [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+                )
+                opt.step()
+                opt.zero_grad(set_to_none=case["to_none"])
+            out[kind] = {"grads": grads, "params": [p.detach().clone() for p in model.parameters()]}
+            if kind == "zero2":
+                owned = {id(p) for p in opt._owned(opt._params)}
+                out["owned"] = [id(p) in owned for p in model.parameters()]
+        results.append(out)
+    return results

@@ -120,6 +120,12 @@ class Bucket:
     not ready), ``phantom`` (indices whose ``grad`` was set to a zeroed view and has received
     nothing since), ``flags_set`` (the buffer was zeroed and its flags set to 1 in this
     backward, so no gradient slice or flag needs touching before the reduction), ``work``.
+
+    ZeRO-2 owner state (see ``GradientReducer.separate_reduced``): ``reduced`` (the buffer holds
+    the average its last reduction brought, which the other ranks do not hold), ``carry`` (such
+    an average set aside by a backward that did not synchronize, while local gradients were
+    added to it) and ``carry_version`` (the buffer's version when that backward ended), and
+    ``seen_task`` (the autograd graph task that last looked at them).
     """
 
     def __init__(
@@ -148,6 +154,10 @@ class Bucket:
         self._comm: torch.Tensor | None = None  # what is being reduced (buffer or a copy)
         self._sent: torch.Tensor | None = None  # the alias of _comm handed to the backend
         self._none_here: list[int] = []  # params with no gradient on this rank at launch
+        self.reduced = False
+        self.carry: torch.Tensor | None = None
+        self.carry_version = -1
+        self.seen_task = -1
 
     def bind(self, buffer: torch.Tensor) -> None:
         """Use ``buffer`` (``size`` elements) and move existing gradients into it."""
@@ -184,6 +194,7 @@ class Bucket:
         self.buffer, self.views, self.flags = None, [], None
         self.phantom.clear()
         self.flags_set = False
+        self.reduced, self.carry = False, None
 
     def reset(self) -> None:
         """Forget the previous backward's readiness (call before a synchronizing backward)."""
@@ -321,6 +332,8 @@ class Bucket:
                 grads.copy_(result.reshape(-1))
         elif self.work is not None:
             self.work.wait()
+            # an owner's average of a reduction over several ranks: counted once from now on
+            self.reduced = self.keeps and self.owner is not None and self.work is not _LOCAL
             self.work = None
             if self._sent is not None:
                 _release.handed_back(self._sent)

@@ -58,6 +58,12 @@ def _grad_ready(ref: weakref.ref, i: int, param: torch.Tensor) -> None:
         reducer.on_grad_ready(i)
 
 
+def _grad_arriving(ref: weakref.ref, i: int, grad: torch.Tensor) -> None:
+    reducer = ref()
+    if reducer is not None:
+        reducer.before_grad(i)
+
+
 def remove_hooks(handles: list) -> None:
     for handle in handles:
         handle.remove()
@@ -139,6 +145,8 @@ class GradientReducer:
         self.join_config = _JoinConfig.construct_disabled_join_config()
         self.join_synced = True
         self.release_between_steps = True  # release_idle (False: keep the buffers; benchmarks)
+        self._owner_handles: list = []  # ZeRO-2: hooks before the kept gradients accumulate
+        self._task = -1  # the autograd graph task _begin_task last saw
         self._build_buckets()
         self._register_hooks()
 
@@ -229,6 +237,76 @@ class GradientReducer:
                 )
             self.owners = list(owners)
             self._build_buckets()
+            self._register_owner_hooks()
+
+    def _register_owner_hooks(self) -> None:
+        """ZeRO-2: a hook on each parameter this rank keeps, run before its gradient accumulates
+        (a leaf tensor hook), so that an average held as its owner is set apart before a
+        backward adds to it (:meth:`separate_reduced`)."""
+        remove_hooks(self._owner_handles)
+        this = weakref.ref(self)
+        self._owner_handles = [
+            p.register_hook(functools.partial(_grad_arriving, this, i))
+            for i, p in enumerate(self.params)
+            if (slot := self._slots[i]) is not None and self.buckets[slot[0]].keeps
+        ]
+        weakref.finalize(self, remove_hooks, list(self._owner_handles))
+
+    def _will_sync(self) -> bool:
+        """Whether the backward running now synchronizes (or would, if it started now)."""
+        return self.bw.syncing if self.bw.in_backward else self.grad_sync
+
+    def before_grad(self, i: int) -> None:
+        """ZeRO-2, before a gradient of a parameter this rank keeps accumulates."""
+        slot = self._slots[i]
+        bucket = self.buckets[slot[0]]
+        if bucket.reduced or bucket.carry is not None:
+            with self.lock:
+                self._begin_task()
+                self.separate_reduced(bucket, self._will_sync())
+
+    def _begin_task(self) -> None:
+        """Once per backward (autograd graph task), before it changes a kept gradient: an average
+        set aside (``carry``) whose buffer changed since (``zero_grad(set_to_none=False)``, a
+        gradient set by hand) is dropped; what the gradients hold then counts as local."""
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        self._task = task
+        for bucket in self.buckets:
+            if bucket.carry is not None and (
+                bucket.buffer is None or bucket.buffer._version != bucket.carry_version
+            ):
+                bucket.carry = None
+
+    def separate_reduced(self, bucket: Bucket, sync: bool) -> None:
+        """ZeRO-2 owner, before a backward adds to ``bucket``'s gradients (or reduces them).
+
+        After a synchronizing backward the owner alone holds the average (``bucket.reduced``),
+        which stands for every rank's copy of it under torch DDP; the next reduction divides the
+        sum of the ranks' buffers by ``divisor``, so that average must enter it ``divisor``
+        times, else it would count ``1 / divisor`` (gradient accumulation across synchronizing
+        backwards). A synchronizing backward scales it in place; a local one (no_sync, a
+        backward outside the wrapper) sets it apart as ``carry`` (the gradients show average +
+        local sum, as with torch DDP) and the next synchronizing backward adds it ``divisor - 1``
+        more times."""
+        task = torch._C._current_graph_task_id()
+        if task != -1 and bucket.seen_task == task:  # looked at in this backward already
+            return
+        bucket.seen_task = task
+        if bucket.buffer is None or not bucket.holds_views():  # zero_grad(): nothing held
+            bucket.reduced, bucket.carry = False, None
+            return
+        grads = bucket.buffer[: bucket.total]
+        if bucket.reduced:
+            bucket.reduced = False
+            if sync:
+                grads.mul_(self.divisor)
+            else:
+                bucket.carry = grads.clone()
+        elif bucket.carry is not None and sync:
+            grads.add_(bucket.carry, alpha=self.divisor - 1)
+            bucket.carry = None
 
     # Backward machinery: hook per parameter -> launch ready buckets in order -> wait at the end.
 
@@ -270,6 +348,8 @@ class GradientReducer:
         ``None`` grad pointed at its zeroed bucket view so that the backward adds in place."""
         if self.grad_sync and not self.comm_checked:
             self._check_comm_hooks()  # before any state changes: a mismatch leaves it as it was
+        if self.owners is not None:
+            self._begin_task()  # before _prepare changes the kept buffers
         bw = self.bw
         bw.in_backward, bw.syncing = True, self.grad_sync
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -370,6 +450,8 @@ class GradientReducer:
 
     def _launch(self, b: int) -> None:
         bucket, describe = self.buckets[b], functools.partial(self._describe_bucket, b)
+        if bucket.reduced or bucket.carry is not None:  # ZeRO-2: no gradient of it came
+            self.separate_reduced(bucket, sync=True)
         if self.comm_hook is not None:
             state, hook = self.comm_hook
             run = lambda grad_bucket: hook(state, grad_bucket)
@@ -406,6 +488,8 @@ class GradientReducer:
         for bucket in self.buckets:
             if bucket.keeps:
                 bucket.clear_phantoms()
+                if bucket.carry is not None:  # ZeRO-2: see _begin_task
+                    bucket.carry_version = bucket.buffer._version
         self.bw.in_backward = False
 
     def _finish_locked(self) -> None:
@@ -516,6 +600,7 @@ class GradientReducer:
             for bucket in self.buckets:
                 for p in bucket.params:
                     p.grad = None
+                bucket.reduced, bucket.carry = False, None
                 bucket.reset()
                 bucket.phantom.clear()
                 bucket.flags_set = False
