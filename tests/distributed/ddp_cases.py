@@ -8,6 +8,7 @@ means over equal-sized shards, so the averaged DDP gradient equals the full-batc
 from __future__ import annotations
 
 import contextlib
+import copy as _copy
 import gc
 import time
 import warnings
@@ -767,4 +768,126 @@ def default_loop(rank: int, world: int, seed: int, bucket_mb: float | None) -> d
 
                 res["ours_copying"] = train_loop(kind, seed, rank, copying, mine, pattern, device)
             out[f"{kind}/{pattern}"] = res
+    return out
+
+
+def local_backwards(rank: int, world: int, seed: int) -> dict[str, Any]:
+    """Backwards that do not go through the wrapper's forward, beside torch DDP's: on rank 0
+    only, a diagnostic backward through ``.module`` before the first forward and between two
+    steps (its gradients zeroed before the next step); on every rank, after the synchronizing
+    backward of step 1, the backward of a weight penalty computed from ``.module``'s parameters
+    (its gradients added locally, not averaged). Per step the gradients before ``step()``, the
+    diagnostics' gradients, BucketedDDP's collectives during them, and the final parameters."""
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(F64)
+    g = torch.Generator().manual_seed(seed + rank)
+    xs = [torch.randn(2, 3, generator=g, dtype=F64) for _ in range(3)]
+    probe = torch.linspace(-1.0, 1.0, 3, dtype=F64).view(1, 3)
+    calls: list[int] = []
+    real_all_reduce = _buckets.all_reduce
+
+    def counting_all_reduce(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real_all_reduce(*a, **k)
+
+    out: dict[str, Any] = {}
+    for kind in ("torch", "ours"):
+        model = _copy.deepcopy(base)
+        wrapped = TorchDDP(model) if kind == "torch" else BucketedDDP(model, 0)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        res: dict[str, Any] = {"grads": [], "probe": [], "probe_collectives": []}
+        for step, x in enumerate(xs):
+            if rank == 0 and step in (0, 2):  # diagnostic: local, zeroed after
+                opt.zero_grad()
+                before = len(calls)
+                _buckets.all_reduce = counting_all_reduce
+                try:
+                    model(probe).sum().backward()
+                finally:
+                    _buckets.all_reduce = real_all_reduce
+                res["probe_collectives"].append(len(calls) - before)
+                res["probe"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+                opt.zero_grad()
+            wrapped(x).pow(2).mean().backward()
+            if step == 1:  # every rank: a penalty's gradient, added locally
+                sum(p.pow(2).sum() for p in model.parameters()).backward()
+            res["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        res["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[kind] = res
+    return out
+
+
+class _Checkpointed(nn.Module):
+    """Linear -> tanh -> Linear, the first two under non-reentrant activation checkpointing; the
+    forward also keeps a penalty of its hidden activations in ``self.aux`` (a loss term that
+    the output does not lead to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.a(t)), x, use_reentrant=False
+        )
+        self.aux = h.pow(2).mean()
+        return self.b(h)
+
+
+GRAPH_PATTERNS = ("retain_graph", "two_forwards", "grad_penalty", "aux_only", "aux_first")
+
+
+def _graph_pattern_loss(wrapped: nn.Module, pattern: str, x: torch.Tensor) -> None:
+    """One step's backwards for ``pattern`` (on one rank's shard or, single process, the whole
+    batch: every loss is a mean, so the averages match)."""
+    inner = getattr(wrapped, "module", wrapped)
+    if pattern == "retain_graph":  # two backwards of one forward: both synchronize
+        out = wrapped(x)
+        out[:, 0].mean().backward(retain_graph=True)
+        out[:, 1].mean().backward()
+    elif pattern == "two_forwards":  # two forwards, one backward
+        half = x.shape[0] // 2
+        (wrapped(x[:half]).pow(2).mean() + wrapped(x[half:]).pow(2).mean()).backward()
+    elif pattern == "grad_penalty":  # autograd.grad(create_graph=True), then one backward
+        x = x.clone().requires_grad_(True)
+        out = wrapped(x)
+        (gx,) = torch.autograd.grad(out.pow(2).mean(), x, create_graph=True)
+        (out.pow(2).mean() + gx.pow(2).sum() * x.shape[0]).backward()
+    elif pattern == "aux_only":  # the loss is kept by the forward, not returned
+        wrapped(x)
+        inner.aux.backward()
+    else:  # "aux_first": the returned output and the kept loss, the kept one first
+        out = wrapped(x)
+        (inner.aux + out.pow(2).mean()).backward()
+
+
+def graph_patterns(rank: int, world: int, seed: int, patterns: list[str]) -> dict[str, Any]:
+    """One step per pattern (SGD): BucketedDDP on this rank's shard, one process on the whole
+    batch (rank 0); gradients before each step and the final parameters."""
+    torch.manual_seed(seed)
+    base = _Checkpointed().to(F64)
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [torch.randn(4 * world, 3, generator=g, dtype=F64) for _ in patterns]
+    out: dict[str, Any] = {}
+    for kind in ("ours", "single"):
+        if kind == "single" and rank != 0:
+            continue
+        model = _copy.deepcopy(base)
+        wrapped = BucketedDDP(model, 0) if kind == "ours" else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        for pattern, x in zip(patterns, batches, strict=True):
+            mine = x.view(world, 4, 3)[rank] if kind == "ours" else x
+            _graph_pattern_loss(wrapped, pattern, mine)
+            grads.append(
+                {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+            )
+            opt.step()
+            opt.zero_grad()
+        out[kind] = {
+            "grads": grads,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        }
     return out

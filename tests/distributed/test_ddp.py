@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tests.distributed import ddp_cases
@@ -335,3 +335,49 @@ def test_loop_patterns_mixed_across_steps_match_torch_ddp(world, seed, bucket_mb
             for step in range(1, len(patterns)):
                 freed = patterns[step - 1] in ("default", "no_sync") or patterns[step] == "before"
                 assert released[step] == freed, f"{what}: step {step} released {released}"
+
+
+# ------------------------------------------- backwards that do not go through the wrapper
+
+
+@given(seed=SEEDS)
+@ONE_RUN
+def test_backwards_outside_the_wrapper_stay_local(seed):
+    """A backward through ``.module`` (a diagnostic on rank 0 alone, before the first forward and
+    between steps; a weight penalty on every rank after the synchronizing backward) accumulates
+    locally and communicates nothing, as under torch DDP: gradients, diagnostics and parameters
+    equal torch DDP's on every rank (before, rank 0's diagnostic paired its all-reduces with
+    rank 1's training backward: silently different weights)."""
+    runs = run_distributed(ddp_cases.local_backwards, 2, args=(seed,), timeout=60)
+    for rank, run in enumerate(runs):
+        ours, theirs = run["ours"], run["torch"]
+        what = f"rank {rank}"
+        assert ours["probe_collectives"] == ([0, 0] if rank == 0 else []), what
+        assert len(ours["probe"]) == len(theirs["probe"]), what
+        for got, want in zip(ours["probe"], theirs["probe"], strict=True):
+            assert_close_tree(got, want, f"{what} diagnostic gradients")
+        for step, (got, want) in enumerate(zip(ours["grads"], theirs["grads"], strict=True)):
+            assert_close_tree(got, want, f"{what} step {step} gradients")
+        assert_close_tree(ours["params"], theirs["params"], f"{what} parameters")
+    assert_equal_tree(runs[0]["ours"]["params"], runs[1]["ours"]["params"], "replicas")
+
+
+@given(
+    seed=SEEDS,
+    patterns=st.lists(st.sampled_from(ddp_cases.GRAPH_PATTERNS), min_size=3, max_size=5),
+)
+@example(seed=0, patterns=list(ddp_cases.GRAPH_PATTERNS))
+@settings(max_examples=1, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+def test_backward_patterns_of_the_wrapper_synchronize(seed, patterns):
+    """The backwards that do go through the wrapper's forward still synchronize: two backwards
+    of one forward (retain_graph), two forwards in one backward, a gradient penalty through
+    autograd.grad(create_graph=True), non-reentrant activation checkpointing, a loss the forward
+    keeps in an attribute instead of returning it (alone, or reaching some parameters before the
+    output does): equal to one process on the whole batch at every step."""
+    runs = run_distributed(ddp_cases.graph_patterns, 2, args=(seed, patterns), timeout=60)
+    single = runs[0]["single"]
+    for rank, run in enumerate(runs):
+        ours = run["ours"]
+        for step, (got, want) in enumerate(zip(ours["grads"], single["grads"], strict=True)):
+            assert_close_tree(got, want, f"rank {rank} step {step} ({patterns[step]}) gradients")
+        assert_close_tree(ours["params"], single["params"], f"rank {rank} {patterns} parameters")

@@ -64,6 +64,12 @@ def _grad_arriving(ref: weakref.ref, i: int, grad: torch.Tensor) -> None:
         reducer.before_grad(i)
 
 
+def _output_grad(ref: weakref.ref, grad: torch.Tensor) -> None:
+    reducer = ref()
+    if reducer is not None:
+        reducer.on_output_grad()
+
+
 def remove_hooks(handles: list) -> None:
     for handle in handles:
         handle.remove()
@@ -135,7 +141,12 @@ class GradientReducer:
         self.prepoint = len({p.device for p in self.params}) == 1
         self.owners: list[int] | None = None  # ZeRO-2: owner group rank of each parameter
         self.lock = threading.Lock()  # hooks of CUDA backwards run on autograd's device threads
-        self.grad_sync = True  # decided by the last forward, as in torch DDP
+        self.grad_sync = True  # the last forward ran outside no_sync()
+        # A synchronizing forward ran and no synchronizing backward has finished since: the
+        # next backward to reach the parameters synchronizes (torch DDP's rule), even if it
+        # does not pass through the forward's outputs (a loss kept in an attribute).
+        self.pending_sync = False
+        self._marked_task = -1  # the backward that passed through a synchronizing forward's output
         self.bw = BackwardState()
         self.comm_hook: tuple[Any, Callable[..., torch.futures.Future]] | None = None
         self.comm_checked = False  # hooks compared across ranks (first synchronizing backward)
@@ -253,8 +264,49 @@ class GradientReducer:
         weakref.finalize(self, remove_hooks, list(self._owner_handles))
 
     def _will_sync(self) -> bool:
-        """Whether the backward running now synchronizes (or would, if it started now)."""
-        return self.bw.syncing if self.bw.in_backward else self.grad_sync
+        """Whether the backward running now synchronizes (or would, if it started now): it
+        passed through an output of a synchronizing forward, or it is the first to reach the
+        parameters since such a forward (:attr:`pending_sync`)."""
+        if self.bw.in_backward:
+            return self.bw.syncing
+        return self.pending_sync or self._marked_task == torch._C._current_graph_task_id()
+
+    def mark_outputs(self, outputs: Sequence[torch.Tensor]) -> None:
+        """A synchronizing forward returned ``outputs``: a backward that passes through one of
+        them synchronizes. Each gets a hook (holding this reducer weakly) that runs when the
+        backward reaches it, before it reaches the parameters it used."""
+        this = weakref.ref(self)
+        hook = functools.partial(_output_grad, this)
+        for out in outputs:
+            out.register_hook(hook)
+
+    def on_output_grad(self) -> None:
+        """A backward reached an output of a synchronizing forward: it synchronizes. One that
+        started without it (a parameter reached first through another path, before this
+        output) becomes synchronizing now (:meth:`_upgrade`)."""
+        with self.lock:
+            if not self.bw.in_backward:
+                self._marked_task = torch._C._current_graph_task_id()
+            elif not self.bw.syncing:
+                self._upgrade()
+
+    def _upgrade(self) -> None:
+        """A backward that started as local turns out to synchronize: set up what
+        :meth:`_start_backward` sets up for one. The gradients that arrived before are already
+        in the buckets (adopted by their hooks); not marked ready, they are taken at launch as
+        any gradient accumulated earlier (:meth:`Bucket.prepare`)."""
+        if not self.comm_checked:
+            self._check_comm_hooks()
+        bw = self.bw
+        bw.syncing, bw.next_bucket, bw.ahead_next = True, 0, 0
+        for bucket in self.buckets:
+            bucket.reset()
+        task = torch._C._current_graph_task_id()
+        for bucket in self.buckets:  # ZeRO-2: averages set aside in this backward count in
+            if bucket.carry is not None and bucket.seen_task == task:
+                bucket.buffer[: bucket.total].add_(bucket.carry, alpha=self.divisor - 1)
+                bucket.carry = None
+        self._ahead = [b for b, bucket in enumerate(self.buckets) if bucket.buffer is None]
 
     def before_grad(self, i: int) -> None:
         """ZeRO-2, before a gradient of a parameter this rank keeps accumulates."""
@@ -346,12 +398,13 @@ class GradientReducer:
     def _start_backward(self) -> None:
         """First hook of a backward: end-of-backward callback, per-backward state, and every
         ``None`` grad pointed at its zeroed bucket view so that the backward adds in place."""
-        if self.grad_sync and not self.comm_checked:
+        syncing = self._will_sync()
+        if syncing and not self.comm_checked:
             self._check_comm_hooks()  # before any state changes: a mismatch leaves it as it was
         if self.owners is not None:
             self._begin_task()  # before _prepare changes the kept buffers
         bw = self.bw
-        bw.in_backward, bw.syncing = True, self.grad_sync
+        bw.in_backward, bw.syncing = True, syncing
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if bw.syncing:
             for bucket in self.buckets:
@@ -517,6 +570,7 @@ class GradientReducer:
                 self._share_nonfinite()
         finally:
             self.bw.in_backward = False
+            self.pending_sync = False
 
     def kept_buffers(self) -> list[torch.Tensor]:
         """The memory holding this rank's kept gradients: one storage per (device, dtype), or

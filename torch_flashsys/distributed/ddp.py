@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +68,31 @@ def _double_wrap_problem(
             )
             return Problem(RuntimeError, message, message)
     return None
+
+
+def _graph_tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output (nested in tuples, lists, dicts, dataclasses such as
+    Hugging Face's ModelOutput) that a backward can pass through: those with a ``grad_fn``
+    (a parameter or input returned as is is not marked)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [output]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.grad_fn is not None:
+                found.append(obj)
+            continue
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, Mapping):
+            stack.extend(obj.values())
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
+    return found
 
 
 def _check_can_wrap(module: Any, process_group: Any) -> None:
@@ -339,7 +365,12 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
             self._broadcast_buffers(self._src)
         reducer.grad_sync = not self._no_sync
         self._sync_buffers_next = torch.is_grad_enabled() and reducer.grad_sync
-        return self.module(*inputs, **kwargs)
+        output = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled():  # a forward without grad leaves the backward rule alone
+            reducer.pending_sync = reducer.grad_sync
+            if reducer.grad_sync:
+                reducer.mark_outputs(_graph_tensors(output))
+        return output
 
     def _refuse_torch_ddp(self, active: TorchDDP) -> None:
         """Raise if the torch DDP whose forward is running synchronizes our parameters too."""
