@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.distributed.common import Batches, Wrap
+from tests.distributed.common import Batches, Wrap, attempt
 from torch_flashsys.distributed import BucketedDDP, _buckets, _release
 
 F64 = torch.float64
@@ -890,4 +890,43 @@ def graph_patterns(rank: int, world: int, seed: int, patterns: list[str]) -> dic
             "grads": grads,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         }
+    return out
+
+
+def copies(rank: int, world: int, seed: int) -> dict[str, Any]:
+    """``copy.deepcopy`` of a wrapper after one step, trained two more steps, beside torch DDP's
+    copy; ``AveragedModel`` of a wrapper; and a copy of a wrapper over a subgroup (refused)."""
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(F64)
+    g = torch.Generator().manual_seed(seed + rank)
+    xs = [torch.randn(2, 3, generator=g, dtype=F64) for _ in range(3)]
+    out: dict[str, Any] = {}
+    for kind in ("torch", "ours"):
+        wrapped = (TorchDDP if kind == "torch" else BucketedDDP)(_copy.deepcopy(base))
+        wrapped(xs[0]).pow(2).mean().backward()
+        with torch.no_grad():
+            for p in wrapped.parameters():
+                p -= 0.1 * p.grad
+        twin = _copy.deepcopy(wrapped)
+        out[f"{kind}/separate"] = all(
+            a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+            for a, b in zip(wrapped.module.parameters(), twin.module.parameters(), strict=True)
+        )
+        opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+        for x in xs[1:]:
+            twin(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out[f"{kind}/params"] = {n: p.detach().clone() for n, p in twin.module.named_parameters()}
+        out[f"{kind}/original_unchanged"] = all(
+            not torch.equal(a, b)
+            for a, b in zip(wrapped.module.parameters(), twin.module.parameters(), strict=True)
+        )
+        averaged = torch.optim.swa_utils.AveragedModel(wrapped)
+        averaged.update_parameters(wrapped)
+        with torch.no_grad():
+            out[f"{kind}/averaged"] = averaged(xs[0])
+            out[f"{kind}/averaged_want"] = wrapped.module(xs[0])
+    sub = BucketedDDP(_copy.deepcopy(base), process_group=dist.new_group(list(range(world))))
+    out["subgroup"] = attempt(lambda: _copy.deepcopy(sub))
     return out

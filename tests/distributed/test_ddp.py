@@ -381,3 +381,27 @@ def test_backward_patterns_of_the_wrapper_synchronize(seed, patterns):
         for step, (got, want) in enumerate(zip(ours["grads"], single["grads"], strict=True)):
             assert_close_tree(got, want, f"rank {rank} step {step} ({patterns[step]}) gradients")
         assert_close_tree(ours["params"], single["params"], f"rank {rank} {patterns} parameters")
+
+
+# ------------------------------------------------------------------------- copies
+
+
+@given(seed=SEEDS)
+@ONE_RUN
+def test_deepcopy_and_averaged_model(seed):
+    """copy.deepcopy of a wrapper is a wrapper over a deep copy of the module (its own
+    parameters) that trains as torch DDP's copy does, leaving the original alone;
+    torch.optim.swa_utils.AveragedModel takes a wrapper; a wrapper over a group other than the
+    default one cannot be copied (as torch DDP: the copy is rebuilt on the default group)."""
+    runs = run_distributed(ddp_cases.copies, 2, args=(seed,), timeout=60)
+    for rank, run in enumerate(runs):
+        what = f"rank {rank}"
+        for kind in ("torch", "ours"):
+            assert run[f"{kind}/separate"], f"{what} {kind}: the copy shares parameters"
+            assert run[f"{kind}/original_unchanged"], f"{what} {kind}: training the copy moved it"
+            assert_close_tree(run[f"{kind}/averaged"], run[f"{kind}/averaged_want"], what)
+        assert_close_tree(run["ours/params"], run["torch/params"], f"{what} trained copy")
+        assert run["subgroup"].startswith(
+            "RuntimeError: BucketedDDP: only a wrapper over the default process group"
+        ), run["subgroup"]
+    assert_equal_tree(runs[0]["ours/params"], runs[1]["ours/params"], "replicas of the copy")

@@ -264,6 +264,12 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
         problem = problem or _double_wrap_problem(self.module, named)
         sparse_ids = sparse_gradient_params(self.module)
         self._verify_and_sync(named, sparse_ids, options, problem)
+        return self._new_reducer(named, sparse_ids)
+
+    def _new_reducer(
+        self, named: list[tuple[str, torch.nn.Parameter]], sparse_ids: set[int]
+    ) -> GradientReducer:
+        """The reducer of the trainable ones of ``named`` (no collective)."""
         trainable = [(name, p) for name, p in named if p.requires_grad]
         compression = self.grad_compression
         return GradientReducer(
@@ -274,6 +280,35 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
             self.process_group,
             COMPRESSION.get(compression) if compression else None,
         )
+
+    # Copies (copy.deepcopy, pickle, torch.optim.swa_utils.AveragedModel), as torch DDP: the
+    # process group and the reducer are not copied; the copy gets a reducer of its own over the
+    # copied module's parameters, on the default process group.
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.process_group is not None:
+            raise RuntimeError(
+                "BucketedDDP: only a wrapper over the default process group can be copied or "
+                "pickled (as torch DDP: the copy is rebuilt on the default group); this one has "
+                f"process_group={self.process_group!r}; copy its .module instead"
+            )
+        state = dict(self.__dict__)
+        for key in ("process_group", "_group", "_reducer", "_torch_ddp_ok"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """The copy: the wrapper's settings, the copied module, a new reducer (no collective:
+        a copy may be made on one rank only; the module is not checked across ranks or
+        broadcast again), the default process group. A communication hook, ZeRO-2 sharding
+        and the Join state are not copied (torch DDP's copy drops its hook too)."""
+        super().__setstate__(state)
+        self.process_group = None
+        self._group = dist.group.WORLD
+        self._reducer = self._new_reducer(
+            list(self.module.named_parameters()), sparse_gradient_params(self.module)
+        )
+        self._install_torch_ddp_guard()
 
     def _install_torch_ddp_guard(self) -> None:
         """The forward pre-hook that refuses a torch DDP over the same parameters; it goes with
