@@ -930,3 +930,29 @@ def copies(rank: int, world: int, seed: int) -> dict[str, Any]:
     sub = BucketedDDP(_copy.deepcopy(base), process_group=dist.new_group(list(range(world))))
     out["subgroup"] = attempt(lambda: _copy.deepcopy(sub))
     return out
+
+
+def require_backward_grad_sync(rank: int, world: int, seed: int) -> dict[str, Any]:
+    """torch DDP's ``require_backward_grad_sync`` (what ``no_sync()`` toggles) set by hand: a
+    forward with it False accumulates locally, the next with it True averages the sum; beside
+    torch DDP. Also what it reads inside and after no_sync(), and a non-bool assignment."""
+    torch.manual_seed(seed)
+    base = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(F64)
+    g = torch.Generator().manual_seed(seed + rank)
+    xs = [torch.randn(2, 3, generator=g, dtype=F64) for _ in range(2)]
+    out: dict[str, Any] = {}
+    for kind in ("torch", "ours"):
+        wrapped = (TorchDDP if kind == "torch" else BucketedDDP)(_copy.deepcopy(base))
+        out[f"{kind}/read"] = [wrapped.require_backward_grad_sync]
+        with wrapped.no_sync():
+            out[f"{kind}/read"].append(wrapped.require_backward_grad_sync)
+        out[f"{kind}/read"].append(wrapped.require_backward_grad_sync)
+        wrapped.require_backward_grad_sync = False
+        wrapped(xs[0]).pow(2).mean().backward()
+        out[f"{kind}/local"] = {n: p.grad.clone() for n, p in wrapped.module.named_parameters()}
+        wrapped.require_backward_grad_sync = True
+        wrapped(xs[1]).pow(2).mean().backward()
+        out[f"{kind}/synced"] = {n: p.grad.clone() for n, p in wrapped.module.named_parameters()}
+    ours = BucketedDDP(_copy.deepcopy(base))
+    out["non_bool"] = attempt(lambda: setattr(ours, "require_backward_grad_sync", 1))
+    return out

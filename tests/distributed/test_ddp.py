@@ -405,3 +405,20 @@ def test_deepcopy_and_averaged_model(seed):
             "RuntimeError: BucketedDDP: only a wrapper over the default process group"
         ), run["subgroup"]
     assert_equal_tree(runs[0]["ours/params"], runs[1]["ours/params"], "replicas of the copy")
+
+
+@given(seed=SEEDS)
+@ONE_RUN
+def test_require_backward_grad_sync(seed):
+    """Setting require_backward_grad_sync (torch DDP's attribute, the state no_sync() toggles)
+    to False makes the next forward's backward local, True synchronizing again: gradients equal
+    torch DDP's; it reads False inside no_sync(); a non-bool raises TypeError."""
+    runs = run_distributed(ddp_cases.require_backward_grad_sync, 2, args=(seed,), timeout=60)
+    for rank, run in enumerate(runs):
+        what = f"rank {rank}"
+        assert run["ours/read"] == run["torch/read"] == [True, False, True], what
+        assert_close_tree(run["ours/local"], run["torch/local"], f"{what} local backward")
+        assert_close_tree(run["ours/synced"], run["torch/synced"], f"{what} synchronized")
+        assert run["non_bool"] == (
+            "TypeError: BucketedDDP.require_backward_grad_sync must be a bool, got int"
+        ), run["non_bool"]

@@ -453,6 +453,21 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
         finally:
             self._no_sync = previous
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's attribute: whether the backwards of the next forwards synchronize
+        (``False`` inside :meth:`no_sync`, which sets it). Settable, as in torch DDP: ``False``
+        until set back to ``True`` is ``no_sync()`` without the context manager."""
+        return not self._no_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"BucketedDDP.require_backward_grad_sync must be a bool, got {type(value).__name__}"
+            )
+        self._no_sync = not value
+
     def register_comm_hook(self, state: Any, hook: Callable[..., torch.futures.Future]) -> None:
         """Reduce each gradient bucket with ``hook(state, bucket)``, torch DDP's contract.
 
