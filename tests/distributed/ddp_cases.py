@@ -364,9 +364,21 @@ def _linear(kwargs: dict) -> Callable[[int, int], tuple[nn.Module, dict]]:
     return lambda r, w: (nn.Linear(4, 4), dict(kwargs))
 
 
+def _ignoring(rank: int, world: int) -> tuple[nn.Module, dict]:
+    """A module marked by torch's DDP._set_params_and_buffers_to_ignore_for_model."""
+    module = nn.Linear(4, 4)
+    TorchDDP._set_params_and_buffers_to_ignore_for_model(module, ["bias"])
+    return module, {}
+
+
 # Constructor error table: case -> (inputs builder (rank, world) -> (module, kwargs), error, text).
 # Every case must raise on every rank, never hang; mismatches name the first difference.
 ERROR_CASES: dict[str, tuple[Callable[[int, int], tuple[Any, dict]], type, str]] = {
+    "params_and_buffers_to_ignore": (
+        _ignoring,
+        NotImplementedError,
+        "module._ddp_params_and_buffers_to_ignore is set (['bias']",
+    ),
     "bucket_size_negative": (
         _linear({"bucket_size_mb": -1.0}),
         ValueError,

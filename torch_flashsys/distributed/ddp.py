@@ -70,6 +70,25 @@ def _double_wrap_problem(
     return None
 
 
+def _ignore_problem(module: torch.nn.Module) -> Problem | None:
+    """torch DDP's private ``DDP._set_params_and_buffers_to_ignore_for_model(module, names)``
+    sets ``module._ddp_params_and_buffers_to_ignore``; torch DDP then neither synchronizes nor
+    broadcasts those. Not supported here: refused rather than silently synchronized."""
+    names = getattr(module, "_ddp_params_and_buffers_to_ignore", None)
+    if names is None:
+        return None
+    shown = sorted(map(str, names))
+    more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
+    rule = (
+        "BucketedDDP: module._ddp_params_and_buffers_to_ignore is set "
+        "(DistributedDataParallel._set_params_and_buffers_to_ignore_for_model); ignoring "
+        "parameters and buffers is not supported: they would be synchronized and broadcast. "
+        "Wrap only the submodule to synchronize, or delete the attribute"
+    )
+    message = rule.replace("is set (", f"is set ({shown[:5]}{more}; ", 1)
+    return Problem(NotImplementedError, message, rule)
+
+
 def _graph_tensors(output: Any) -> list[torch.Tensor]:
     """The tensors of a forward's output (nested in tuples, lists, dicts, dataclasses such as
     Hugging Face's ModelOutput) that a backward can pass through: those with a ``grad_fn``
@@ -261,7 +280,9 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
         together), broadcast it (``init_sync``), and build the reducer of its trainable
         parameters."""
         named = list(self.module.named_parameters())
-        problem = problem or _double_wrap_problem(self.module, named)
+        problem = (
+            problem or _ignore_problem(self.module) or _double_wrap_problem(self.module, named)
+        )
         sparse_ids = sparse_gradient_params(self.module)
         self._verify_and_sync(named, sparse_ids, options, problem)
         return self._new_reducer(named, sparse_ids)
