@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,7 +52,9 @@ def test_harness_reports_where_a_rank_died_and_which_had_written_results():
         run_distributed(_abort_in_body, 2, timeout=60)
     text = str(info.value)
     assert "process 1 terminated with signal SIGABRT" in text, text
-    assert "ranks that had written their result: []" in text, text
+    # rank 1 never wrote; rank 0 may have (its barrier's error, once rank 1's end closed the
+    # connection) before the harness saw rank 1 die: [0] came once in a stress run
+    assert re.search(r"ranks that had written their result: \[(0)?\]", text), text
     assert "Fatal Python error: Aborted" in text and "_abort_in_body" in text, text
 
 
