@@ -183,6 +183,9 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
         "gather_mismatch": attempt(lambda: gather_sequence(mine)),
         "sdpa_mask": attempt(lambda: _sdpa_with_mask(g)),
         "after_errors_still_works": attempt(lambda: cpa(g, g, g, is_causal=True)),
+        # a backward on rank 0 only would leave rank 1 out of the ring: refused up front
+        "requires_grad_one_rank": attempt(lambda: cpa(g.clone().requires_grad_(rank == 0), g, g)),
+        "head_dim_zero": attempt(lambda: cpa(*(torch.randn(1, 2, 4, 0, dtype=F64),) * 3)),
     }
 
 
@@ -359,3 +362,71 @@ def nccl_equivalence(rank: int, world: int) -> dict[str, float]:
                         f"{key}: {err:.3g} vs flash_attention's {own:.3g}"
                     )
     return errors
+
+
+# ---------------------------------------------------- double backward; the reference LM's flash
+
+
+def double_backward(rank: int, world: int) -> dict[str, Any]:
+    """A gradient penalty through the attention (``create_graph=True``, then a backward of the
+    gradient), float64: the outcome per mode and, where it ran, the gathered input gradient's
+    largest difference from one process on the whole sequence."""
+    gen = torch.Generator().manual_seed(0)
+    x_full, w_full = (torch.randn(1, 4, 4 * world, 16, generator=gen, dtype=F64) for _ in range(2))
+
+    def penalty(x, w, attend):
+        loss = (attend(x * 1.5, x * 0.7, x * -1.1) * w).sum() + (x**3).sum()
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        gx.pow(2).sum().backward()
+
+    ref = x_full.clone().requires_grad_()
+    penalty(ref, w_full, lambda q, k, v: flash_attention(q, k, v, is_causal=True, backend="torch"))
+    out: dict[str, Any] = {}
+    for mode in ("ring", "ulysses"):
+        x = shard_sequence(x_full, dim=2).requires_grad_()
+
+        def attend(q, k, v, mode=mode):
+            return context_parallel_attention(
+                q, k, v, mode=mode, is_causal=True, backend="torch"
+            )  # fmt: skip
+
+        out[mode] = attempt(
+            lambda x=x, attend=attend: penalty(x, shard_sequence(w_full, dim=2), attend)
+        )
+        if out[mode] == "no error":
+            out[f"{mode} error"] = (gather_sequence(x.grad, dim=2) - ref.grad).abs().max().item()
+    return out
+
+
+def reference_lm(rank: int, world: int, mode: str) -> dict[str, Any]:
+    """The reference LM with its default attention ("flash") under context_parallel_sdpa: the
+    loss (mean over the ranks' shard means) and the gradients against one process on the whole
+    sequence; and "naive" attention's outcome there."""
+    cfg = ModelConfig.from_size(
+        "tiny", context_length=SEQ, vocab_size=VOCAB, attention="flash", flash_backend="torch"
+    )  # fmt: skip
+    torch.manual_seed(1234)
+    lm = TransformerLM(cfg).to(F64)
+    seq = _data(7, 0, 1)
+    tokens, targets = seq[:, :-1], seq[:, 1:]
+    want = lm.loss(tokens, targets)
+    want.backward()
+    want_grads = {n: p.grad.clone() for n, p in lm.named_parameters()}
+    lm.zero_grad()
+    with context_parallel_sdpa(mode=mode, backend="torch"):
+        got = lm.loss(shard_sequence(tokens), shard_sequence(targets),
+                      position_ids=shard_position_ids(SEQ))  # fmt: skip
+    got.backward()
+    loss = got.detach().clone()
+    dist.all_reduce(loss)
+    grads = {}
+    for n, p in lm.named_parameters():
+        grad = p.grad / world  # each rank's gradient is of its shard's mean
+        dist.all_reduce(grad)
+        grads[n] = grad
+    naive = ModelConfig.from_size("tiny", context_length=SEQ, vocab_size=VOCAB, attention="naive")
+    with context_parallel_sdpa(mode=mode, backend="torch"):
+        refused = attempt(lambda: TransformerLM(naive).to(F64).loss(shard_sequence(tokens),
+                                                                    shard_sequence(targets)))  # fmt: skip
+    return {"loss": (loss / world).item(), "want": want.item(), "grads": grads,
+            "want_grads": want_grads, "naive": refused}  # fmt: skip

@@ -102,6 +102,9 @@ def test_bad_inputs_raise_on_every_rank():
         "gather_mismatch": "RuntimeError: gather_sequence: the shard differs across ranks",
         "sdpa_mask": "NotImplementedError: context_parallel_sdpa: scaled_dot_product_attention",
         "after_errors_still_works": "no error",
+        "requires_grad_one_rank": "RuntimeError: context_parallel_attention: the attention call "
+        "differs across ranks",
+        "head_dim_zero": "no error",
     }
     for rank, errors in enumerate(results):
         assert errors.keys() == expected.keys()
@@ -109,6 +112,31 @@ def test_bad_inputs_raise_on_every_rank():
             assert errors[name].startswith(start), f"rank {rank} {name}: {errors[name]}"
     assert "rank 0: query shape=(1, 2, 4, 8)" in results[1]["mismatched_shards"]
     assert "rank 1: query shape=(1, 2, 6, 8)" in results[0]["mismatched_shards"]
+
+
+def test_double_backward_is_exact_through_ulysses_and_refused_through_the_ring():
+    """A gradient penalty (create_graph=True) through the attention: Ulysses's all-to-alls are
+    differentiable, so its double backward is flash_attention's, against one process (float64);
+    the ring has none and its second backward raises on every rank. (Both gave silently wrong
+    input gradients before: the exchanged gradients were not recorded by autograd.)"""
+    for rank, r in enumerate(run_distributed(cp_cases.double_backward, 2, timeout=TIMEOUT)):
+        assert r["ulysses"] == "no error", (rank, r["ulysses"])
+        assert r["ulysses error"] < 1e-10, (rank, r["ulysses error"])
+        assert r["ring"].startswith(
+            "RuntimeError: context_parallel_attention: mode='ring' has no double backward"
+        ), (rank, r["ring"])
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_the_reference_lms_flash_attention_runs_context_parallel(mode):
+    """The reference LM's default attention ("flash", which calls flash_attention, not SDPA)
+    inside context_parallel_sdpa attends over the whole sequence (it attended to each rank's
+    shard only, silently): loss and gradients equal one process's on the whole sequence;
+    "naive" attention there raises, naming the choice."""
+    for rank, r in enumerate(run_distributed(cp_cases.reference_lm, 2, (mode,), timeout=TIMEOUT)):
+        assert abs(r["loss"] - r["want"]) < 1e-12, (rank, r["loss"], r["want"])
+        assert_close_tree(r["grads"], r["want_grads"], f"rank {rank}", rtol=1e-9, atol=1e-12)
+        assert r["naive"].startswith("NotImplementedError: causal_attention: attention='naive'")
 
 
 @given(seed=SEEDS, mode=st.sampled_from(["ring", "ulysses"]))

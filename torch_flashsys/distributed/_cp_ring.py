@@ -139,6 +139,13 @@ def ring_backward(dout, q, k, v, out, lse, ring: Ring, scale, causal, layout, ba
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+_NO_DOUBLE_BACKWARD = (
+    b"context_parallel_attention: mode='ring' has no double backward (a gradient of its "
+    b"gradients, as a gradient penalty's backward after create_graph=True); mode='ulysses' has "
+    b"one (flash_attention's)"
+)
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, scale: float, causal: bool, layout: str, backend: str):
@@ -150,5 +157,12 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        with torch.no_grad():
+            grads = ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (dout, q, k, v)):
+            # create_graph=True: gradients whose own backward raises. (Constants would drop the
+            # attention's second-order terms silently; torch's once_differentiable looks at
+            # dout only, which is often a constant while q, k and v are not.)
+            refuse = torch._C._functions.DelayedError(_NO_DOUBLE_BACKWARD, len(grads))
+            grads = refuse(*(g.detach().requires_grad_() for g in grads))
+        return (*grads, None, None, None, None, None)

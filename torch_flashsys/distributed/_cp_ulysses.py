@@ -20,7 +20,8 @@ from torch_flashsys.distributed._cp_layout import natural_order, shard_order
 
 def _all_to_all(x: torch.Tensor, scatter: int, gather: int, group) -> torch.Tensor:
     """Split ``x`` into P pieces along ``scatter``, send piece ``p`` to rank ``p``, and concatenate
-    the received pieces (in rank order) along ``gather``."""
+    the received pieces (in rank order) along ``gather``. Not recorded by autograd:
+    :class:`_AllToAll` is its differentiable form."""
     world = dist.get_world_size(group)
     send = torch.stack(x.chunk(world, dim=scatter)).contiguous()
     recv = torch.empty_like(send)
@@ -36,7 +37,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, *ctx.args), None, None, None
+        # The reverse all-to-all, itself differentiable (a double backward runs it back): under
+        # create_graph=True the gradient stays connected to the graph
+        return _AllToAll.apply(grad, *ctx.args), None, None, None
 
 
 def _permute_chunks(x: torch.Tensor, order: list[int]) -> torch.Tensor:

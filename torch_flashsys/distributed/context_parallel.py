@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from torch_flashsys.attention import flash_attention
-from torch_flashsys.attention._checks import check_inputs
+from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._dispatch import autocast_inputs
 from torch_flashsys.distributed._cp_layout import LAYOUTS, chunk_ids, chunks_per_rank, shard_order
 from torch_flashsys.distributed._cp_ring import Ring, RingAttention
@@ -265,13 +264,17 @@ def context_parallel_attention(
                                enable_gqa=enable_gqa, backend=backend)  # fmt: skip
     if verify:
         items = [("query", _describe(query)), ("key", _describe(key)), ("value", _describe(value))]
+        # a backward on some ranks only would leave the others' ring / all-to-all waiting
+        items += [(f"{n} gets a gradient", repr(torch.is_grad_enabled() and t.requires_grad))
+                  for n, t in (("query", query), ("key", key), ("value", value))
+                  if isinstance(t, torch.Tensor)]  # fmt: skip
         items += [(n, repr(o)) for n, o in (("mode", mode), ("is_causal", is_causal),
                   ("scale", scale), ("enable_gqa", enable_gqa), ("layout", layout),
                   ("backend", backend))]  # fmt: skip
         verify_same_across_ranks(_NAME, items, group, what="the attention call")
     _check_shards(query, key, value, world, mode, is_causal, layout, enable_gqa)
     resolved = _resolve(query, key, value, is_causal, scale, enable_gqa, backend)
-    sm_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    sm_scale = softmax_scale(scale, query.shape[-1])  # (head dim 0: flash_attention's rule)
     if mode == "ulysses":
 
         def attend(q, k, v, causal):
@@ -350,4 +353,13 @@ def _make_router(original: Callable[..., Any], group, mode, layout, backend, ver
             enable_gqa=enable_gqa, layout=layout, backend=backend, verify=verify,
         )  # fmt: skip
 
+    # Found by code that calls attention other than through SDPA (the reference LM's "flash"
+    # attention), which must reroute itself (functools.wraps copies it onto wrappers above).
+    scaled_dot_product_attention.torch_flashsys_context_parallel = True
     return scaled_dot_product_attention
+
+
+def context_parallel_active() -> bool:
+    """Whether ``torch.nn.functional.scaled_dot_product_attention`` is a
+    :func:`context_parallel_sdpa` router now (directly or under another wrapper)."""
+    return getattr(F.scaled_dot_product_attention, "torch_flashsys_context_parallel", False)

@@ -120,8 +120,24 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str, flash_backend: str = "auto"
 ) -> torch.Tensor:
     """Causal attention by ``impl`` ("naive" | "sdpa" | "flash"). q (B, H, L, D), k and v
-    (B, H_kv, L, D) with H a multiple of H_kv (grouped-query attention) -> (B, H, L, D)."""
+    (B, H_kv, L, D) with H a multiple of H_kv (grouped-query attention) -> (B, H, L, D).
+
+    Inside :func:`~torch_flashsys.distributed.context_parallel_sdpa` the sequence is sharded
+    across ranks: "flash" then runs through its router (context-parallel attention on the
+    router's backend; calling flash_attention here would attend to this rank's shard only), and
+    "naive" raises."""
     gqa = k.shape[1] != q.shape[1]
+    if impl != "sdpa":
+        from torch_flashsys.distributed.context_parallel import context_parallel_active
+
+        if context_parallel_active():
+            if impl == "naive":
+                raise NotImplementedError(
+                    "causal_attention: attention='naive' inside context_parallel_sdpa would "
+                    "attend to this rank's sequence shard only; build the model with "
+                    "attention='flash' or 'sdpa'"
+                )
+            impl = "sdpa"  # the router: context-parallel attention over the whole sequence
     if impl == "flash":
         from torch_flashsys.attention import flash_attention
 
