@@ -186,7 +186,22 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
         # a backward on rank 0 only would leave rank 1 out of the ring: refused up front
         "requires_grad_one_rank": attempt(lambda: cpa(g.clone().requires_grad_(rank == 0), g, g)),
         "head_dim_zero": attempt(lambda: cpa(*(torch.randn(1, 2, 4, 0, dtype=F64),) * 3)),
+        "shard_dim": attempt(lambda: shard_sequence(torch.zeros(2, 8), dim=5)),
+        "position_ids_length": attempt(lambda: shard_position_ids(6 * world - 2)),
+        "gather_odd_zigzag": attempt(lambda: gather_sequence(torch.zeros(1, 3))),
+        "not_a_member": attempt(lambda: cpa(g, g, g, dist.new_group([0]) if world > 1 else None)),
+        "autocast_mixed_dtypes": attempt(lambda: _autocast_mixed(g)),
     }
+
+
+def _autocast_mixed(x: torch.Tensor) -> None:
+    """float32 query and value with a bfloat16 key under CPU autocast: valid for SDPA and
+    flash_attention (autocast casts first), so valid here."""
+    q = x.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = context_parallel_attention(q, q.bfloat16(), q, is_causal=True, backend="torch")
+        want = flash_attention(q, q.bfloat16(), q, backend="torch")  # (its dtype only)
+    assert out.dtype == want.dtype == torch.bfloat16, (out.dtype, want.dtype)
 
 
 def _sdpa_with_mask(x: torch.Tensor) -> None:

@@ -36,8 +36,9 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def check_process_group(caller: str, group: Any) -> None:
-    """Raise unless ``group`` is ``None`` or a process group this process is a member of.
+def check_process_group(caller: str, group: Any, name: str = "process_group") -> None:
+    """Raise unless ``group`` is ``None`` or a process group this process is a member of
+    (``name``: the caller's argument).
 
     ``torch.distributed.new_group`` gives the ranks it leaves out ``GroupMember.NON_GROUP_MEMBER``
     (an int): say that, rather than "got int". A non-member takes no part in the group's
@@ -49,13 +50,13 @@ def check_process_group(caller: str, group: Any) -> None:
         isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0
     ):
         raise ValueError(
-            f"{caller}: this process (global rank {dist.get_rank()}) is not a member of "
-            "process_group (torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER to "
-            "the ranks it leaves out); only the group's members may use it"
+            f"{caller}: this process (global rank {dist.get_rank()}) is not a member of {name} "
+            "(torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER to the ranks it "
+            "leaves out); only the group's members may use it"
         )
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
-            f"{caller}: process_group must be a torch.distributed.ProcessGroup or None, got "
+            f"{caller}: {name} must be a torch.distributed.ProcessGroup or None, got "
             f"{type(group).__name__}"
         )
 

@@ -41,7 +41,7 @@ from torch_flashsys.distributed._cp_layout import LAYOUTS, chunk_ids, chunks_per
 from torch_flashsys.distributed._cp_ring import Ring, RingAttention
 from torch_flashsys.distributed._cp_ulysses import ulysses_attention
 from torch_flashsys.distributed._release import mark_used
-from torch_flashsys.distributed._verify import verify_same_across_ranks
+from torch_flashsys.distributed._verify import check_process_group, verify_same_across_ranks
 
 __all__ = [
     "context_parallel_attention",
@@ -59,6 +59,7 @@ def _group_info(group: dist.ProcessGroup | None, caller: str) -> tuple[int, int]
     mark_used()  # the exit hook waits for quiet backend threads (see _release)
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{caller}: torch.distributed is not initialized (init_process_group)")
+    check_process_group(caller, group, name="group")
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -102,9 +103,24 @@ def shard_sequence(
         >>> shard_sequence(tokens)                      # chunks 1 and 2 of 4
         tensor([[2, 3, 4, 5]])
     """
-    caller = "shard_sequence"
+    return _shard(tensor, group, dim, layout, "shard_sequence")
+
+
+def _check_dim(caller: str, tensor: object, dim: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{caller}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
+        raise IndexError(
+            f"{caller}: dim must be an int in [-{tensor.dim()}, {tensor.dim() - 1}] (the sequence "
+            f"dimension of a {tensor.dim()}-D tensor of shape {tuple(tensor.shape)}), got {dim!r}"
+        )
+
+
+def _shard(tensor: torch.Tensor, group, dim: int, layout: str, caller: str) -> torch.Tensor:
+    """:func:`shard_sequence`, its errors named for ``caller``."""
     _check_choice(caller, "layout", layout, LAYOUTS)
     rank, world = _group_info(group, caller)
+    _check_dim(caller, tensor, dim)
     if world == 1:
         return tensor
     c = _chunk_len(caller, tensor.shape[dim], world, layout)
@@ -132,8 +148,14 @@ def gather_sequence(
     _, world = _group_info(group, caller)
     if world == 1:
         return tensor
+    _check_dim(caller, tensor, dim)
     verify_same_across_ranks(caller, [("shard", _describe(tensor))], group, what="the shard")
-    _chunk_len(caller, tensor.shape[dim] * world, world, layout)
+    per_rank = chunks_per_rank(layout)
+    if tensor.shape[dim] % per_rank:
+        raise ValueError(
+            f"{caller}: a shard of layout={layout!r} holds {per_rank} equal chunks, so its "
+            f"length (dim {dim}) must be a multiple of {per_rank}, got {tensor.shape[dim]}"
+        )
     parts = [torch.empty_like(tensor) for _ in range(world)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     chunks = [c for p in parts for c in p.chunk(chunks_per_rank(layout), dim)]
@@ -161,7 +183,7 @@ def shard_position_ids(
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"shard_position_ids: seq_len must be a positive int, got {seq_len!r}")
-    return shard_sequence(torch.arange(seq_len, device=device), group, dim=0, layout=layout)
+    return _shard(torch.arange(seq_len, device=device), group, 0, layout, "shard_position_ids")
 
 
 # ------------------------------------------------------------------------------------- attention
@@ -262,6 +284,9 @@ def context_parallel_attention(
     if world == 1:
         return flash_attention(query, key, value, is_causal=is_causal, scale=scale,
                                enable_gqa=enable_gqa, backend=backend)  # fmt: skip
+    # Under autocast, what flash_attention computes on (inputs of mixed dtypes are valid there,
+    # as for SDPA): the checks and the fingerprint see the cast tensors.
+    query, key, value = autocast_inputs(query, key, value)
     if verify:
         items = [("query", _describe(query)), ("key", _describe(key)), ("value", _describe(value))]
         # a backward on some ranks only would leave the others' ring / all-to-all waiting
@@ -283,7 +308,6 @@ def context_parallel_attention(
             )
 
         return ulysses_attention(query, key, value, group, layout, is_causal, attend)
-    query, key, value = autocast_inputs(query, key, value)
     return RingAttention.apply(
         query, key, value, Ring(group), sm_scale, is_causal, layout, resolved
     )
