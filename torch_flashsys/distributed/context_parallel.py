@@ -288,15 +288,9 @@ def context_parallel_attention(
     # as for SDPA): the checks and the fingerprint see the cast tensors.
     query, key, value = autocast_inputs(query, key, value)
     if verify:
-        items = [("query", _describe(query)), ("key", _describe(key)), ("value", _describe(value))]
-        # a backward on some ranks only would leave the others' ring / all-to-all waiting
-        items += [(f"{n} gets a gradient", repr(torch.is_grad_enabled() and t.requires_grad))
-                  for n, t in (("query", query), ("key", key), ("value", value))
-                  if isinstance(t, torch.Tensor)]  # fmt: skip
-        items += [(n, repr(o)) for n, o in (("mode", mode), ("is_causal", is_causal),
-                  ("scale", scale), ("enable_gqa", enable_gqa), ("layout", layout),
-                  ("backend", backend))]  # fmt: skip
-        verify_same_across_ranks(_NAME, items, group, what="the attention call")
+        options = {"mode": mode, "is_causal": is_causal, "scale": scale,
+                   "enable_gqa": enable_gqa, "layout": layout, "backend": backend}  # fmt: skip
+        _verify_call(query, key, value, options, group)
     _check_shards(query, key, value, world, mode, is_causal, layout, enable_gqa)
     resolved = _resolve(query, key, value, is_causal, scale, enable_gqa, backend)
     sm_scale = softmax_scale(scale, query.shape[-1])  # (head dim 0: flash_attention's rule)
@@ -311,6 +305,18 @@ def context_parallel_attention(
     return RingAttention.apply(
         query, key, value, Ring(group), sm_scale, is_causal, layout, resolved
     )
+
+
+def _verify_call(query, key, value, options: dict[str, Any], group) -> None:
+    """The same shapes, dtypes, options and gradient needs on every rank (one all-gather), else
+    the same error on every rank."""
+    tensors = {"query": query, "key": key, "value": value}
+    items = [(name, _describe(t)) for name, t in tensors.items()]
+    # a backward on some ranks only would leave the others' ring / all-to-all waiting
+    items += [(f"{name} gets a gradient", repr(torch.is_grad_enabled() and t.requires_grad))
+              for name, t in tensors.items() if isinstance(t, torch.Tensor)]  # fmt: skip
+    items += [(name, repr(o)) for name, o in options.items()]
+    verify_same_across_ranks(_NAME, items, group, what="the attention call")
 
 
 def _resolve(q, k, v, is_causal, scale, enable_gqa, backend) -> str:
