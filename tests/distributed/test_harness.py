@@ -26,6 +26,10 @@ def _abort(rank, world_size):
         sys.stderr.write(f"rank {rank} aborts\n")
         sys.stderr.flush()
         os.abort()
+    # Rank 0 waits for rank 1: returning at once, its exit could close the connections while
+    # rank 1 is still inside init_process_group, which then raises instead of reaching the abort
+    # (seen once in CI).
+    dist.barrier()
     return rank
 
 
