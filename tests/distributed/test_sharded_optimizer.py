@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tests.distributed.common import MODEL_FIELDS, spawning
 from tests.distributed.harness import run_distributed
-from tests.distributed.zero_cases import run_training_cases, run_with_ddp
+from tests.distributed.zero_cases import hooks_and_loads, run_training_cases, run_with_ddp
 from tests.distributed.zero_errors import CASES, run_error_cases
 from torch_flashsys import ShardedOptimizer
 
@@ -270,3 +270,18 @@ def test_matches_plain_optimizer_nccl_one_gpu(tmp_path):
         run_training_cases, 1, args=(_EVERY_FEATURE, str(tmp_path)), backend="nccl"
     )
     check_training(results, _EVERY_FEATURE)
+
+
+def test_hooks_and_loads_keep_the_plain_optimizers_contract():
+    """load_state_dict runs its pre hooks (a replacement dict is what loads) and post hooks; an
+    Adam checkpoint loaded into AdamW keeps AdamW's decoupled weight decay (the plain AdamW's
+    __setstate__ rule; ShardedOptimizer copied the checkpoint's False back and trained as Adam);
+    under Join a joined rank's shadow steps run the step hooks, as torch ZeRO's join hook's
+    step() does (each failed before)."""
+    results = run_distributed(hooks_and_loads, 2, timeout=120)
+    for rank, r in enumerate(results):
+        for key in ("load hooks", "lr", "decoupled"):
+            assert r[f"ours/{key}"] == r[f"plain/{key}"], (rank, key, r[f"ours/{key}"])
+        assert r["plain/load hooks"] == ["pre", "post"] and r["plain/lr"] == 0.123
+        assert r["plain/decoupled"] is True
+        assert r["join step hooks"] == [4, 4], (rank, r["join step hooks"])

@@ -304,3 +304,58 @@ def _train_with_ddp(rank: int, case: dict, wrapper: str, optimizer_first: bool) 
         "state_bytes": state_bytes(opt.optim),
         "total_state_bytes": state_bytes(plain),
     }
+
+
+# ------------------------------------------------------------ hooks and loads (plain's contract)
+
+
+def _small_net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+def hooks_and_loads(rank: int, world_size: int) -> dict:
+    """Per optimizer kind ("ours", "plain"): the load_state_dict pre/post hooks' calls and the lr
+    a pre-hook's replacement dict set; the AdamW flag after loading an Adam checkpoint; and,
+    under Join with rank 0 training 4 steps and the others 2 (BucketedDDP), the step pre/post
+    hook calls on this rank (a joined rank's shadow steps count, as torch ZeRO's)."""
+    from torch.distributed.algorithms import Join
+
+    from torch_flashsys import BucketedDDP
+
+    adam = torch.optim.Adam(_small_net(0).parameters(), lr=1e-2, weight_decay=0.1)
+    out: dict = {}
+    for kind in ("ours", "plain"):
+        net = _small_net(1)
+        if kind == "ours":
+            opt = ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        else:
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
+        calls: list[str] = []
+
+        def pre(o, sd, calls=calls):
+            calls.append("pre")
+            sd = copy.deepcopy(sd)
+            sd["param_groups"][0]["lr"] = 0.123
+            return sd
+
+        opt.register_load_state_dict_pre_hook(pre)
+        opt.register_load_state_dict_post_hook(lambda o, calls=calls: calls.append("post"))
+        opt.load_state_dict(adam.state_dict())
+        out[f"{kind}/load hooks"] = calls
+        out[f"{kind}/lr"] = opt.param_groups[0]["lr"]
+        out[f"{kind}/decoupled"] = opt.param_groups[0].get("decoupled_weight_decay")
+    net = _small_net(2)
+    model = BucketedDDP(net)
+    opt = ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-2)
+    counts = [0, 0]
+    opt.register_step_pre_hook(lambda o, a, k: counts.__setitem__(0, counts[0] + 1))
+    opt.register_step_post_hook(lambda o, a, k: counts.__setitem__(1, counts[1] + 1))
+    g = torch.Generator().manual_seed(rank)
+    with Join([model, opt]):
+        for _ in range(4 if rank == 0 else 2):
+            opt.zero_grad()
+            model(torch.randn(3, 4, generator=g, dtype=torch.float64)).pow(2).mean().backward()
+            opt.step()
+    out["join step hooks"] = counts
+    return out

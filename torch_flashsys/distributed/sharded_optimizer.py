@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import optimizer as _optim_module
 from torch.optim.optimizer import ParamsT
 
 from torch_flashsys.distributed._errors import guarded
@@ -496,7 +497,26 @@ class ShardedOptimizer(torch.optim.Optimizer, GroupJoinable):
             "the all-reduce of the hyperparameters (Join)",
             lambda: sync_hyperparameters(self.param_groups, self.process_group, True),
         )
+        self._hooked_step()
+
+    def _hooked_step(self) -> None:
+        """``_step()`` between the step pre/post hooks (global, then this optimizer's; post in the
+        reverse order), as ``step()`` runs them (torch's ``Optimizer.profile_hook_step``): a
+        joined rank's shadow step is a step to them too (an EMA, a step counter), as torch's
+        ZeroRedundancyOptimizer's join hook calls its ``step()``."""
+        args: tuple[Any, ...] = (self,)
+        kwargs: dict[str, Any] = {}
+        pre = (*_optim_module._global_optimizer_pre_hooks.values(),
+               *self._optimizer_step_pre_hooks.values())  # fmt: skip
+        for hook in pre:
+            result = hook(self, args, kwargs)
+            if result is not None:
+                args, kwargs = result
         self._step()
+        post = (*self._optimizer_step_post_hooks.values(),
+                *_optim_module._global_optimizer_post_hooks.values())  # fmt: skip
+        for hook in post:
+            hook(self, args, kwargs)
 
     def _join_done(self, is_last_joiner: bool) -> None:
         """Join's post hook: back to the plain ``step()``."""
@@ -615,16 +635,24 @@ class ShardedOptimizer(torch.optim.Optimizer, GroupJoinable):
                 j += 1
             local_groups.append({**_hyper(saved), "params": indices})
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            group.update(_hyper(saved))
+        # What the local optimizer made of them (its __setstate__: AdamW keeps
+        # decoupled_weight_decay=True under an Adam checkpoint, as a plain AdamW does)
+        self._pull_hyperparams()
         self._consolidated = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a plain-format state dict (from ``state_dict()`` or a plain ``optimizer_cls``).
 
         Call on every rank with the same dict; each rank keeps only its shard. No collectives.
+        The hooks of ``register_load_state_dict_pre_hook`` (which may return a replacement
+        dict) and ``register_load_state_dict_post_hook`` run as in a plain optimizer.
         """
         caller = "ShardedOptimizer.load_state_dict"
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # as torch's: a pre-hook may edit the copy
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                replaced = pre_hook(self, state_dict)
+                state_dict = state_dict if replaced is None else replaced
         if isinstance(state_dict, dict) and "shard" in state_dict:
             raise ValueError(
                 f"{caller}: this is one rank's shard from sharded_state_dict(); load it with "
@@ -633,6 +661,8 @@ class ShardedOptimizer(torch.optim.Optimizer, GroupJoinable):
         sizes = [len(g["params"]) for g in self.param_groups]
         state, groups = check_plain_format(caller, state_dict, sizes)
         self._load_local(state, groups)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def _shard_layout(self) -> list[str]:
         return [f"{tuple(p.shape)} {p.dtype}" for p in self._params]
