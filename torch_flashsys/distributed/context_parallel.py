@@ -158,7 +158,7 @@ def gather_sequence(
         )
     parts = [torch.empty_like(tensor) for _ in range(world)]
     dist.all_gather(parts, tensor.contiguous(), group=group)
-    chunks = [c for p in parts for c in p.chunk(chunks_per_rank(layout), dim)]
+    chunks = [c for p in parts for c in p.chunk(per_rank, dim)]
     order = shard_order(world, layout)  # chunks[i] is global chunk order[i]
     by_position = sorted(range(len(order)), key=order.__getitem__)
     return torch.cat([chunks[i] for i in by_position], dim)

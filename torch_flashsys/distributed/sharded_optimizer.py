@@ -11,7 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
-from torch.optim import optimizer as _optim_module
 from torch.optim.optimizer import ParamsT
 
 from torch_flashsys.distributed._errors import guarded
@@ -500,23 +499,11 @@ class ShardedOptimizer(torch.optim.Optimizer, GroupJoinable):
         self._hooked_step()
 
     def _hooked_step(self) -> None:
-        """``_step()`` between the step pre/post hooks (global, then this optimizer's; post in the
-        reverse order), as ``step()`` runs them (torch's ``Optimizer.profile_hook_step``): a
-        joined rank's shadow step is a step to them too (an EMA, a step counter), as torch's
-        ZeroRedundancyOptimizer's join hook calls its ``step()``."""
-        args: tuple[Any, ...] = (self,)
-        kwargs: dict[str, Any] = {}
-        pre = (*_optim_module._global_optimizer_pre_hooks.values(),
-               *self._optimizer_step_pre_hooks.values())  # fmt: skip
-        for hook in pre:
-            result = hook(self, args, kwargs)
-            if result is not None:
-                args, kwargs = result
-        self._step()
-        post = (*self._optimizer_step_post_hooks.values(),
-                *_optim_module._global_optimizer_post_hooks.values())  # fmt: skip
-        for hook in post:
-            hook(self, args, kwargs)
+        """``_step()`` between the step pre/post hooks, through torch's own
+        ``Optimizer.profile_hook_step`` (what ``step()`` runs them with): a joined rank's shadow
+        step is a step to them too (an EMA, a step counter), as torch's ZeroRedundancyOptimizer's
+        join hook calls its ``step()``."""
+        torch.optim.Optimizer.profile_hook_step(type(self)._step)(self)
 
     def _join_done(self, is_last_joiner: bool) -> None:
         """Join's post hook: back to the plain ``step()``."""
