@@ -133,18 +133,24 @@ def dropout_float(dropout_p: object) -> float:
     """``dropout_p`` as a float. SDPA takes a float, an int, a numpy scalar or a 0-d tensor
     holding one; anything else, or a value outside [0, 1], raises ``ValueError``."""
     expected = "dropout_p must be a real number in [0, 1] (float, int, numpy scalar or 0-d tensor)"
-    value = dropout_p
-    if isinstance(dropout_p, torch.Tensor):
-        if dropout_p.dim() != 0:
-            fail(ValueError, f"{expected}, got a tensor of shape {tuple(dropout_p.shape)}")
-        if dropout_p.dtype == torch.bool or dropout_p.is_complex():
-            fail(ValueError, f"{expected}, got a 0-d tensor of dtype {dropout_p.dtype}")
-        value = dropout_p.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        fail(ValueError, f"{expected}, got {_type_name(dropout_p)} {dropout_p!r}")
-    value = float(value)
+    value = float(_real_scalar(dropout_p, expected, ValueError))
     if not 0.0 <= value <= 1.0:
         fail(ValueError, f"{expected}, got {dropout_p!r}")
+    return value
+
+
+def _real_scalar(x: object, expected: str, exc: type[Exception]) -> numbers.Real:
+    """``x`` as a Python real number, as SDPA takes its scalars (a float, an int, a numpy
+    scalar or a 0-d real tensor); anything else raises ``exc`` with ``expected``."""
+    value = x
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 0:
+            fail(exc, f"{expected}, got a tensor of shape {tuple(x.shape)}")
+        if x.dtype == torch.bool or x.is_complex():
+            fail(exc, f"{expected}, got a 0-d tensor of dtype {x.dtype}")
+        value = x.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        fail(exc, f"{expected}, got {_type_name(x)} {x!r}")
     return value
 
 
@@ -174,17 +180,9 @@ def check_scalars(dropout_p, is_causal, enable_gqa, scale, backend, window_size,
 def _check_scale(scale: object) -> None:
     """A real number, as SDPA takes it: float, int, a numpy scalar or a 0-d tensor holding one."""
     expected = "scale must be a finite real number (float, int, numpy scalar or 0-d tensor) or None"
-    if isinstance(scale, torch.Tensor):
-        if scale.dim() != 0:
-            fail(TypeError, f"{expected}, got a tensor of shape {tuple(scale.shape)}")
-        if scale.requires_grad:
-            fail(TypeError, "scale gets no gradient (as in SDPA): pass scale.detach()")
-        if scale.dtype == torch.bool or scale.is_complex():
-            fail(TypeError, f"{expected}, got a 0-d tensor of dtype {scale.dtype}")
-        value = scale.item()
-    else:
-        value = scale
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.requires_grad:
+        fail(TypeError, "scale gets no gradient (as in SDPA): pass scale.detach()")
+    if not math.isfinite(_real_scalar(scale, expected, TypeError)):
         fail(TypeError, f"{expected}, got {scale!r}")
 
 
