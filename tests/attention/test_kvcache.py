@@ -71,7 +71,22 @@ def decode_cases(draw):
         "softcap": draw(st.sampled_from([None, 5.0])),
         "alibi": draw(st.booleans()),
         "seed": draw(st.integers(0, 2**31 - 1)),
+        # q, k, v each: (B, H, S, D) memory, (B, S, H, D) viewed as it, or a strided last dim
+        # (a K cache kept as (B, H, D, S), passed transposed)
+        "layouts": draw(st.lists(st.sampled_from(LAYOUTS), min_size=3, max_size=3)),
     }  # fmt: skip
+
+
+LAYOUTS = ("bhsd", "bshd", "last_strided")
+
+
+def in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t``'s values in the memory layout ``layout`` (a LAYOUTS name)."""
+    if layout == "bshd":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "last_strided":
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return t
 
 
 def check_decode(c, dtype, backend, device="cpu"):
@@ -83,9 +98,11 @@ def check_decode(c, dtype, backend, device="cpu"):
     alibi = torch.rand(heads, generator=g) if c["alibi"] else None
     lens = torch.tensor(c["lens"], dtype=torch.int32)
     kw = {"causal": c["causal"], "window": c["window"], "softcap": c["softcap"], "alibi": alibi}
+    inputs = [in_layout(t.to(device=device, dtype=dtype), layout)
+              for t, layout in zip((q, k, v), c["layouts"], strict=True)]  # fmt: skip
     with torch.no_grad():
         out, lse = flash_attention(
-            *(t.to(device=device, dtype=dtype) for t in (q, k, v)),
+            *inputs,
             cache_seqlens=lens.to(device), is_causal=c["causal"], window_size=c["window"],
             softcap=c["softcap"], alibi_slopes=None if alibi is None else alibi.to(device),
             enable_gqa=c["group"] > 1, backend=backend, return_lse=True,
@@ -93,6 +110,7 @@ def check_decode(c, dtype, backend, device="cpu"):
     ref, ref_lse = decode_reference(*(t.to(dtype).double() for t in (q, k, v)), lens, **kw)
     base, _ = decode_reference(*(t.to(dtype) for t in (q, k, v)), lens, **kw)
     assert out.shape == q.shape and out.dtype == dtype
+    assert out.stride() == torch.empty_like(inputs[0]).stride()  # the query's memory layout
     assert_close("out", out.cpu(), base, ref, dtype)
     finite = ref_lse.isfinite()
     assert torch.equal(lse.cpu().isfinite(), finite)
@@ -150,8 +168,11 @@ def test_cache_seqlens_errors():
         flash_attention(q, k, k, cache_seqlens=torch.tensor([3, 4, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"must lie in \[seq_q, capacity\] = \[1, 8\]"):
         flash_attention(q, k, k, cache_seqlens=torch.tensor([3, 9], dtype=torch.int32))
-    with pytest.raises(ValueError, match="forward only"):
-        flash_attention(q.requires_grad_(), k, k, cache_seqlens=torch.tensor([3, 4]))
+    for needs_grad in range(3):  # query, key or value: the kernels have no backward
+        qkv = [t.clone().requires_grad_(i == needs_grad) for i, t in enumerate((q, k, k))]
+        for backend in ("torch", "triton") if triton_can_run_on(q.device) else ("torch",):
+            with pytest.raises(ValueError, match="forward only"):
+                flash_attention(*qkv, cache_seqlens=torch.tensor([3, 4]), backend=backend)
     with pytest.raises(ValueError, match="4-D"):
         flash_attention(q[0], k[0], k[0], cache_seqlens=torch.tensor([3]))
 

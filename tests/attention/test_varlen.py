@@ -161,6 +161,25 @@ def test_nested_jagged_tensors_like_sdpa(backend):
 
 
 @pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"cu_seqlens_q": _cu([5, 3, 11]), "cu_seqlens_k": _cu([5, 3, 11])},
+        {"max_seqlen_q": 4},
+        {"max_seqlen_k": 11},
+        {"cache_seqlens": torch.tensor([5, 3, 11], dtype=torch.int32)},
+    ],
+)
+def test_nested_inputs_refuse_the_packed_and_cache_arguments(kwargs):
+    """A nested tensor's offsets give its sequences: cu_seqlens, max_seqlen and cache_seqlens
+    would be ignored, so they are refused, naming the argument."""
+    seqs = [torch.randn(n, 4, 16) for n in (5, 3, 11)]
+    nt = torch.nested.nested_tensor(seqs, layout=torch.jagged).transpose(1, 2)
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"{name}.* not taken with nested"):
+        flash_attention(nt, nt, nt, backend="torch", **kwargs)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
         ({"cu_seqlens_q": _cu([3, 5])}, ValueError, "needs both cu_seqlens_q and cu_seqlens_k"),
@@ -178,6 +197,13 @@ def test_nested_jagged_tensors_like_sdpa(backend):
           "attn_mask": torch.ones(8, 8, dtype=torch.bool)}, ValueError, "attn_mask is not supported"),
         ({"cu_seqlens_q": _cu([3, 5]), "cu_seqlens_k": _cu([3, 5]),
           "alibi_slopes": torch.ones(3, 2)}, ValueError, r"\(sequences, heads\) = \(2, 2\)"),
+        # arguments of another mode are refused, not ignored
+        ({"cu_seqlens_q": _cu([3, 5]), "cu_seqlens_k": _cu([3, 5]),
+          "cache_seqlens": torch.tensor([3, 5], dtype=torch.int32)}, ValueError,
+         "cache_seqlens is not taken with cu_seqlens"),
+        ({"max_seqlen_q": 3}, ValueError, "max_seqlen_q is not taken without cu_seqlens"),
+        ({"max_seqlen_q": 3, "max_seqlen_k": 3}, ValueError,
+         "max_seqlen_q, max_seqlen_k are not taken without cu_seqlens"),
     ],
 )  # fmt: skip
 def test_packed_errors(kwargs, error, match):

@@ -17,7 +17,7 @@ from torch_flashsys.attention._extras import Extras, make_extras
 _CHECKED = WeakIdKeyDictionary()
 
 
-def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.Tensor) -> None:
+def check_cache_seqlens(cache_seqlens: object, query, key, value) -> None:
     """(batch,) int32/int64 on the inputs' device, values in [seq_q, capacity] (the queries are
     the last seq_q positions of each sequence): checked on the host for CPU tensors and on the
     device (``torch._assert_async``, no synchronization) for CUDA ones."""
@@ -36,7 +36,9 @@ def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.T
                          f"({batch},), got {what}")  # fmt: skip
     if cache_seqlens.device != query.device:
         fail(ValueError, f"cache_seqlens must be on {query.device}, got {cache_seqlens.device}")
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+    if torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    ):
         fail(ValueError, "cache_seqlens (KV-cache decoding) is forward only; call it under "
                           "torch.no_grad() / torch.inference_mode()")  # fmt: skip
     seq_q = query.shape[2]
@@ -55,10 +57,10 @@ def check_cache_seqlens(cache_seqlens: object, query: torch.Tensor, key: torch.T
                           f"got {cache_seqlens.tolist()}")  # fmt: skip
 
 
-def cache_extras(query, key, attn_mask, mods: tuple, cache_seqlens) -> Extras:
+def cache_extras(query, key, value, attn_mask, mods: tuple, cache_seqlens) -> Extras:
     """Check ``cache_seqlens``; the Extras of the decode problem (``mods``: dropout_p, is_causal,
     window_size, softcap, alibi_slopes)."""
-    check_cache_seqlens(cache_seqlens, query, key)
+    check_cache_seqlens(cache_seqlens, query, key, value)
     ex = make_extras(query.shape, key.shape[-2], query.device, query.dtype, attn_mask, *mods)
     # the kernels index it as contiguous memory (no copy when it is)
     return dataclasses.replace(ex, seqused_k=cache_seqlens.contiguous())

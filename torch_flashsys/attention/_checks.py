@@ -33,6 +33,15 @@ def fail(exc: type[Exception], msg: str, name: str = NAME) -> None:
     raise exc(f"{name}: {msg}")
 
 
+def refuse(args: dict[str, object], context: str) -> None:
+    """ValueError naming the arguments of ``args`` that are set (not None): this call would
+    ignore them, ``context`` says why."""
+    used = [name for name, value in args.items() if value is not None]
+    if used:
+        fail(ValueError, f"{', '.join(used)} {'is' if len(used) == 1 else 'are'} not taken "
+                         f"{context}")  # fmt: skip
+
+
 def softmax_scale(scale: float | None, head_dim: int) -> float:
     """``scale`` as a float; by default ``1 / sqrt(head_dim)``. Head dim 0 makes every score an
     empty dot product (0), whatever the scale: SDPA's uniform weights, here with scale 1."""
@@ -204,12 +213,14 @@ def check_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, en
                          f"{key.shape[-2]} and {value.shape[-2]})")  # fmt: skip
     if query.dim() >= 4 and query.shape[:-3] != key.shape[:-3]:
         fail(ValueError, "query and key must have the same batch dimensions (all but the last "
-                         f"three), got {tuple(query.shape[:-3])} and {tuple(key.shape[:-3])}")  # fmt: skip
+                         f"three), got {tuple(query.shape[:-3])} and {tuple(key.shape[:-3])} "
+                         "(key and value are not broadcast: expand them)")  # fmt: skip
     if query.dim() >= 3 and query.shape[-3] != key.shape[-3]:
         h_q, h_kv = query.shape[-3], key.shape[-3]
         if not enable_gqa:
-            fail(ValueError, f"query has {h_q} heads but key/value have {h_kv}; pass "
-                             "enable_gqa=True for grouped-query attention")  # fmt: skip
+            fail(ValueError, f"query has {h_q} heads (dimension -3) but key/value have {h_kv}; "
+                             "pass enable_gqa=True for grouped-query attention (key and value "
+                             "are not broadcast: expand them to the query's heads)")  # fmt: skip
         if h_kv == 0 or h_q % h_kv != 0:
             fail(ValueError, f"with enable_gqa=True the query heads ({h_q}) must be a multiple of "
                              f"the key/value heads ({h_kv})")  # fmt: skip

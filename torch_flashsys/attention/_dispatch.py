@@ -16,10 +16,11 @@ import torch
 
 from torch_flashsys.attention._autograd import TORCH, apply, torch_attention
 from torch_flashsys.attention._cache import cache_extras
-from torch_flashsys.attention._checks import check_inputs, dropout_float, softmax_scale
+from torch_flashsys.attention._checks import check_inputs, dropout_float, refuse, softmax_scale
 from torch_flashsys.attention._dtensor import is_dtensor, local_inputs, wrap_outputs
 from torch_flashsys.attention._extras import Extras, make_extras
 from torch_flashsys.attention._padding import key_lengths, packed_layout, per_sequence, route
+from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._varlen import (
     nested_inputs,
     packed_extras,
@@ -45,6 +46,9 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
                              softcap, None, None, None, None, None, None, backend, True)  # fmt: skip
         out, lse = wrap_outputs(query, value, out, lse)
     elif isinstance(query, torch.Tensor) and query.is_nested:
+        refuse({"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q,
+                "max_seqlen_k": max_k, "cache_seqlens": cache_seqlens},
+               "with nested (jagged) inputs: their offsets give the sequences")  # fmt: skip
         q, k, v, cu_q, cu_k, max_q, max_k = nested_inputs(query, key, value, attn_mask)
         out, lse = _packed(q, k, v, None, dropout_p, is_causal, scale, enable_gqa, window_size,
                            softcap, alibi_slopes, backend, cu_q, cu_k, max_q, max_k)  # fmt: skip
@@ -53,16 +57,21 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
         if _any_autocast():  # (checked here: the common call makes no extra Python call)
             query, key, value = autocast_inputs(query, key, value)
         if cu_q is not None or cu_k is not None:
+            refuse({"cache_seqlens": cache_seqlens}, "with cu_seqlens (packed batches): "
+                   "KV-cache decoding takes (batch, heads, capacity, head_dim) caches")  # fmt: skip
             out, lse = _packed(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa, window_size, softcap, alibi_slopes, backend, cu_q,
                                cu_k, max_q, max_k)  # fmt: skip
             return (out, lse) if return_lse else out
+        if max_q is not None or max_k is not None:
+            refuse({"max_seqlen_q": max_q, "max_seqlen_k": max_k}, "without cu_seqlens_q and "
+                   "cu_seqlens_k: they bound a packed batch's sequences")  # fmt: skip
         resolved = check_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                 enable_gqa, backend, window_size, softcap, alibi_slopes)  # fmt: skip
         sm_scale = softmax_scale(scale, query.shape[-1])
         mods = (dropout_p, is_causal, window_size, softcap, alibi_slopes)
         if cache_seqlens is not None:
-            ex = cache_extras(query, key, attn_mask, mods, cache_seqlens)
+            ex = cache_extras(query, key, value, attn_mask, mods, cache_seqlens)
             out, lse = _cached(query, key, value, ex, sm_scale, resolved)
         elif (lengths := right_padded(query, key, attn_mask, mods)) is not None:
             out, lse = _run_right_padded(query, key, value, attn_mask, is_causal, lengths,
@@ -147,7 +156,14 @@ def _cached(query, key, value, ex: Extras, sm_scale: float, backend: str):
         from torch_flashsys.attention._triton_decode import decode_forward, decode_supported
 
         if decode_supported(query, key, ex):
-            return decode_forward(query, key, value, sm_scale, ex)
+            # The kernel reads the last dimension with stride 1: the rare tensor whose last
+            # dimension is strided (a K cache kept as (B, H, D, S), passed transposed) is
+            # copied, as for the other kernels (``_ops._as_4d``).
+            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+            out, lse = decode_forward(q, k, v, sm_scale, ex)
+            if q is not query:  # the output still takes the query's layout
+                out = empty_like_layout(query, value.shape[-1]).copy_(out)
+            return out, lse
     return run(query, key, value, ex, sm_scale, backend)
 
 

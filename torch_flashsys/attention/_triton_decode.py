@@ -23,6 +23,7 @@ import triton.language as tl
 
 from torch_flashsys.attention._extras import Extras
 from torch_flashsys.attention._launch import LaunchCache, Plan, dot_precision, remember
+from torch_flashsys.attention._tensors import empty_like_layout
 from torch_flashsys.attention._triton_common import (
     LOG2E,
     check_blocks,
@@ -183,7 +184,7 @@ def decode_forward(
     contiguous. Everything the shapes, strides and flags determine is computed once per key (a
     decode step runs once per layer and token: its host time is the step's floor)."""
     batch, n_heads, seq_q, _ = q.shape
-    out = torch.empty((batch, n_heads, seq_q, v.shape[-1]), device=q.device, dtype=q.dtype)
+    out = empty_like_layout(q, v.shape[-1])  # the query's memory layout, last dim contiguous
     lse = torch.empty((batch, n_heads, seq_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
@@ -240,8 +241,8 @@ def _plan(q, k, v, scale: float, ex: Extras) -> tuple[Plan, Plan, int, int]:
         "num_warps": CONFIG["num_warps"], "num_stages": CONFIG["num_stages"],
     }  # fmt: skip
     split_grid = (batch * n_kv_heads, n_chunks)
-    # out is allocated contiguous: its strides follow from its shape
-    out_strides = (n_heads * seq_q * dim_v, seq_q * dim_v, dim_v)
+    # out is allocated in q's layout: its strides follow from q's shape and strides (the key)
+    out_strides = empty_like_layout(q, dim_v).stride()[:3]
     combine_meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv, "BLOCK_C": next_pow2(n_chunks),
                     "num_warps": 4}  # fmt: skip
     combine_grid = (batch * n_heads * seq_q,)
