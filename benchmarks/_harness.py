@@ -17,6 +17,7 @@ import shlex
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any
@@ -225,6 +226,7 @@ def write_results(path: str | None, rows: Sequence[dict[str, Any]]) -> None:
     if not path.endswith((".json", ".csv")):
         raise ValueError(f"--out must end in .json or .csv, got {path!r}")
     stamped = [{**env_stamp(), **r} for r in rows]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", newline="") as f:
         if path.endswith(".json"):
             json.dump(stamped, f, indent=2)
@@ -282,10 +284,18 @@ def parser(doc: str | None, smoke: str, plot: bool = False) -> argparse.Argument
     says what it runs), --out and, with ``plot``, --plot."""
     p = argparse.ArgumentParser(description=doc, formatter_class=_Help)
     p.add_argument("--smoke", action="store_true", help=smoke)
-    p.add_argument("--out", help="write the rows to a .json or .csv file")
+    p.add_argument("--out", type=out_path, help="write the rows to a .json or .csv file")
     if plot:
         p.add_argument("--plot", help="save a PNG plot of the results to this path")
     return p
+
+
+def out_path(value: str) -> str:
+    """--out's type: a .json or .csv path, checked before anything runs (a multi-rank run writes
+    it at its end, on rank 0)."""
+    if not value.endswith((".json", ".csv")):
+        raise argparse.ArgumentTypeError(f"must end in .json or .csv, got {value!r}")
+    return value
 
 
 def csv_list(p: argparse.ArgumentParser, value: str, option: str, kind=str, choices=None) -> list:
@@ -335,9 +345,17 @@ def _in_group(fn, args, backend: str, timeout_s: float):
     try:
         result = fn(args)
         dist.barrier()  # rank 0 reported: leave together
-        return result if dist.get_rank() == 0 else None
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # The other ranks may be waiting for this one in a collective: NCCL's
+        # destroy_process_group would wait for them too (a hung job, this error never printed).
+        # Print it and leave at once; the launcher (torchrun, multiprocessing) ends the others.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return result if rank == 0 else None
 
 
 def _pyplot(what: str):

@@ -173,7 +173,7 @@ def _has_matplotlib() -> bool:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_smoke(options, script, tmp_path):
-    out = tmp_path / "rows.json"
+    out = tmp_path / "new_dir" / "rows.json"  # --out's folder is made when missing
     cmd = [sys.executable, str(BENCH / script), "--smoke", "--out", str(out)]
     flags = {f for o in options[script] or [] for f in o["flags"]}
     plot = tmp_path / "plot.png"
@@ -188,6 +188,19 @@ def test_smoke(options, script, tmp_path):
         assert all(key in r for r in rows), f"{script}: rows lack the {key!r} stamp"
     if "--plot" in cmd:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{script}: --plot wrote no PNG"
+
+
+@pytest.mark.parametrize("script", ["ddp.py", "model.py"])
+def test_a_bad_out_path_stops_before_anything_runs(script, tmp_path):
+    """--out's suffix is checked when the options are parsed: ddp.py's rank 0 writing the rows
+    at the end of a multi-GPU run was the first to notice, and on NCCL its failure left the job
+    hung (the other rank in a collective) with the error never printed."""
+    cmd = [sys.executable, str(BENCH / script), "--smoke", "--out", str(tmp_path / "rows.txt")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S,
+                          env=_env(), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]  # argparse's usage error
+    assert "--out" in proc.stderr and "must end in .json or .csv" in proc.stderr
+    assert "round 1/" not in proc.stderr and not proc.stdout.strip()  # nothing ran
 
 
 @pytest.mark.parametrize(
