@@ -158,7 +158,7 @@ BAD_INPUTS = [
     ),
     ("dropout range", lambda: _call(dropout_p=1.5), ValueError, "dropout_p must be"),
     ("scale type", lambda: _call(scale="0.1"), TypeError, "scale must be"),
-    ("scale nan", lambda: _call(scale=float("nan")), TypeError, "scale must be"),
+    ("scale nan", lambda: _call(scale=float("nan")), ValueError, "scale must be finite"),
     ("is_causal type", lambda: _call(is_causal=1), TypeError, "is_causal must be a bool"),
 ]
 

@@ -234,19 +234,22 @@ def test_flag_errors_name_numpy_types():
 
 
 @pytest.mark.parametrize(
-    ("scale", "match"),
+    ("scale", "error", "match"),
     [
         (
-            torch.tensor([0.5]),
+            torch.tensor([0.5]), TypeError,
             r"scale must be a finite real number .* got a tensor of shape \(1,\)",
         ),
-        (torch.tensor(0.5, requires_grad=True), "scale gets no gradient"),
-        (torch.tensor(float("inf")), "scale must be a finite real number"),
-        (np.bool_(True), "scale must be a finite real number"),
+        (torch.tensor(0.5, requires_grad=True), TypeError, "scale gets no gradient"),
+        (np.bool_(True), TypeError, "scale must be a finite real number"),
+        # a real number of the wrong value: ValueError (SDPA returns NaN rows for these)
+        (torch.tensor(float("inf")), ValueError, r"scale must be finite, got tensor\(inf\)"),
+        (float("-inf"), ValueError, "scale must be finite, got -inf"),
+        (np.float32("nan"), ValueError, "scale must be finite, got "),
     ],
-)
-def test_scale_errors_name_the_argument(scale, match):
+)  # fmt: skip
+def test_scale_errors_name_the_argument(scale, error, match):
     q = torch.randn(1, 1, 4, 16)
-    with pytest.raises(TypeError, match=match) as info:
+    with pytest.raises(error, match=match) as info:
         flash_attention(q, q, q, scale=scale)
     assert str(info.value).startswith("flash_attention: scale")

@@ -192,7 +192,7 @@ def _check_scale(scale: object) -> None:
     if isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.requires_grad:
         fail(TypeError, "scale gets no gradient (as in SDPA): pass scale.detach()")
     if not math.isfinite(_real_scalar(scale, expected, TypeError)):
-        fail(TypeError, f"{expected}, got {scale!r}")
+        fail(ValueError, f"scale must be finite, got {scale!r}")
 
 
 def check_shapes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa) -> None:
