@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tests.attention.cases import (
@@ -421,3 +421,52 @@ def test_float64_masks_and_alibi_stay_float64(backend):
     out64.backward(dout)
     for name, ours, ref in zip("qkv", (q, k, v), r, strict=True):
         assert max_err(ours.grad, ref.grad) < 1e-12, (name, max_err(ours.grad, ref.grad))
+
+
+# A window bound at a tile's width, one less or one more (where an off-by-one in a tile range
+# shows), or any other
+_BOUND = st.one_of(
+    st.builds(lambda n, block, d: max(0, n * block + d), st.integers(0, 3),
+              st.sampled_from([8, 16]), st.integers(-1, 1)),
+    st.integers(-1, 40),
+)  # fmt: skip
+
+
+@settings(max_examples=40)
+@given(
+    block_m=st.sampled_from([8, 16]), block_n=st.sampled_from([8, 16]),
+    seq_q=st.integers(1, 48), seq_k=st.integers(1, 48), window=st.tuples(_BOUND, _BOUND),
+    causal=st.booleans(), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31 - 1),
+)  # fmt: skip
+@example(block_m=8, block_n=8, seq_q=16, seq_k=16, window=(1, -1), causal=False, kv_heads=1,
+         group=1, seed=0)  # fmt: skip
+@example(block_m=8, block_n=8, seq_q=16, seq_k=16, window=(8, -1), causal=True, kv_heads=1,
+         group=1, seed=0)  # fmt: skip
+def test_torch_backend_tile_ranges_at_small_tiles(
+    block_m, block_n, seq_q, seq_k, window, causal, kv_heads, group, seed
+):
+    """The torch backend skips, from the window's bounds, the key tiles a query tile cannot
+    attend (forward) and the query tiles that cannot attend a key tile (backward). Its 64-row
+    tiles are wider than every other test's problems, so no tile edge is crossed there; here
+    tiles of 8 or 16 rows, up to six per sequence, and windows at a tile's width (and one off)
+    cross every bound (float64: exact up to rounding)."""
+    from torch_flashsys.attention._extras import make_extras
+    from torch_flashsys.attention._torch_impl import tiled_backward, tiled_forward
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, kv_heads * group, seq_q, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, seq_k, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    ex = make_extras(q.shape, seq_k, q.device, q.dtype, None, 0.0, causal, window, None, None)
+    scale = 8**-0.5
+    out, lse = tiled_forward(q, k, v, scale, ex, block_m=block_m, block_n=block_n)
+    grads = tiled_backward(dout, q, k, v, out, lse, None, scale, ex, block_m=block_m,
+                           block_n=block_n)  # fmt: skip
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = modded_attention(*leaves, is_causal=causal, window=window)
+    ref_grads = torch.autograd.grad(ref, leaves, dout)
+    torch.testing.assert_close(out, ref.detach(), atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse.detach(), atol=1e-12, rtol=1e-10)
+    for name, got, want in zip("qkv", grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10, msg=f"d{name}")

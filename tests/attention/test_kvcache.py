@@ -37,8 +37,9 @@ def decode_reference(q, k, v, lens, *, causal, window=None, softcap=None, alibi=
             s = softcap * torch.tanh(s / softcap)
         pos = (n - seq_q + torch.arange(seq_q))[:, None]
         j = torch.arange(n)[None, :]
-        if alibi is not None:
-            s = s - alibi.view(-1, 1, 1).to(s.dtype) * (pos - j).abs().to(s.dtype)
+        if alibi is not None:  # (heads,) or (batch, heads) slopes
+            slopes = alibi if alibi.dim() == 1 else alibi[b]
+            s = s - slopes.view(-1, 1, 1).to(s.dtype) * (pos - j).abs().to(s.dtype)
         allowed = torch.ones(seq_q, n, dtype=torch.bool)
         if causal:
             allowed &= j <= pos
@@ -69,7 +70,7 @@ def decode_cases(draw):
         "causal": draw(st.booleans()),
         "window": draw(st.sampled_from([None, (20, -1), (5, 0)])),
         "softcap": draw(st.sampled_from([None, 5.0])),
-        "alibi": draw(st.booleans()),
+        "alibi": draw(st.sampled_from([None, "heads", "batch_heads"])),  # the slopes' shape
         "seed": draw(st.integers(0, 2**31 - 1)),
         # q, k, v each: (B, H, S, D) memory, (B, S, H, D) viewed as it, or a strided last dim
         # (a K cache kept as (B, H, D, S), passed transposed)
@@ -95,7 +96,8 @@ def check_decode(c, dtype, backend, device="cpu"):
     q = torch.randn(c["batch"], heads, c["seq_q"], c["dim"], generator=g)
     k = torch.randn(c["batch"], c["kv_heads"], c["capacity"], c["dim"], generator=g)
     v = torch.randn(c["batch"], c["kv_heads"], c["capacity"], c["dim"], generator=g)
-    alibi = torch.rand(heads, generator=g) if c["alibi"] else None
+    shape = {"heads": (heads,), "batch_heads": (c["batch"], heads)}.get(c["alibi"])
+    alibi = None if shape is None else torch.rand(shape, generator=g)
     lens = torch.tensor(c["lens"], dtype=torch.int32)
     kw = {"causal": c["causal"], "window": c["window"], "softcap": c["softcap"], "alibi": alibi}
     inputs = [in_layout(t.to(device=device, dtype=dtype), layout)

@@ -107,6 +107,17 @@ def test_right_padded_causal_masks_run_without_the_mask(how, backend, batch, hea
     assert spy.call_count == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_packed_route_follows_the_padded_length(backend):
+    """The packed layout is kept for the last lengths (a model's layers share it): the same key
+    lengths padded to another length are another layout (query rows per sequence)."""
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    for seed, seq in enumerate((8, 10, 8)):
+        q, k, v = inputs(2, 2, 2, seq, 16, seed, dtype)
+        with mock.patch.object(_dispatch, "route", lambda q: "packed"):
+            _check(q, k, v, padded_mask([3, 5], seq), False, backend, dtype, seed)
+
+
 def _not_right_padded(seq: int) -> dict[str, tuple[torch.Tensor, bool]]:
     """Masks the per-sequence route must leave to the mask path: (mask, is_causal)."""
     hf = padded_mask([seq, seq - 2], seq)
