@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -112,6 +113,24 @@ def _graph_tensors(output: Any) -> list[torch.Tensor]:
         elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
             stack.extend(getattr(obj, f.name) for f in dataclasses.fields(obj))
     return found
+
+
+def _outside_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly when ``torch.compile`` traces a caller (``torch.compile(BucketedDDP(m))``):
+    the wrapper's bookkeeping (locks, collectives, hooks on the outputs, Python state) stays out
+    of the graph, Dynamo breaks the graph around it as around torch DDP's, and its guards do not
+    depend on the wrapper's state (``no_sync()``, buffer broadcasts): no recompile when that
+    changes. Outside compilation ``fn`` is called as is (torch._dynamo is imported only by a
+    compile, about 1 s)."""
+    skipped = torch._disable_dynamo(fn, recursive=True)  # imports torch._dynamo when first called
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return skipped(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def _check_can_wrap(module: Any, process_group: Any) -> None:
@@ -406,7 +425,19 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
             broadcast_coalesced(states, self._src, self.process_group)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Call ``self.module(*inputs, **kwargs)`` (after broadcasting buffers, see the class)."""
+        """Call ``self.module(*inputs, **kwargs)`` (after broadcasting buffers, see the class).
+
+        Under ``torch.compile`` of the wrapper only the module's call is traced; the wrapper's
+        bookkeeping before and after it runs eagerly (:func:`_outside_graph`)."""
+        inputs, kwargs = self._pre_forward(inputs, kwargs)
+        output = self.module(*inputs, **kwargs)
+        self._post_forward(output)
+        return output
+
+    @_outside_graph
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Before the module's forward: finish or refuse an unfinished backward, release idle
+        buckets, move the inputs (``device_ids``), broadcast buffers, take the no_sync state."""
         reducer = self._reducer
         if reducer.bw.in_backward:
             reducer.unfinished_backward()
@@ -421,12 +452,17 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
             self._broadcast_buffers(self._src)
         reducer.grad_sync = not self._no_sync
         self._sync_buffers_next = torch.is_grad_enabled() and reducer.grad_sync
-        output = self.module(*inputs, **kwargs)
+        return inputs, kwargs
+
+    @_outside_graph
+    def _post_forward(self, output: Any) -> None:
+        """After the module's forward: a backward through ``output`` synchronizes (see
+        docs/ddp.md, "Which backwards synchronize")."""
+        reducer = self._reducer
         if torch.is_grad_enabled():  # a forward without grad leaves the backward rule alone
             reducer.pending_sync = reducer.grad_sync
             if reducer.grad_sync:
                 reducer.mark_outputs(_graph_tensors(output))
-        return output
 
     def _refuse_torch_ddp(self, active: TorchDDP) -> None:
         """Raise if the torch DDP whose forward is running synchronizes our parameters too."""
