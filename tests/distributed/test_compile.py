@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given
 
 from tests.distributed import compile_cases
@@ -88,18 +89,12 @@ def _check_cases(todo: list[dict], results: list[list[dict[str, Any]]]) -> None:
                 assert_close_tree(params, want["params"][step], f"norm rank {rank} {step}", **TOL)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @given(seed=SEEDS)
 @ONE_RUN
-def test_compiled_wrapper_and_model_match_single_process(seed):
-    todo = [dict(case, backend="aot_eager") for case in AOT_CASES]
-    results = run_distributed(compile_cases.cases, 2, args=(seed, todo), timeout=240)
-    _check_cases(todo, results)
-
-
-@given(seed=SEEDS)
-@ONE_RUN
-def test_compiled_with_inductor(seed):
-    todo = [dict(case, backend="inductor") for case in INDUCTOR_CASES]
+def test_compiled_wrapper_and_model_match_single_process(backend, seed):
+    todo = [dict(case, backend=backend) for case in (AOT_CASES if backend == "aot_eager"
+                                                     else INDUCTOR_CASES)]  # fmt: skip
     results = run_distributed(compile_cases.cases, 2, args=(seed, todo), timeout=240)
     _check_cases(todo, results)
 
