@@ -741,6 +741,9 @@ def release_between_steps(rank: int, world: int) -> dict[str, Any]:
 def default_loop(rank: int, world: int, seed: int, bucket_mb: float | None) -> dict:
     """Every (model kind, loop pattern): single process (rank 0), torch DDP, BucketedDDP, and
     BucketedDDP with the views not pointed ahead of the backward (the copy path, a control).
+    With no_sync accumulation also BucketedDDP keeping its buckets' memory between steps
+    (``ours_keep``), and every one of them starting with zero gradients (``*_warm``): in both the
+    backwards start from the buckets' shared storage, which holds the accumulated gradients.
     On CUDA (cuda:<rank>) under NCCL, on the CPU otherwise."""
     device = "cpu"
     if dist.get_backend() == "nccl":
@@ -779,8 +782,50 @@ def default_loop(rank: int, world: int, seed: int, bucket_mb: float | None) -> d
                     return ddp
 
                 res["ours_copying"] = train_loop(kind, seed, rank, copying, mine, pattern, device)
+            if pattern == "no_sync":  # accumulation into buckets whose memory was never released
+                res["ours_keep"] = train_loop(
+                    kind, seed, rank, _keeping(bucket_mb), mine, pattern, device
+                )
+                if rank == 0:
+                    res["single_warm"] = train_loop(
+                        kind, seed, 0, _warm(_identity), full, pattern, device
+                    )
+                for tag, wrap in (("torch", _torch_ddp(kind)), ("ours", _bucketed(bucket_mb))):
+                    res[f"{tag}_warm"] = train_loop(
+                        kind, seed, rank, _warm(wrap), mine, pattern, device
+                    )
             out[f"{kind}/{pattern}"] = res
     return out
+
+
+def _bucketed(bucket_mb: float | None) -> Wrap:
+    return lambda m: BucketedDDP(m, bucket_mb)
+
+
+def _keeping(bucket_mb: float | None) -> Wrap:
+    """BucketedDDP that keeps its buckets' memory between steps (benchmarks/ddp.py's -keep runs):
+    every backward starts from the buckets' shared storage, not from released buffers."""
+
+    def wrap(m: nn.Module) -> BucketedDDP:
+        ddp = BucketedDDP(m, bucket_mb)
+        ddp._reducer.release_between_steps = False
+        return ddp
+
+    return wrap
+
+
+def _warm(wrap: Wrap) -> Wrap:
+    """``wrap`` applied to a module whose trainable parameters already have zero gradients (as
+    after a warm-up step and zero_grad(set_to_none=False)): the first forward finds gradients,
+    so the buckets keep their memory into the first step's accumulation."""
+
+    def warmed(m: nn.Module) -> nn.Module:
+        for p in m.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        return wrap(m)
+
+    return warmed
 
 
 def local_backwards(rank: int, world: int, seed: int) -> dict[str, Any]:

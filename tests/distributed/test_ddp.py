@@ -238,7 +238,9 @@ def test_default_loop_matches_single_process_without_copies(world, seed, bucket_
     tied, frozen, unused-branch and mixed-dtype models: equal to one process on the full batch
     and to torch DDP; param.grad stays a bucket view; and after the first step no gradient is
     copied into the buckets (AccumulateGrad adds into the views), except the first parameter
-    of each backward, whose gradient arrives before BucketedDDP can point it."""
+    of each backward, whose gradient arrives before BucketedDDP can point it. no_sync
+    accumulation also with the buckets' memory kept between steps (release_between_steps=False)
+    and with zero gradients already there at the first forward."""
     runs = run_distributed(ddp_cases.default_loop, world, args=(seed, bucket_mb), timeout=300)
     check_default_loop(runs, bucket_mb)
 
@@ -268,6 +270,23 @@ def check_default_loop(runs: list[dict], bucket_mb: float | None) -> None:
                 assert max(later) <= replaced + 1, f"{what}: copies {copies}"
             else:
                 assert max(later) <= 1, f"{what}: copies into the buckets {copies}"
+            # Accumulation with the buckets' memory kept between steps, or with gradients
+            # already there at the first forward: the synchronizing backward must keep what the
+            # no_sync micro-batch accumulated in the buckets (before, a mutation that zeroed it
+            # survived: these backwards start from the shared storage, the others do not).
+            for variant, theirs, single, kept in (
+                ("ours_keep", "torch", "single", [False] * len(released)),
+                ("ours_warm", "torch_warm", "single_warm", [False] + [True] * (len(released) - 1)),
+            ):
+                if variant not in res:
+                    continue
+                got = res[variant]
+                where = f"{what} {variant}"
+                assert got.pop("views"), f"{where}: param.grad is not a bucket view"
+                assert max(got.pop("copies")[2:]) <= 1, f"{where}: copies into the buckets"
+                assert got.pop("released") == kept, f"{where}: released"
+                assert_close_tree(got, res[theirs], f"{where} vs {theirs}", **tol)
+                assert_close_tree(got, runs[0][key][single], f"{where} vs {single}", **tol)
             if "ours_copying" in res:  # the control: without pointing, every gradient is copied
                 control = res["ours_copying"]
                 control.pop("views")

@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 
 from tests.distributed.common import MODEL_FIELDS, spawning
 from tests.distributed.harness import run_distributed
-from tests.distributed.zero_cases import hooks_and_loads, run_training_cases, run_with_ddp
+from tests.distributed.zero_cases import (
+    hooks_and_loads,
+    run_training_cases,
+    run_training_cases_on_subgroup,
+    run_with_ddp,
+)
 from tests.distributed.zero_errors import CASES, run_error_cases
 from torch_flashsys import ShardedOptimizer
 
@@ -123,6 +128,17 @@ def test_matches_plain_optimizer(tmp_path_factory, world_size, case_list):
     tmpdir = str(tmp_path_factory.mktemp("ckpt"))
     results = run_distributed(run_training_cases, world_size, args=(case_list, tmpdir))
     check_training(results, case_list)
+
+
+def test_matches_plain_optimizer_on_a_subgroup(tmp_path):
+    """process_group=new_group([1, 2]) of a world of 3 (rank 0 outside it): group rank r is global
+    rank r + 1, which the step's broadcasts and consolidate_state_dict must name (before, a
+    mutation broadcasting from the group rank survived: the tests used only the world group and
+    one-rank subgroups, where the two agree)."""
+    cases = _EVERY_FEATURE[:2]  # a consolidated and a sharded checkpoint, chunked steps
+    results = run_distributed(run_training_cases_on_subgroup, 3, args=(cases, str(tmp_path)))
+    assert results[0] is None
+    check_training(results[1:], cases)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,19 @@ from torch_flashsys.distributed import _sharding
 
 _DEFAULT_MIN_CHUNK, _DEFAULT_CHUNKS = _sharding._MIN_CHUNK_BYTES, _sharding._CHUNKS_PER_RANK
 
+# The process group the training cases shard over (None: the world; see
+# run_training_cases_on_subgroup), set per rank process.
+_GROUP: dist.ProcessGroup | None = None
+
+
+def _group_size() -> int:
+    return dist.get_world_size(_GROUP)
+
+
+def _group_rank() -> int:
+    return dist.get_rank(_GROUP)
+
+
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
@@ -133,7 +146,7 @@ class _Trainer:
         cls, groups = OPTIMIZERS[case["optimizer"]], param_groups(self.model, case)
         defaults = hyperparameters(case, -1)
         if sharded:
-            self.opt = ShardedOptimizer(groups, cls, **defaults)
+            self.opt = ShardedOptimizer(groups, cls, process_group=_GROUP, **defaults)
         else:
             self.opt = cls(groups, **defaults)
         self.sched = (
@@ -180,12 +193,12 @@ def _rebuild(old: _Trainer, added: bool) -> _Trainer:
 
 def _checkpoint(trainer: _Trainer, plain: _Trainer, tmpdir: str, tag: str) -> dict:
     """Save trainer's optimizer in case["checkpoint"] form, rebuild, load; compare formats."""
-    rank, out = dist.get_rank(), {}
+    rank, out = _group_rank(), {}
     kind, added = trainer.case["checkpoint"], trainer.model.late.weight.requires_grad
     if kind == "consolidated":
-        trainer.opt.consolidate_state_dict(to=dist.get_world_size() - 1)
+        trainer.opt.consolidate_state_dict(to=_group_size() - 1)
         path = os.path.join(tmpdir, f"{tag}.pt")
-        if rank == dist.get_world_size() - 1:
+        if rank == _group_size() - 1:
             sd = trainer.opt.state_dict()
             torch.save(sd, path)
             # The plain format, loadable by the plain optimizer class:
@@ -193,7 +206,7 @@ def _checkpoint(trainer: _Trainer, plain: _Trainer, tmpdir: str, tag: str) -> di
             fresh.opt.load_state_dict(copy.deepcopy(sd))
             out["consolidated"], out["plain_sd"] = sd, copy.deepcopy(plain.opt.state_dict())
             out["reloaded_plain_sd"] = fresh.opt.state_dict()
-        dist.barrier()
+        dist.barrier(group=_GROUP)
         sd = torch.load(path)
         new = _rebuild(trainer, added)
         new.opt.load_state_dict(sd)
@@ -225,7 +238,7 @@ def train_case(case: dict, tmpdir: str, tag: str) -> dict:
     # Coalesced: one broadcast per (owner, dtype) and chunk, not one per parameter (tiny
     # chunks: one parameter per chunk, so no bound).
     chunks = _DEFAULT_CHUNKS + 1 if not case.get("tiny_chunks") else 10**6
-    out["max_broadcasts"] = dist.get_world_size() * len(trainable_dtypes) * chunks
+    out["max_broadcasts"] = _group_size() * len(trainable_dtypes) * chunks
     out["pipelined"] = len(getattr(sharded.opt, "_chunks", ())) > 1
     out["owned_trainable"] = sum(p.requires_grad for p in sharded.opt._owned(sharded.opt._params))
     out["sharded"] = [p.detach().cpu().clone() for p in sharded.model.parameters()]
@@ -247,7 +260,7 @@ def train_case(case: dict, tmpdir: str, tag: str) -> dict:
         ),
         default=0.0,
     )
-    out["state_bound"] = per_byte * (sum(sizes) / dist.get_world_size() + max(sizes, default=0))
+    out["state_bound"] = per_byte * (sum(sizes) / _group_size() + max(sizes, default=0))
     out["lr"] = [g["lr"] for g in sharded.opt.param_groups]
     out["plain_lr"] = [g["lr"] for g in plain.opt.param_groups]
     return out
@@ -257,6 +270,23 @@ def run_training_cases(rank: int, world_size: int, cases: list[dict], tmpdir: st
     if dist.get_backend() == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     return [train_case(case, tmpdir, f"case{i}") for i, case in enumerate(cases)]
+
+
+def run_training_cases_on_subgroup(
+    rank: int, world_size: int, cases: list[dict], tmpdir: str
+) -> list[dict] | None:
+    """The training cases on ``process_group=new_group([1, ..., world_size - 1])``: rank 0 only
+    takes part in creating the group, so group rank r is global rank r + 1 (each owner's
+    broadcast must name its global rank)."""
+    global _GROUP
+    group = dist.new_group(list(range(1, world_size)))
+    if rank == 0:
+        return None
+    _GROUP = group
+    try:
+        return run_training_cases(rank, world_size, cases, tmpdir)
+    finally:
+        _GROUP = None
 
 
 def run_with_ddp(rank: int, world_size: int, case: dict) -> dict[str, dict]:
