@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from tests.distributed import sparse_cases
 from tests.distributed.common import attempt
 from torch_flashsys import BucketedDDP, ShardedOptimizer
+from torch_flashsys.distributed import _buckets
 
 F64 = torch.float64
 
@@ -145,6 +146,33 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
 
 
+def _averaging(model: nn.Module) -> BucketedDDP:
+    """BucketedDDP reducing with ReduceOp.AVG where it may, as on NCCL."""
+    ddp = BucketedDDP(model, 0)
+    ddp._reducer._reduce_avg = True
+    return ddp
+
+
+@contextlib.contextmanager
+def _emulated_avg(ops: list[str]) -> Iterator[None]:
+    """BucketedDDP's all-reduces take ReduceOp.AVG as NCCL does for floating types (each rank's
+    input times 1 / group size, then summed), on gloo; ``ops`` records "avg" or "sum" per call."""
+    real = _buckets.all_reduce
+
+    def all_reduce(group: dist.ProcessGroup, tensor: torch.Tensor, op: dist.ReduceOp) -> Any:
+        ops.append("avg" if op == dist.ReduceOp.AVG else "sum")
+        if op == dist.ReduceOp.AVG:
+            tensor.div_(group.size())
+            op = dist.ReduceOp.SUM
+        return real(group, tensor, op)
+
+    _buckets.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        _buckets.all_reduce = real
+
+
 def single_uneven(seed: int, world: int, build: Callable, data: Callable) -> dict[str, Any]:
     """One process doing what join(divide_by_initial_world_size=True) computes: at step t the
     gradient of the sum of the mean losses of the ranks that still have a batch, / world."""
@@ -190,6 +218,11 @@ def uneven(rank: int, world: int, seed: int) -> dict[str, Any]:
             out[f"divide={divide}/ours[{bs}]"] = run_uneven(
                 seed, rank, world, ours(bs), _adamw, ctx
             )
+    # ReduceOp.AVG (NCCL's averaging in the collective; emulated here, gloo has none): only
+    # while every rank trains; once ranks have joined, the sum is divided by the ranks left.
+    out["avg/ops"] = ops = []
+    with _emulated_avg(ops):
+        out["avg/ours"] = run_uneven(seed, rank, world, _averaging, _adamw, _model_join(False))
     # ShardedOptimizer in the same Join: every rank (joined or not) steps its shard with the
     # averaged gradients, so the result is plain AdamW's on the last rank to join.
     for name, shard in (("zero1", False), ("zero2", True)):

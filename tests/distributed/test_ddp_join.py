@@ -36,6 +36,7 @@ def test_uneven_inputs_match_torch_ddp_join(world, seed):
         ("no_sync/ours", "no_sync/torch"),
         ("no_sync/ours_zero2", "no_sync/torch"),
         ("hook/ours", "hook/torch"),
+        ("avg/ours", "divide=False/torch"),
         ("sparse/ours", "sparse/single"),
     ]  # fmt: skip
     for rank, run in enumerate(runs):
@@ -43,6 +44,16 @@ def test_uneven_inputs_match_torch_ddp_join(world, seed):
             what = f"rank {rank} {ours} (batches per rank {counts})"
             assert_close_tree(run[ours], run[theirs], f"{what} vs {theirs}")
             assert_equal_tree(run[ours], runs[0][ours], f"{what} vs rank 0")  # replicas agree
+        # The AVG path ran while every rank trained, and then the sum was divided by the ranks
+        # left (the rank training longest, after the others joined; before, a mutation that
+        # let AVG divide by the world size there survived: gloo has no AVG).
+        ops = run["avg/ops"]
+        assert "avg" in ops, f"rank {rank}: ReduceOp.AVG never used: {ops}"
+        if counts[rank] == max(counts):
+            assert "sum" in ops, f"rank {rank}: ranks joined, yet no SUM: {ops}"
+        # Every rank passes the same op to each all-reduce: a joined rank's zeros go with the
+        # SUM of the ranks still training (before, it passed AVG to the same NCCL collective).
+        assert ops == runs[0]["avg/ops"], f"rank {rank}: ops {ops} != rank 0's {runs[0]['avg/ops']}"
         assert run["early/ours"] == run["early/torch"] != "no error", rank
         assert run["probe"] == world, "ranks out of step after throw_on_early_termination"
         assert run["disabled_calls"] == 0, "join(enable=False) communicated"

@@ -645,7 +645,9 @@ class GradientReducer:
     def shadow_backward(self) -> None:
         """Under ``join()``, on a joined rank: take part in every reduction of a synchronizing
         backward of the other ranks, contributing zeros (no gradient), and receive the
-        average (so a joined owner can still step its shard of a ShardedOptimizer)."""
+        average (so a joined owner can still step its shard of a ShardedOptimizer). The caller
+        sets :attr:`divisor` to the training ranks' (the zeros need none, but the op they choose
+        by it, SUM or AVG, must be theirs)."""
         with self.lock:
             if self.bw.in_backward:
                 raise RuntimeError("BucketedDDP: join shadowing started during a backward")
@@ -664,7 +666,6 @@ class GradientReducer:
             bw = self.bw
             bw.in_backward, bw.syncing, bw.next_bucket, bw.ahead_next = True, True, 0, 0
             self._ahead = []  # buffers come from Bucket.prepare as each bucket launches
-            self.divisor = self.world  # zeros: any divisor
             self._finish_locked()
 
     def finish(self) -> None:

@@ -682,6 +682,9 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
             self._broadcast_buffers(self._global_rank(state.source))
         self._sync_buffers_next = self._reducer.join_synced = state.sync
         if state.sync:
+            # The divisor of the ranks still training: its zeros change nothing, but every rank
+            # must pass the same op to each collective (ReduceOp.AVG only at the world size).
+            self._reducer.divisor = self._world if self._divide_by_initial else state.active
             self._reducer.shadow_backward()
 
     def _join_final_sync(self, is_last_joiner: bool) -> None:
