@@ -219,11 +219,14 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
     return "\n".join(lines)
 
 
+OUT_SUFFIXES = (".json", ".csv")  # what write_results writes (--out)
+
+
 def write_results(path: str | None, rows: Sequence[dict[str, Any]]) -> None:
     """Write rows (each stamped with :func:`env_stamp`) to ``path`` (.json or .csv); None: skip."""
     if not path:
         return
-    if not path.endswith((".json", ".csv")):
+    if not path.endswith(OUT_SUFFIXES):
         raise ValueError(f"--out must end in .json or .csv, got {path!r}")
     stamped = [{**env_stamp(), **r} for r in rows]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -293,7 +296,7 @@ def parser(doc: str | None, smoke: str, plot: bool = False) -> argparse.Argument
 def out_path(value: str) -> str:
     """--out's type: a .json or .csv path, checked before anything runs (a multi-rank run writes
     it at its end, on rank 0)."""
-    if not value.endswith((".json", ".csv")):
+    if not value.endswith(OUT_SUFFIXES):
         raise argparse.ArgumentTypeError(f"must end in .json or .csv, got {value!r}")
     return value
 

@@ -20,7 +20,7 @@ from torch_flashsys.attention._checks import check_inputs, dropout_float, refuse
 from torch_flashsys.attention._dtensor import is_dtensor, local_inputs, wrap_outputs
 from torch_flashsys.attention._extras import Extras, make_extras
 from torch_flashsys.attention._padding import key_lengths, packed_layout, per_sequence, route
-from torch_flashsys.attention._tensors import empty_like_layout
+from torch_flashsys.attention._tensors import empty_like_layout, unit_last_stride
 from torch_flashsys.attention._varlen import (
     nested_inputs,
     packed_extras,
@@ -156,10 +156,7 @@ def _cached(query, key, value, ex: Extras, sm_scale: float, backend: str):
         from torch_flashsys.attention._triton_decode import decode_forward, decode_supported
 
         if decode_supported(query, key, ex):
-            # The kernel reads the last dimension with stride 1: the rare tensor whose last
-            # dimension is strided (a K cache kept as (B, H, D, S), passed transposed) is
-            # copied, as for the other kernels (``_ops._as_4d``).
-            q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+            q, k, v = (unit_last_stride(t) for t in (query, key, value))  # as _ops._as_4d
             out, lse = decode_forward(q, k, v, sm_scale, ex)
             if q is not query:  # the output still takes the query's layout
                 out = empty_like_layout(query, value.shape[-1]).copy_(out)

@@ -22,7 +22,7 @@ import torch_flashsys.attention._sm90 as _sm90
 from torch_flashsys.attention._autograd import NO_CACHE_BACKWARD, Kernels, apply
 from torch_flashsys.attention._extras import CAUSAL, Extras, canonical
 from torch_flashsys.attention._functorch import unwrap_dead
-from torch_flashsys.attention._tensors import empty_like_layout
+from torch_flashsys.attention._tensors import empty_like_layout, unit_last_stride
 from torch_flashsys.attention._torch_impl import differentiable_backward
 from torch_flashsys.attention._triton_bwd import attention_backward
 from torch_flashsys.attention._triton_fwd import attention_forward
@@ -33,11 +33,9 @@ _LIB = "torch_flashsys"
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     """(N, L, E) -> (1, N, L, E) view; 4-D passes through. Dim -3 is the head dim either way.
 
-    The kernels read the last dimension with stride 1; the rare tensor whose last dimension is
-    strided (e.g. an expanded gradient of ``out.sum()``) is copied.
+    The kernels read the last dimension with stride 1 (:func:`unit_last_stride`).
     """
-    if t.stride(-1) != 1:
-        t = t.contiguous()
+    t = unit_last_stride(t)
     return t.unsqueeze(0) if t.dim() == 3 else t
 
 

@@ -14,3 +14,10 @@ def empty_like_layout(t: torch.Tensor, last: int) -> torch.Tensor:
     base = t.new_empty([t.shape[d] for d in order] + [last])
     inverse = [order.index(d) for d in range(t.dim() - 1)] + [t.dim() - 1]
     return base.permute(inverse)
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when its last dimension has stride 1 (what the kernels read), else a contiguous
+    copy: the rare tensor whose last dimension is strided (an expanded gradient of
+    ``out.sum()``, a K cache kept as (B, H, D, S) and passed transposed)."""
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -194,7 +194,7 @@ def decode_forward(
            ex.left, ex.right, ex.softcap, scale, dot_precision(q.dtype), q.device)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(q, k, v, scale, ex)
+        plan = _plan(q, k, v, out, scale, ex)
         remember(_PLANS, key, plan)
     split, combine, n_chunks, block_dv = plan
     part_o = torch.empty((batch, n_heads, seq_q, n_chunks, block_dv), device=q.device,
@@ -214,7 +214,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _plan(q, k, v, scale: float, ex: Extras) -> tuple[Plan, Plan, int, int]:
+def _plan(q, k, v, out, scale: float, ex: Extras) -> tuple[Plan, Plan, int, int]:
     """(split launch plan, combine launch plan, key chunks per sequence, padded value dim)."""
     batch, n_heads, seq_q, head_dim = q.shape
     n_kv_heads, capacity, dim_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -242,7 +242,7 @@ def _plan(q, k, v, scale: float, ex: Extras) -> tuple[Plan, Plan, int, int]:
     }  # fmt: skip
     split_grid = (batch * n_kv_heads, n_chunks)
     # out is allocated in q's layout: its strides follow from q's shape and strides (the key)
-    out_strides = empty_like_layout(q, dim_v).stride()[:3]
+    out_strides = out.stride()[:3]
     combine_meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv, "BLOCK_C": next_pow2(n_chunks),
                     "num_warps": 4}  # fmt: skip
     combine_grid = (batch * n_heads * seq_q,)
