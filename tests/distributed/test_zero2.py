@@ -77,6 +77,9 @@ def check_zero2(results: list[list[dict]], case_list: list[dict]) -> None:
             assert max(out["grad_bytes"]) <= bound, f"{where}: {out['grad_bytes']} > {bound}"
             kept_bound = bound + out["pad_bytes"]  # buckets start 64-byte aligned
             assert max(out["kept"]) <= kept_bound, f"{where}: kept {out['kept']} > {kept_bound}"
+            assert len(out["norm_dtypes"]) == len(out["norms"]), where
+            for dtypes in out["norm_dtypes"]:  # torch's: the gradients' (promoted) dtype
+                assert dtypes[0] == dtypes[1] == dtypes[2], f"{where}: {dtypes}"
             for z2_norm, z1_norm, ref in out["norms"]:
                 assert z2_norm == pytest.approx(ref, rel=1e-5), where
                 assert z1_norm == pytest.approx(ref, rel=1e-5), where

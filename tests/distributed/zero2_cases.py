@@ -82,7 +82,13 @@ def train_zero2_case(rank: int, world: int, case: dict) -> dict:
     plain = OPTIMIZERS[case["optimizer"]](
         param_groups(reference, case), **hyperparameters(case, -1)
     )
-    out: dict = {"grad_bytes": [], "zero1_grad_bytes": [], "norms": [], "kept": []}
+    out: dict = {
+        "grad_bytes": [],
+        "zero1_grad_bytes": [],
+        "norms": [],
+        "norm_dtypes": [],
+        "kept": [],
+    }
     out["owned_equal"], out["others_none"], out["released"] = [], [], []
     per = 4
     for step in range(case["steps"]):
@@ -123,13 +129,12 @@ def train_zero2_case(rank: int, world: int, case: dict) -> dict:
         # each kept bucket after the first of a shared storage may start up to 63 bytes further
         out["pad_bytes"] = 64 * sum(b.keeps for b in ddp2._reducer.buckets)
         if case["clip"] is not None:
-            norms = [
-                opt.clip_grad_norm_(MAX_NORM, case["clip"]).item() for _, opt in (zero2, zero1)
-            ]
+            norms = [opt.clip_grad_norm_(MAX_NORM, case["clip"]) for _, opt in (zero2, zero1)]
             ref = torch.nn.utils.clip_grad_norm_(
                 [p for p in reference.parameters() if p.grad is not None], MAX_NORM, case["clip"]
             )
-            out["norms"].append((*norms, ref.item()))
+            out["norms"].append(tuple(n.item() for n in (*norms, ref)))
+            out["norm_dtypes"].append(tuple(str(n.dtype) for n in (*norms, ref)))
         for _, opt in (zero2, zero1):
             opt.step()
             opt.zero_grad(set_to_none=case["to_none"])

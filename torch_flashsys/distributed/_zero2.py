@@ -9,6 +9,7 @@ only its own gradients. Import order: ``_reducer`` -> ``ddp`` -> ``_zero2`` -> `
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -94,6 +95,10 @@ def shadow_skips_step(params: Sequence[torch.Tensor]) -> bool:
     return reducer is not None and reducer.join_config.enable and not reducer.join_synced
 
 
+# The gradient dtypes clip_grad_norm tells apart (others count as float32).
+_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 @torch.no_grad()
 def clip_grad_norm(
     owned: Sequence[torch.Tensor],
@@ -110,15 +115,19 @@ def clip_grad_norm(
     device = collective_device(group)
     grads = [p.grad for p in owned if p.grad is not None]
     norms = [torch.linalg.vector_norm(g, norm_type).double().to(device) for g in grads]
-    if not norms:
-        local = torch.zeros((), dtype=torch.float64, device=device)
-    elif norm_type == math.inf:
-        local = torch.stack(norms).max()
-    else:
-        local = torch.stack(norms).pow(norm_type).sum()
+    # [the local sum (or maximum), then which gradient dtypes this rank has], one all-reduce:
+    # the norm comes back in their promoted dtype, as torch.nn.utils.clip_grad_norm_'s does
+    present = {g.dtype for g in grads}
+    flags = [float(dtype in present) for dtype in _NORM_DTYPES]
+    local = torch.tensor([0.0, *flags], dtype=torch.float64, device=device)
+    if norms:
+        stacked = torch.stack(norms)
+        local[0] = stacked.max() if norm_type == math.inf else stacked.pow(norm_type).sum()
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     dist.all_reduce(local, op=op, group=group)
-    total = local if norm_type == math.inf else local.pow(1.0 / norm_type)
+    dtypes = [dtype for i, dtype in enumerate(_NORM_DTYPES) if local[1 + i] > 0]
+    out_dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+    total = local[0] if norm_type == math.inf else local[0].pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"ShardedOptimizer.clip_grad_norm_: the total norm of order {norm_type} of the "
@@ -128,4 +137,4 @@ def clip_grad_norm(
     for p in params:
         if p.grad is not None:
             p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
-    return total.float()
+    return total.to(out_dtype)

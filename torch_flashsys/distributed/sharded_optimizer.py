@@ -527,7 +527,8 @@ class ShardedOptimizer(torch.optim.Optimizer, GroupJoinable):
         """``torch.nn.utils.clip_grad_norm_`` over all of this optimizer's parameters, for sharded
         gradients: each rank takes the norm of its own parameters' gradients, one all-reduce
         combines them, and every gradient present is scaled. Call it on every rank (a
-        collective), after the backward and before ``step()``. Returns the total norm.
+        collective), after the backward and before ``step()``. Returns the total norm (computed in
+        float64, returned in the gradients' promoted dtype, as torch's).
 
         Needed with ``shard_gradients=True``, where each rank holds only its own gradients; with
         ZeRO-1 it gives the same result as ``torch.nn.utils.clip_grad_norm_``.
