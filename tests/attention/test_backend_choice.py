@@ -5,7 +5,10 @@ only when asked for with backend="triton")."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -162,3 +165,32 @@ def test_auto_takes_the_torch_path_for_head_dims_the_kernels_do_not_take(dq, dv,
         assert len(messages) == 1 and f"head dims {dq} (query/key) and {dv} (value)" in messages[0]
     else:
         assert messages == []
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "attribute", "expected"),
+    [
+        ("TORCH_FLASHSYS_SM90_BWD", "yes", "_BWD_MODE", ""),
+        ("TORCH_FLASHSYS_SM90_BWD", "fused", "_BWD_MODE", "fused"),
+        ("TORCH_FLASHSYS_SM90", "on", "_MODE", ""),
+        ("TORCH_FLASHSYS_SM90", "0", "_MODE", "0"),
+    ],
+)
+def test_hopper_switches_warn_on_an_unknown_value_and_keep_the_default(
+    name, value, attribute, expected
+):
+    """An unknown value of a Hopper switch warns and counts as unset (``SM90_BWD=yes`` silently
+    turned both Hopper backwards off before, as ``=0`` does)."""
+    pytest.importorskip("triton")
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    import torch_flashsys.attention._sm90 as s\n"
+        f"print(repr(getattr(s, {attribute!r})), sum({name!r} in str(w.message) for w in seen))"
+    )
+    env = {**os.environ, name: value, "PYTHONPATH": str(Path(__file__).parents[2])}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    mode, warned = run.stdout.split()
+    assert mode == repr(expected)
+    assert int(warned) == (expected != value)

@@ -1,6 +1,7 @@
-"""torch.func transforms over flash_attention (issue 25): vmap, grad and vjp work on both backends,
-as they do for SDPA; what is not supported raises NotImplementedError (naming the transforms that
-work, except forward-mode AD, whose message is PyTorch's)."""
+"""torch.func transforms over flash_attention (issue 25): vmap, grad, vjp, jacrev and vmap over grad
+(per-sample gradients) work on both backends, as they do for SDPA; what is not supported raises
+NotImplementedError (naming the transforms that work, except forward-mode AD, whose message is
+PyTorch's)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,60 @@ def test_grad_and_vjp_match_sdpa_float64(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=4, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    mapped=st.sampled_from(["qkv", "q", "kv"]),
+    causal=st.booleans(),
+    group=st.sampled_from([1, 2]),
+    window=st.sampled_from([None, (3, 0)]),
+)
+def test_per_sample_gradients_match_sdpa_float64(backend, seed, mapped, causal, group, window):
+    """vmap over grad (per-sample gradients, as Opacus-style code computes them), vmap over vjp
+    and jacrev give SDPA's float64 gradients; they raised or failed with a shape error before
+    (the backward wrote batched terms into unbatched buffers)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, heads, seq, e = 3, 2 * group, 10, 16
+    q = torch.randn(n, heads, seq, e, generator=gen)
+    k, v = (torch.randn(n, heads // group, seq, e, generator=gen) for _ in range(2))
+    w = torch.randn(heads, seq, e, generator=gen)
+    dims = tuple(0 if name in mapped else None for name in "qkv")
+    q, k, v = (t if d == 0 else t[0] for t, d in zip((q, k, v), dims, strict=True))
+    causal = causal and window is None  # a window (3, 0) is itself causal
+    kw = dict(is_causal=causal, enable_gqa=group > 1)
+
+    def ours(q, k, v):
+        return flash_attention(q, k, v, window_size=window, backend=backend, **kw)
+
+    def theirs(q, k, v):
+        mask = None
+        if window is not None:
+            i = torch.arange(q.shape[-2])
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window[0])
+        return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                              **kw)  # fmt: skip
+
+    def per_sample(f, *t):
+        loss = lambda q, k, v: (f(q, k, v) * w.to(q.dtype)).sum()
+        return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)), in_dims=dims)(*t)
+
+    grads = per_sample(ours, q, k, v)
+    refs = per_sample(theirs, *(t.double() for t in (q, k, v)))
+    for g, r in zip(grads, refs, strict=True):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)
+    cts = torch.randn(2, *w.shape, generator=gen)
+    q0, k0, v0 = (t[0] if d == 0 else t for t, d in zip((q, k, v), dims, strict=True))
+    pulled = torch.func.vmap(lambda c: torch.func.vjp(ours, q0, k0, v0)[1](c))(cts)
+    expected = torch.func.vmap(lambda c: torch.func.vjp(theirs, q0, k0, v0)[1](c.double()))(cts)
+    for g, r in zip(pulled, expected, strict=True):  # (float32: the inputs', cast from float64)
+        torch.testing.assert_close(g.double(), r.double(), atol=1e-4, rtol=1e-4)
+    jac = torch.func.jacrev(ours)(q0[..., :4, :], k0[..., :4, :], v0[..., :4, :])
+    ref = torch.func.jacrev(theirs)(*(t[..., :4, :].double() for t in (q0, k0, v0)))
+    torch.testing.assert_close(jac.double(), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_vmap_forward_then_backward_outside(backend):
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(3, 2, 9, 16, generator=gen, requires_grad=True)
@@ -102,11 +157,13 @@ def test_unsupported_transforms_raise_naming_what_works(backend):
     mask = torch.ones(9, 9, dtype=torch.bool)
     with pytest.raises(NotImplementedError, match="forward mode AD"):  # PyTorch's own message
         torch.func.jvp(fn, (q,), (torch.ones_like(q),))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    packed = lambda q: flash_attention(q, q, q, cu_seqlens_q=cu, cu_seqlens_k=cu, backend=backend)
     calls = {
-        "jacrev": lambda: torch.func.jacrev(fn)(q[:, :2]),
         "mask under vmap": lambda: torch.func.vmap(
             lambda q: flash_attention(q, q, q, attn_mask=mask, backend=backend)
         )(q[None].expand(2, -1, -1, -1)),
+        "packed backward under vmap": lambda: torch.func.jacrev(packed)(q[:2].transpose(0, 1)),
     }
     for name, call in calls.items():
         with pytest.raises(NotImplementedError, match=r"supported: torch\.func\.grad") as info:
@@ -126,3 +183,12 @@ def test_vmap_and_grad_on_cuda_match_sdpa_float64():
     q64 = q.double().requires_grad_()
     _sdpa64(q64[0], k[0], v[0], True, False).sum().backward()
     torch.testing.assert_close(grad.double(), q64.grad, atol=1e-4, rtol=1e-4)
+    # per-sample gradients (vmap over grad): the kernels' forward, PyTorch ops' backward
+    w = torch.randn(2, 4, 70, 64, generator=gen).cuda()
+    per_sample = lambda f: torch.func.vmap(
+        torch.func.grad(lambda q, k, v: (f(q, k, v) * w.to(q.dtype)).sum(), argnums=(0, 1, 2))
+    )
+    grads = per_sample(fn)(q, k, v)
+    refs = per_sample(lambda q, k, v: _sdpa64(q, k, v, True, False))(q, k, v)
+    for g, r in zip(grads, refs, strict=True):
+        torch.testing.assert_close(g.double(), r.double(), atol=1e-4, rtol=1e-4)

@@ -235,3 +235,21 @@ def test_strided_cu_seqlens_give_the_contiguous_result(backend):
     assert results[1][0].isfinite().all()
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nested_inputs_under_autocast_are_cast_like_sdpa(backend):
+    """Under ``torch.autocast`` SDPA casts nested query/key/value to the autocast dtype as it
+    does dense ones; so does flash_attention (nested inputs stayed float32 before)."""
+    dtype = torch.bfloat16 if backend == "torch" else torch.float16  # interpreter: no bf16 dot
+    seqs = [torch.randn(n, 2, 16) for n in (5, 9)]
+    nt = torch.nested.nested_tensor(seqs, layout=torch.jagged, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        out = flash_attention(*(nt.transpose(1, 2),) * 3, is_causal=True, backend=backend)
+        ref = F.scaled_dot_product_attention(*(nt.transpose(1, 2),) * 3)
+    assert out.is_nested and out.dtype == ref.dtype == dtype
+    plain = torch.nested.nested_tensor([s.to(dtype) for s in seqs], layout=torch.jagged)
+    expected = flash_attention(*(plain.transpose(1, 2),) * 3, is_causal=True, backend=backend)
+    assert torch.equal(out.values(), expected.values())
+    out.values().float().sum().backward()
+    assert nt.grad is not None and nt.grad.dtype == torch.float32

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from torch_flashsys.attention._extras import Extras
-from torch_flashsys.attention._functorch import check_backward_unmapped, vmap_rule
+from torch_flashsys.attention._functorch import check_backward_batchable, vmap_rule
 from torch_flashsys.attention._torch_impl import differentiable_backward, forward
 
 NO_CACHE_BACKWARD = (
@@ -61,13 +61,15 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        check_backward_unmapped(dout, dlse)
         if ctx.ex.seqused_k is not None:
             raise NotImplementedError(NO_CACHE_BACKWARD)
         q, k, v, out, lse = ctx.saved_tensors
+        if _functorch_active():  # under vmap (jacrev, vmap over grad/vjp): batched tensors
+            check_backward_batchable(ctx.ex, dout, dlse, q, k, v, out, lse)
         if dout is None:
             dout = torch.zeros_like(out)
-        # create_graph=True: the gradients must be differentiable
+        # create_graph=True (and every torch.func transform): the gradients must be
+        # differentiable; PyTorch ops, which vmap also batches
         backward = differentiable_backward if torch.is_grad_enabled() else ctx.kernels.backward
         dq, dk, dv = backward(dout, q, k, v, out, lse, dlse, ctx.scale, ctx.ex)
         return dq, dk, dv, None, None, None

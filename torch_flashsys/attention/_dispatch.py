@@ -50,6 +50,7 @@ def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
                 "max_seqlen_k": max_k, "cache_seqlens": cache_seqlens},
                "with nested (jagged) inputs: their offsets give the sequences")  # fmt: skip
         q, k, v, cu_q, cu_k, max_q, max_k = nested_inputs(query, key, value, attn_mask)
+        q, k, v = autocast_inputs(q, k, v)  # as SDPA's nested path under autocast
         out, lse = _packed(q, k, v, None, dropout_p, is_causal, scale, enable_gqa, window_size,
                            softcap, alibi_slopes, backend, cu_q, cu_k, max_q, max_k)  # fmt: skip
         out, lse = to_nested(out, lse, cu_q)

@@ -3,8 +3,11 @@
 The Function defines ``setup_context`` (what ``torch.func.grad``/``vjp`` need) and the ``vmap`` rule
 here: the mapped dimension is folded into the batch dimension and the Function runs once on the
 whole batch, so the kernels see ordinary tensors. Score modifications that carry tensors (a mask,
-ALiBi slopes, dropout's seed, a packed batch, a KV cache) are not mapped: they raise, as does a
-backward that runs under ``vmap`` (``jacrev``, ``vmap`` over ``grad``), with the list of what works.
+ALiBi slopes, dropout's seed, a packed batch, a KV cache) are not mapped: they raise, with the
+list of what works. A backward that runs under ``vmap`` (``jacrev``, ``vmap`` over ``grad`` or
+``vjp``: per-sample gradients) gets batched tensors; grad mode is on under every transform, so it
+runs on PyTorch ops (``_torch_impl.tiled_backward``, which writes into no unbatched buffer), which
+vmap batches; a packed batch's backward there raises.
 Forward-mode AD (``jvp``, ``jacfwd``, ``hessian``) is not implemented either: PyTorch's own
 ``NotImplementedError`` says so (a ``jvp`` staticmethod that raised would make Dynamo refuse to
 trace the Functions).
@@ -17,8 +20,9 @@ import torch
 from torch_flashsys.attention._extras import Extras
 
 SUPPORTED = (
-    "supported: torch.func.grad, torch.func.vjp and torch.func.vmap of the forward (with "
-    "is_causal, scale, enable_gqa, window_size and softcap), and a backward outside vmap"
+    "supported: torch.func.grad, vjp and jacrev, torch.func.vmap of the forward (with is_causal, "
+    "scale, enable_gqa, window_size and softcap), and vmap over grad or vjp (per-sample "
+    "gradients; that backward runs on PyTorch ops)"
 )
 
 
@@ -58,10 +62,15 @@ _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
-def check_backward_unmapped(*grads: torch.Tensor | None) -> None:
-    """Raise when the backward runs under vmap (jacrev, vmap over grad): the kernels can't."""
-    if any(g is not None and torch._C._functorch.is_batchedtensor(g) for g in grads):
+def check_backward_batchable(ex: Extras, *tensors: torch.Tensor | None) -> None:
+    """Raise where a backward under vmap (jacrev, vmap over grad or vjp: some of ``tensors``
+    batched) cannot run: it runs on PyTorch ops (grad mode is on under every torch.func
+    transform), which vmap batches, except a packed batch's per-sequence writes."""
+    if not any(t is not None and torch._C._functorch.is_batchedtensor(t) for t in tensors):
+        return
+    if ex.cu_q is not None or not torch.is_grad_enabled():
         raise NotImplementedError(
             "flash_attention: the backward cannot run under torch.func.vmap (torch.func.jacrev, "
-            f"hessian, vmap over grad or vjp); {SUPPORTED}"
+            "vmap over grad or vjp) with cu_seqlens or with grad mode off; "
+            f"{SUPPORTED}"
         )

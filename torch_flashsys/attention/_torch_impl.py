@@ -227,15 +227,16 @@ def tiled_backward(
     lse_safe = lse.masked_fill(lse == float("-inf"), float("inf"))
     lseg = _grouped(lse_safe.unsqueeze(-1), n_kv).squeeze(-1)
     deltag = _grouped(delta.unsqueeze(-1), n_kv).squeeze(-1)
-    dq = torch.zeros(qg.shape, device=q.device, dtype=acc_t)
-    dk = torch.zeros(kg.shape, device=q.device, dtype=acc_t).squeeze(2)
-    dv = torch.zeros((*vg.shape[:-1], v.shape[-1]), device=q.device, dtype=acc_t).squeeze(2)
+    # Sums out of place, joined at the end: under vmap (vmap over grad) a term is batched even
+    # where a buffer made from an unmapped input would not be (no in-place write into one).
+    dq_rows: dict[int, torch.Tensor] = {}
+    dk_tiles, dv_tiles = [], []
     for j0 in range(0, seq_k, block_n):
         kj = kg[..., j0 : j0 + block_n, :].to(acc_t)
         vj = vg[..., j0 : j0 + block_n, :].to(acc_t)
         cols = kj.shape[-2]
-        dkj = torch.zeros_like(dk[..., j0 : j0 + cols, :])
-        dvj = torch.zeros_like(dv[..., j0 : j0 + cols, :])
+        dkj = kj.new_zeros((*kj.shape[:2], *kj.shape[3:]))
+        dvj = vj.new_zeros((*vj.shape[:2], *vj.shape[3:]))
         # queries that may attend a key of this tile
         lo = max(0, j0 - ex.right) if ex.right >= 0 else 0
         hi = min(seq_q, j0 + cols + ex.left) if ex.left >= 0 else seq_q
@@ -246,7 +247,7 @@ def tiled_backward(
             s, t = tiles.scores(qi @ kj.transpose(-1, -2), i0, j0)
             p = torch.exp(s - lseg[..., i0 : i0 + rows, None])
             pd = tiles.dropout(p, i0, j0) * tiles.inv_keep if ex.dropout_p else p
-            dvj += (pd.to(v.dtype).to(acc_t).transpose(-1, -2) @ doi).sum(2)
+            dvj = dvj + (pd.to(v.dtype).to(acc_t).transpose(-1, -2) @ doi).sum(2)
             dp = doi @ vj.transpose(-1, -2)
             if ex.dropout_p:
                 dp = tiles.dropout(dp, i0, j0) * tiles.inv_keep
@@ -254,12 +255,23 @@ def tiled_backward(
             if t is not None:
                 ds = ds * (1 - t * t)  # through softcap * tanh(s / softcap)
             ds = ds.to(q.dtype).to(acc_t)
-            dq[..., i0 : i0 + rows, :] += ds @ kj
-            dkj += (ds.transpose(-1, -2) @ qi).sum(2)
-        dk[..., j0 : j0 + cols, :] = dkj * scale
-        dv[..., j0 : j0 + cols, :] = dvj
-    dq = (dq * scale).flatten(1, 2).view(q.shape).to(q.dtype)
-    return dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+            dq_i = ds @ kj
+            dq_rows[i0] = dq_i if i0 not in dq_rows else dq_rows[i0] + dq_i
+            dkj = dkj + (ds.transpose(-1, -2) @ qi).sum(2)
+        dk_tiles.append(dkj * scale)
+        dv_tiles.append(dvj)
+    dq = _joined([dq_rows[i0] if i0 in dq_rows else qg.new_zeros(
+        (*qg.shape[:-2], min(block_m, seq_q - i0), qg.shape[-1]), dtype=acc_t)
+        for i0 in range(0, seq_q, block_m)], qg, acc_t)  # fmt: skip
+    dk = _joined(dk_tiles, k, acc_t)
+    dv = _joined(dv_tiles, v, acc_t)
+    dq = (dq * scale).flatten(1, 2).reshape(q.shape).to(q.dtype)
+    return dq, dk.reshape(k.shape).to(k.dtype), dv.reshape(v.shape).to(v.dtype)
+
+
+def _joined(tiles: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Key tiles' gradients joined along the sequence (zeros of ``like``'s shape for none)."""
+    return torch.cat(tiles, dim=-2) if tiles else like.new_zeros(like.shape, dtype=dtype)
 
 
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:

@@ -8,7 +8,8 @@ Triton kernel:
 
 - a CUDA device of compute capability 9.0 (H100, H200) whose Triton's Gluon API imports
   (:mod:`._gluon`; checked on 3.6, compiles with 3.9);
-- float16 or bfloat16, head dim 64 or 128 for query, key and value alike;
+- float16 or bfloat16, head dim 64 or 128 for query, key and value alike, or 48, 80, 96 or 112
+  on the kernel of the next of those two (``FWD_PADDED_DIMS``: TMA's zero fill pads the head dim);
 - no score modification: causal or not, with GQA, and nothing else (no mask, dropout, window,
   soft-capping, ALiBi, packed batch or KV cache);
 - a positive scale, and every stride but the last a multiple of 16 bytes, 16-byte aligned data
@@ -20,7 +21,8 @@ measured faster, queries and keys alike: head dim 64, ``_bwd.attn_bwd_sm90`` at 
 ``FUSED_SEQ_Q`` (with GQA from 256; without GQA from 1024; and, without GQA or a causal
 mask, 512-1023 keys against 2048 or more query rows where its programs fill the GPU,
 ``FUSED_FEW_KEYS``); head dim 128, ``_bwd.attn_bwd_split_sm90`` at those in ``SPLIT_SEQ_Q``
-(with GQA from 256; without GQA from 1024, causal from 2048). Their dQ is summed in float32 by
+(with GQA from 256; without GQA from 1024, causal from 2048); head dims 48 and 80-112 on the
+kernel of the next head dim at its lengths (``BWD_PADDED_DIMS``). Their dQ is summed in float32 by
 TMA bulk reductions in no fixed order, so it is not bitwise reproducible; when
 ``torch.are_deterministic_algorithms_enabled()``,
 the same kernels run with their dQ sums in a fixed order (``DETERMINISTIC``) at the lengths in
@@ -35,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 
@@ -169,7 +172,20 @@ L2_BUDGET = 24 * 2**20  # bytes of keys and values a causal head group keeps in 
 DEFAULT_ON = True  # the switch's default on a verified Triton (see the module docstring)
 # Read once at import (a per-call environment lookup would cost host time on every call):
 # "1" on wherever Gluon's Hopper API imports, "0" off, unset: DEFAULT_ON on a verified Triton.
-_MODE = os.environ.get("TORCH_FLASHSYS_SM90", "")
+
+
+def _switch(name: str, values: tuple[str, ...]) -> str:
+    """The environment variable ``name`` if one of ``values``; unset is ``""``, and any other
+    value warns and counts as unset (the default)."""
+    value = os.environ.get(name, "")
+    if value and value not in values:
+        warnings.warn(f"{name}={value!r} is not one of {', '.join(values)}; the default (unset) "
+                      "is used", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return ""
+    return value
+
+
+_MODE = _switch("TORCH_FLASHSYS_SM90", ("1", "0"))
 ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFIED))
 
 
@@ -182,7 +198,7 @@ ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFI
 # neither. Under torch.use_deterministic_algorithms(True) the fused kernels run with ordered dQ
 # sums (at DETERMINISTIC_SEQ_Q's and DETERMINISTIC_SPLIT_SEQ_Q's lengths, or everywhere with
 # FUSED_ALL).
-_BWD_MODE = os.environ.get("TORCH_FLASHSYS_SM90_BWD", "")
+_BWD_MODE = _switch("TORCH_FLASHSYS_SM90_BWD", ("fused", "1", "0"))
 BWD_ENABLED = ENABLED and _BWD_MODE == "1"
 FUSED_DEFAULT = True
 FUSED_ENABLED = ENABLED and (_BWD_MODE == "fused" or (_BWD_MODE == "" and FUSED_DEFAULT
