@@ -270,7 +270,8 @@ def tiled_backward(
 
 
 def _joined(tiles: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Key tiles' gradients joined along the sequence (zeros of ``like``'s shape for none)."""
+    """Tiles' gradients (query rows or key tiles) joined along the sequence; zeros of ``like``'s
+    shape for none (an empty sequence)."""
     return torch.cat(tiles, dim=-2) if tiles else like.new_zeros(like.shape, dtype=dtype)
 
 

@@ -125,7 +125,8 @@ def clip_grad_norm(
         local[0] = stacked.max() if norm_type == math.inf else stacked.pow(norm_type).sum()
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     dist.all_reduce(local, op=op, group=group)
-    dtypes = [dtype for i, dtype in enumerate(_NORM_DTYPES) if local[1 + i] > 0]
+    seen = local[1:].tolist()  # (one synchronization, the flags)
+    dtypes = [dtype for dtype, flag in zip(_NORM_DTYPES, seen, strict=True) if flag > 0]
     out_dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
     total = local[0] if norm_type == math.inf else local[0].pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):

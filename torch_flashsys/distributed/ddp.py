@@ -655,7 +655,7 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
         bcast = self._sync_buffers_next and self.broadcast_buffers and self._world > 1
         bcast = bcast and next(self.module.buffers(), None) is not None
         state = self._join_exchange(sync, bcast, joined=False)
-        self._reducer.divisor = self._world if self._divide_by_initial else state.active
+        self._reducer.divisor = self._join_divisor(state)
         if state.broadcast_buffers:
             self._broadcast_buffers(self._global_rank(state.source))
 
@@ -669,6 +669,11 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
             self._divide_by_initial,
             guard=lambda fn: self._reducer.guard(what, fn),
         )
+
+    def _join_divisor(self, state: JoinState) -> int:
+        """What this iteration's gradients are divided by under ``join()``: the world size, or
+        (``divide_by_initial_world_size=False``) the ranks still training."""
+        return self._world if self._divide_by_initial else state.active
 
     def _global_rank(self, group_rank: int) -> int:
         if self.process_group is None:
@@ -684,7 +689,7 @@ class BucketedDDP(torch.nn.Module, GroupJoinable):
         if state.sync:
             # The divisor of the ranks still training: its zeros change nothing, but every rank
             # must pass the same op to each collective (ReduceOp.AVG only at the world size).
-            self._reducer.divisor = self._world if self._divide_by_initial else state.active
+            self._reducer.divisor = self._join_divisor(state)
             self._reducer.shadow_backward()
 
     def _join_final_sync(self, is_last_joiner: bool) -> None:

@@ -170,8 +170,6 @@ L2_BUDGET = 24 * 2**20  # bytes of keys and values a causal head group keeps in 
 
 
 DEFAULT_ON = True  # the switch's default on a verified Triton (see the module docstring)
-# Read once at import (a per-call environment lookup would cost host time on every call):
-# "1" on wherever Gluon's Hopper API imports, "0" off, unset: DEFAULT_ON on a verified Triton.
 
 
 def _switch(name: str, values: tuple[str, ...]) -> str:
@@ -185,6 +183,8 @@ def _switch(name: str, values: tuple[str, ...]) -> str:
     return value
 
 
+# Read once at import (a per-call environment lookup would cost host time on every call):
+# "1" on wherever Gluon's Hopper API imports, "0" off, unset: DEFAULT_ON on a verified Triton.
 _MODE = _switch("TORCH_FLASHSYS_SM90", ("1", "0"))
 ENABLED = AVAILABLE and (_MODE == "1" or (_MODE != "0" and DEFAULT_ON and VERIFIED))
 
