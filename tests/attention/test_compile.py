@@ -11,6 +11,7 @@ import torch
 from tests.attention.cases import Case
 from torch_flashsys import flash_attention
 from torch_flashsys.attention._backend import triton_can_run_on
+from torch_flashsys.attention._tensors import empty_like_layout
 
 needs_kernels = pytest.mark.skipif(
     not triton_can_run_on(torch.device("cpu")) and not torch.cuda.is_available(),
@@ -201,3 +202,35 @@ def test_canonical_extras_pass_every_tensor_field_through():
         ex = Extras(**{name: torch.zeros(2)})
         assert canonical(ex) is ex
     assert canonical(Extras()) is PLAIN
+
+
+@pytest.mark.parametrize("attn_backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_value_head_dim_compiles_fullgraph_with_dynamic_lengths(layout, attn_backend):
+    """A value head dim other than the query's (DeepSeek's MLA: 192 and 128) at a second sequence
+    length (automatic dynamic shapes): the PyTorch backend's output allocation sorted symbolic
+    strides, which Dynamo refuses ("Unsupported sort with non-constant keys")."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, is_causal=True, backend=attn_backend)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(3)
+    for seq in (9, 13, 17):
+        q, k, v = (torch.randn(2, seq, 3, d, generator=gen) for d in (24, 24, 16))
+        if layout == "bhld":
+            q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.to(DEVICE).requires_grad_() for t in (q, k, v))
+        out = compiled(q, k, v)
+        assert out.stride() == empty_like_layout(q, 16).stride()
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
+        refs = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+        for g, r in zip(grads, refs, strict=True):
+            torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)

@@ -10,7 +10,15 @@ def empty_like_layout(t: torch.Tensor, last: int) -> torch.Tensor:
     (the order of its strides), e.g. a (B, L, H, E) tensor viewed as (B, H, L, E)."""
     if last == t.shape[-1]:
         return torch.empty_like(t)
-    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d))  # outermost first
+    # Outermost first (descending strides, ties in dimension order), by insertion rather than
+    # sorted(key=...): under torch.compile with dynamic shapes the strides are symbolic, and
+    # Dynamo refuses a sort on them but guards a comparison.
+    order: list[int] = []
+    for d in range(t.dim() - 1):
+        i = 0
+        while i < len(order) and t.stride(order[i]) >= t.stride(d):
+            i += 1
+        order.insert(i, d)
     base = t.new_empty([t.shape[d] for d in order] + [last])
     inverse = [order.index(d) for d in range(t.dim() - 1)] + [t.dim() - 1]
     return base.permute(inverse)
