@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+import time
 import warnings
 from unittest import mock
 
@@ -580,6 +582,43 @@ def test_sdpa_override_restores_after_exception_and_nesting():
     with pytest.raises(ValueError, match="sdpa_override: backend must be one of"):
         sdpa_override(backend="cuda").__enter__()
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_sdpa_override_blocks_exited_out_of_order_restore_sdpa():
+    """Two threads' blocks overlap without nesting (A enters, B enters, A exits, B exits): once
+    both have exited SDPA is torch's own again (B used to put back the router A installed, and
+    every later SDPA call in the process stayed routed)."""
+    entered, a_left, b_may_leave = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def thread_a():
+        with sdpa_override(backend="torch"):
+            entered.wait()
+        a_left.set()
+
+    def thread_b():
+        with sdpa_override(backend="torch"):
+            entered.set()
+            b_may_leave.wait()
+            seen["routed_after_a_left"] = F.scaled_dot_product_attention is not ORIGINAL_SDPA
+
+    a = threading.Thread(target=thread_a)
+    a.start()
+    try:
+        while F.scaled_dot_product_attention is ORIGINAL_SDPA:  # A's block is open
+            time.sleep(0.001)
+        b = threading.Thread(target=thread_b)
+        b.start()
+        assert a_left.wait(10)
+        b_may_leave.set()
+        a.join(10)
+        b.join(10)
+        assert seen == {"routed_after_a_left": True}  # B's block still routes
+        assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    finally:
+        entered.set()
+        b_may_leave.set()
+        disable_sdpa_override()  # (the other tests' SDPA, should this one fail)
 
 
 def test_enable_disable_sdpa_override(flash_calls):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -312,7 +313,9 @@ def sdpa_override(*, backend: str = "auto") -> Iterator[None]:
     it was on entry: blocks nest, and :func:`enable_sdpa_override` /
     :func:`disable_sdpa_override` called inside a block last until it exits (the rule of
     ``torch.no_grad()`` and ``torch.set_grad_enabled``). The patch is
-    process-wide (all threads) and affects code that looks the function up at call time
+    process-wide (all threads): blocks of several threads that overlap without nesting keep
+    routing until the last of them exits, which puts back what the first found on entry. It
+    affects code that looks the function up at call time
     (``F.scaled_dot_product_attention(...)``, including nn.MultiheadAttention's internals), not
     a reference imported earlier with ``from torch.nn.functional import ...``. Usable as a
     decorator too.
@@ -322,9 +325,24 @@ def sdpa_override(*, backend: str = "auto") -> Iterator[None]:
         >>> with sdpa_override(backend="torch"):
         ...     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash_attention
     """
-    previous = F.scaled_dot_product_attention
-    _install_router("sdpa_override", backend)
+    with _BLOCKS_LOCK:
+        block = [F.scaled_dot_product_attention]  # what to put back on exit
+        _install_router("sdpa_override", backend)
+        _BLOCKS.append(block)
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = previous
+        with _BLOCKS_LOCK:
+            index = next(i for i, b in enumerate(_BLOCKS) if b is block)
+            del _BLOCKS[index]
+            if index == len(_BLOCKS):  # the newest block (always, when blocks nest)
+                F.scaled_dot_product_attention = block[0]
+            else:  # an older block of another thread: the next one puts back what this found
+                _BLOCKS[index][0] = block[0]
+
+
+# The open sdpa_override blocks, oldest first, each a one-item list: the SDPA it puts back on exit.
+# Blocks of several threads may exit out of order; the block opened after the one exiting then
+# inherits what that one found on entry, so the last exit restores the state before the first.
+_BLOCKS: list[list[Callable[..., Any]]] = []
+_BLOCKS_LOCK = threading.Lock()
