@@ -199,19 +199,24 @@ def test_kv_cache_append_and_errors():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_flash_attention_module_generates_with_a_cache(backend):
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_flash_attention_module_generates_with_a_cache(backend, batch_first):
     """Prompt then one position at a time through kv_cache equals the full causal forward."""
     torch.manual_seed(0)
     attn = FlashAttention(
-        64, 4, num_kv_heads=2, causal=True, batch_first=True, backend=backend
+        64, 4, num_kv_heads=2, causal=True, batch_first=batch_first, backend=backend
     ).eval()
     x = torch.randn(2, 12, 64)
+    if not batch_first:  # (seq, batch, embed_dim): positions along dim 0
+        x = x.transpose(0, 1).contiguous()
+    at = (lambda a, b: x[:, a:b]) if batch_first else (lambda a, b: x[a:b])
     with torch.no_grad():
         full = attn(x)
         cache = attn.new_cache(2, 16)
-        steps = [attn(x[:, :5], kv_cache=cache)]
-        steps += [attn(x[:, t : t + 1], kv_cache=cache) for t in range(5, 12)]
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-5, rtol=1e-5)
+        steps = [attn(at(0, 5), kv_cache=cache)]
+        steps += [attn(at(t, t + 1), kv_cache=cache) for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(steps, 1 if batch_first else 0), full, atol=2e-5,
+                               rtol=1e-5)  # fmt: skip
     assert cache.length == 12
 
 

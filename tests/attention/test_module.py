@@ -110,6 +110,8 @@ def test_matches_float64_mha(seed, batch, seq, heads_dim, bias, batch_first, unb
     for form in forms:
         out, grads = run(fa, x, fa_kw, form)
         assert out.shape == shape and out.dtype == torch.float32
+        # contiguous wherever MHA's output is (seq-first: code may .view() it)
+        assert out.is_contiguous() or not base.is_contiguous(), (form, out.stride())
         assert_close(f"{form} out", out, base, ref, torch.float32)
         for i, (g, b, r) in enumerate(zip(grads, base_grads, ref_grads, strict=True)):
             assert_close(f"{form} grad {i}", g, b, r, torch.float32)

@@ -321,20 +321,19 @@ class FlashAttention(nn.Module):
                 f"{self.embed_dim}, got shape {tuple(query.shape)}"
             )
         x = query.unsqueeze(0) if query.dim() == 2 else query
-        if not self.batch_first and query.dim() == 3:
-            x = x.transpose(0, 1)
+        seq_first = not self.batch_first and query.dim() == 3  # (seq, batch, embed_dim)
+        seq = x.shape[0] if seq_first else x.shape[1]
         causal = self.causal or bool(is_causal)
         if kv_cache is not None:
             if key_padding_mask is not None or attn_mask is not None:
                 raise ValueError(f"{_NAME}: masks are not supported together with kv_cache")
-            out = self._attend(x, causal, None, kv_cache)
+            out = self._attend(x, seq_first, causal, None, kv_cache)
         else:
-            if attn_mask is not None and _is_causal_mask(attn_mask, x.shape[1]):
+            if attn_mask is not None and _is_causal_mask(attn_mask, seq):
                 causal, attn_mask = True, None
-            mask = _sdpa_mask(key_padding_mask, attn_mask, x.shape[0], self.num_heads, x.shape[1])
-            out = self._attend(x, causal, mask)
-        if not self.batch_first and query.dim() == 3:
-            out = out.transpose(0, 1)
+            batch = x.shape[1] if seq_first else x.shape[0]
+            mask = _sdpa_mask(key_padding_mask, attn_mask, batch, self.num_heads, seq)
+            out = self._attend(x, seq_first, causal, mask)
         out = out.squeeze(0) if query.dim() == 2 else out
         return (out, None) if mha_form else out
 
@@ -358,27 +357,31 @@ class FlashAttention(nn.Module):
     def _attend(
         self,
         x: torch.Tensor,
+        seq_first: bool,
         causal: bool,
         mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """(batch, seq, embed_dim) -> (batch, seq, embed_dim); ``mask`` in SDPA's convention."""
-        b, seq, _ = x.shape
+        """(batch, seq, embed_dim) -> (batch, seq, embed_dim), or with ``seq_first`` (seq, batch,
+        embed_dim) -> (seq, batch, embed_dim), contiguous either way (as nn.MultiheadAttention's
+        seq-first output): the heads are views of the projection in the input's order, and the
+        output keeps the query's layout; ``mask`` in SDPA's convention."""
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias)
         q, k, v = qkv.split((h * d, h_kv * d, h_kv * d), dim=-1)
-        q = q.view(b, seq, h, d).transpose(1, 2)  # (b, h, seq, d)
-        k = k.view(b, seq, h_kv, d).transpose(1, 2)
-        v = v.view(b, seq, h_kv, d).transpose(1, 2)
+        # (b, seq, heads, d) -> (b, heads, seq, d); seq-first: (seq, b, heads, d) -> the same
+        order = (1, 2, 0, 3) if seq_first else (0, 2, 1, 3)
+        q, k, v = (t.unflatten(-1, (-1, d)).permute(order) for t in (q, k, v))
         if kv_cache is not None:  # generation: the new positions join the cache, then attend
             kv_cache.append(k, v)
             out = flash_attention(
                 q, kv_cache.key, kv_cache.value, is_causal=causal, enable_gqa=h_kv != h,
                 cache_seqlens=kv_cache.seqlens, backend=self.backend,
             )  # fmt: skip
-            return self.out_proj(out.transpose(1, 2).reshape(b, seq, self.embed_dim))
-        out = flash_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-            is_causal=causal, enable_gqa=h_kv != h, backend=self.backend,
-        )  # fmt: skip
-        return self.out_proj(out.transpose(1, 2).reshape(b, seq, self.embed_dim))
+        else:
+            out = flash_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                is_causal=causal, enable_gqa=h_kv != h, backend=self.backend,
+            )  # fmt: skip
+        back = (2, 0, 1, 3) if seq_first else (0, 2, 1, 3)  # the inverse permutation of order
+        return self.out_proj(out.permute(back).flatten(-2))
