@@ -6,6 +6,8 @@ Bodies in tests/distributed/zero2_cases.py. Each spawned run batches several dra
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -205,3 +207,26 @@ def test_nccl_zero2_two_gpus():
         zero2_cases.run_zero2_cases, 2, args=(_EVERY_FEATURE,), backend="nccl", timeout=300
     )
     check_zero2(results, _EVERY_FEATURE)
+
+
+def test_clip_grad_norm_every_norm_type_matches_torch():
+    """ShardedOptimizer.clip_grad_norm_ (ZeRO-1 and ZeRO-2) gives torch.nn.utils.clip_grad_norm_'s
+    norm and clipped gradients for every norm type torch takes: the norm over the per-parameter
+    norms, as if concatenated (order 0 counts the parameters with a nonzero gradient, -inf is the
+    smallest per-parameter norm). A summed power gave inf at order 0 (every gradient zeroed) and
+    1 at -inf (torch: 0, no clipping)."""
+    norm_types = [0.0, -math.inf, 0.5, 1.0, 2.0, 3.0, math.inf]
+    results = run_distributed(zero2_cases.clip_every_norm_type, 3, args=(norm_types,))
+    for rank, per_type in enumerate(results):
+        for r in per_type:
+            where = f"rank {rank} norm_type {r['norm_type']}"
+            for kind in ("zero1", "zero2"):
+                assert r[kind] == pytest.approx(r["single"], rel=1e-12), f"{where} {kind} norm"
+                for i, (got, want) in enumerate(
+                    zip(r[kind + "_grads"], r["single_grads"], strict=True)
+                ):
+                    if got is None and kind == "zero2":
+                        continue  # another rank's parameter
+                    torch.testing.assert_close(
+                        got, want, rtol=1e-12, atol=0, msg=f"{where} {kind} grad {i}"
+                    )

@@ -257,3 +257,52 @@ def accumulate_across_backwards(rank: int, world: int, cases: list[dict]) -> lis
                 out["owned"] = [id(p) in owned for p in model.parameters()]
         results.append(out)
     return results
+
+
+class _DeadNet(nn.Module):
+    """Linear -> tanh -> Linear, plus ``dead``: in the graph, its gradient exactly zero (what
+    makes the order-0 and order--inf norms differ from a sum of powers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 5), nn.Linear(5, 2)
+        self.dead = nn.Parameter(torch.ones(4))
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) + 0.0 * self.dead.sum()
+
+
+def clip_every_norm_type(rank: int, world: int, norm_types: list[float]) -> list[dict]:
+    """Per norm type: one backward, then ShardedOptimizer.clip_grad_norm_ with ZeRO-1 and
+    ZeRO-2 and torch.nn.utils.clip_grad_norm_ on one process's whole-batch gradients (float64).
+    Returns the three norms and each parameter's clipped gradient (ZeRO-2: ``None`` where
+    another rank owns it)."""
+    per, out = 3, []
+    x = torch.randn(per * world, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    zeros = {}
+    for kind in ("zero2", "zero1"):
+        ddp = BucketedDDP(_DeadNet())
+        opt = ShardedOptimizer(
+            ddp.parameters(), torch.optim.SGD, lr=0.1, shard_gradients=kind == "zero2"
+        )
+        zeros[kind] = (ddp, opt)
+    reference = _DeadNet()
+    for norm_type in norm_types:
+        result: dict = {"norm_type": norm_type}
+        for kind, (ddp, opt) in zeros.items():
+            ddp(x.view(world, per, 3)[rank]).pow(2).mean().backward()
+            result[kind] = opt.clip_grad_norm_(MAX_NORM, norm_type).item()
+            result[kind + "_grads"] = [
+                None if p.grad is None else p.grad.clone() for p in ddp.module.parameters()
+            ]
+            opt.zero_grad()
+        reference(x).pow(2).mean().backward()
+        result["single"] = torch.nn.utils.clip_grad_norm_(
+            reference.parameters(), MAX_NORM, norm_type
+        ).item()
+        result["single_grads"] = [p.grad.clone() for p in reference.parameters()]
+        reference.zero_grad()
+        out.append(result)
+    return out

@@ -99,6 +99,34 @@ def shadow_skips_step(params: Sequence[torch.Tensor]) -> bool:
 _NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _partial_norm(
+    norms: list[torch.Tensor], norm_type: float, device: torch.device
+) -> torch.Tensor:
+    """This rank's part (0-dim, float64, on ``device``) of torch's total norm, the norm of the
+    per-gradient norms as one vector (``vector_norm(stack(norms), norm_type)``): the largest norm
+    (inf) or the negated smallest (-inf), both combined across ranks by maximum; the count of
+    nonzero norms (order 0) or the sum of the norms' powers, combined by sum."""
+    if not norms:
+        return torch.tensor(-math.inf if norm_type == -math.inf else 0.0, device=device)
+    stacked = torch.stack(norms)
+    if norm_type == math.inf:
+        return stacked.max()
+    if norm_type == -math.inf:
+        return stacked.min().neg()
+    if norm_type == 0:
+        return stacked.ne(0).sum().double()
+    return stacked.pow(norm_type).sum()
+
+
+def _total_norm(combined: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The total norm from the ranks' combined parts (:func:`_partial_norm`)."""
+    if norm_type == -math.inf:
+        return combined.neg()
+    if norm_type in (0, math.inf):
+        return combined
+    return combined.pow(1.0 / norm_type)
+
+
 @torch.no_grad()
 def clip_grad_norm(
     owned: Sequence[torch.Tensor],
@@ -115,20 +143,19 @@ def clip_grad_norm(
     device = collective_device(group)
     grads = [p.grad for p in owned if p.grad is not None]
     norms = [torch.linalg.vector_norm(g, norm_type).double().to(device) for g in grads]
-    # [the local sum (or maximum), then which gradient dtypes this rank has], one all-reduce:
-    # the norm comes back in their promoted dtype, as torch.nn.utils.clip_grad_norm_'s does
+    # [the local part, then which gradient dtypes this rank has], one all-reduce: the norm comes
+    # back in their promoted dtype, as torch.nn.utils.clip_grad_norm_'s does
     present = {g.dtype for g in grads}
     flags = [float(dtype in present) for dtype in _NORM_DTYPES]
     local = torch.tensor([0.0, *flags], dtype=torch.float64, device=device)
-    if norms:
-        stacked = torch.stack(norms)
-        local[0] = stacked.max() if norm_type == math.inf else stacked.pow(norm_type).sum()
-    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    dist.all_reduce(local, op=op, group=group)
+    local[0] = _partial_norm(norms, norm_type, device)
+    by_max = norm_type in (math.inf, -math.inf)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX if by_max else dist.ReduceOp.SUM, group=group)
     seen = local[1:].tolist()  # (one synchronization, the flags)
     dtypes = [dtype for dtype, flag in zip(_NORM_DTYPES, seen, strict=True) if flag > 0]
     out_dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
-    total = local[0] if norm_type == math.inf else local[0].pow(1.0 / norm_type)
+    # no gradient on any rank: 0, as torch's norm of no tensors
+    total = _total_norm(local[0], norm_type) if dtypes else local.new_zeros(())
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"ShardedOptimizer.clip_grad_norm_: the total norm of order {norm_type} of the "
