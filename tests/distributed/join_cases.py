@@ -111,6 +111,11 @@ def _sharded(shard_gradients: bool) -> Callable[[nn.Module], torch.optim.Optimiz
     )
 
 
+def _sharded_tensor_lr(model: nn.Module) -> torch.optim.Optimizer:
+    lr = torch.tensor(0.05, dtype=torch.float64)
+    return ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, weight_decay=0.1)
+
+
 def _zero(model: nn.Module) -> torch.optim.Optimizer:
     return ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05, weight_decay=0.1)
 
@@ -236,6 +241,10 @@ def uneven(rank: int, world: int, seed: int) -> dict[str, Any]:
     )
     out["schedule/ours_zero1"] = run_uneven(
         seed, rank, world, ours(0), _sharded(False), _join_both, schedule=True
+    )
+    # ... also when the learning rate is a tensor (the scheduler fill_s it in place)
+    out["schedule/ours_tensor_lr"] = run_uneven(
+        seed, rank, world, ours(0), _sharded_tensor_lr, _join_both, schedule=True
     )
     # As torch's ZeroRedundancyOptimizer behind torch DDP (a joined rank steps with the
     # gradients it has; here None after zero_grad(), so its shard stays as it was).

@@ -32,6 +32,7 @@ def test_uneven_inputs_match_torch_ddp_join(world, seed):
         ("sharded/ours_zero1", "divide=True/torch"),
         ("sharded/ours_zero2", "divide=True/torch"),
         ("schedule/ours_zero1", "schedule/torch"),
+        ("schedule/ours_tensor_lr", "schedule/torch"),
         ("zero/ours_behind_torch_ddp", "zero/torch"),
         ("no_sync/ours", "no_sync/torch"),
         ("no_sync/ours_zero2", "no_sync/torch"),

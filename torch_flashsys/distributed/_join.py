@@ -105,11 +105,14 @@ class GroupJoinable(Joinable):
 
 
 def _numbers(value: Any) -> list[float] | None:
-    """The numbers of a hyperparameter (a number, a bool, or a tuple/list of them), or None."""
+    """The numbers of a hyperparameter (a number, a bool, a tuple/list of them, or a one-element
+    tensor), or None."""
     if isinstance(value, (bool, int, float)):
         return [float(value)]
     if isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float)) for v in value):
         return [float(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        return [float(value.item())]  # e.g. lr=torch.tensor(...), which schedulers fill_ in place
     return None
 
 
@@ -137,7 +140,9 @@ def sync_hyperparameters(
     for g, key, old, n in slots:
         new = values[i : i + n]
         i += n
-        if isinstance(old, (tuple, list)):
+        if isinstance(old, torch.Tensor):  # in place: the local optimizer shares the tensor
+            old.fill_(new[0])
+        elif isinstance(old, (tuple, list)):
             g[key] = type(old)(type(o)(v) for o, v in zip(old, new, strict=True))
         else:
             g[key] = type(old)(new[0])
