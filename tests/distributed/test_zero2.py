@@ -209,14 +209,15 @@ def test_nccl_zero2_two_gpus():
     check_zero2(results, _EVERY_FEATURE)
 
 
-def test_clip_grad_norm_every_norm_type_matches_torch():
+@pytest.mark.parametrize("foreach", [None, True])  # CPU: None is the loop
+def test_clip_grad_norm_every_norm_type_matches_torch(foreach):
     """ShardedOptimizer.clip_grad_norm_ (ZeRO-1 and ZeRO-2) gives torch.nn.utils.clip_grad_norm_'s
     norm and clipped gradients for every norm type torch takes: the norm over the per-parameter
     norms, as if concatenated (order 0 counts the parameters with a nonzero gradient, -inf is the
     smallest per-parameter norm). A summed power gave inf at order 0 (every gradient zeroed) and
     1 at -inf (torch: 0, no clipping)."""
     norm_types = [0.0, -math.inf, 0.5, 1.0, 2.0, 3.0, math.inf]
-    results = run_distributed(zero2_cases.clip_every_norm_type, 3, args=(norm_types,))
+    results = run_distributed(zero2_cases.clip_every_norm_type, 3, args=(norm_types, foreach))
     for rank, per_type in enumerate(results):
         for r in per_type:
             where = f"rank {rank} norm_type {r['norm_type']}"

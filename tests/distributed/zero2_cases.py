@@ -274,7 +274,9 @@ class _DeadNet(nn.Module):
         return self.b(torch.tanh(self.a(x))) + 0.0 * self.dead.sum()
 
 
-def clip_every_norm_type(rank: int, world: int, norm_types: list[float]) -> list[dict]:
+def clip_every_norm_type(
+    rank: int, world: int, norm_types: list[float], foreach: bool | None = None
+) -> list[dict]:
     """Per norm type: one backward, then ShardedOptimizer.clip_grad_norm_ with ZeRO-1 and
     ZeRO-2 and torch.nn.utils.clip_grad_norm_ on one process's whole-batch gradients (float64).
     Returns the three norms and each parameter's clipped gradient (ZeRO-2: ``None`` where
@@ -293,14 +295,14 @@ def clip_every_norm_type(rank: int, world: int, norm_types: list[float]) -> list
         result: dict = {"norm_type": norm_type}
         for kind, (ddp, opt) in zeros.items():
             ddp(x.view(world, per, 3)[rank]).pow(2).mean().backward()
-            result[kind] = opt.clip_grad_norm_(MAX_NORM, norm_type).item()
+            result[kind] = opt.clip_grad_norm_(MAX_NORM, norm_type, foreach=foreach).item()
             result[kind + "_grads"] = [
                 None if p.grad is None else p.grad.clone() for p in ddp.module.parameters()
             ]
             opt.zero_grad()
         reference(x).pow(2).mean().backward()
         result["single"] = torch.nn.utils.clip_grad_norm_(
-            reference.parameters(), MAX_NORM, norm_type
+            reference.parameters(), MAX_NORM, norm_type, foreach=foreach
         ).item()
         result["single_grads"] = [p.grad.clone() for p in reference.parameters()]
         reference.zero_grad()

@@ -135,14 +135,17 @@ def clip_grad_norm(
     norm_type: float,
     error_if_nonfinite: bool,
     group: dist.ProcessGroup,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` when the gradients are split across ``group``: the norm
     of the ``owned`` parameters' gradients on each rank (every parameter owned by exactly one
-    rank), combined by one all-reduce; then every gradient of ``params`` present is scaled."""
+    rank), combined by one all-reduce; then every gradient of ``params`` present is scaled.
+    ``foreach`` as torch's: the ``torch._foreach_*`` kernels per (device, dtype) group (``None``:
+    for CUDA gradients), else one norm and one scaling per gradient."""
     norm_type = float(norm_type)
     device = collective_device(group)
     grads = [p.grad for p in owned if p.grad is not None]
-    norms = [torch.linalg.vector_norm(g, norm_type).double().to(device) for g in grads]
+    norms = [n.double().to(device) for n in _grad_norms(grads, norm_type, foreach)]
     # [the local part, then which gradient dtypes this rank has], one all-reduce: the norm comes
     # back in their promoted dtype, as torch.nn.utils.clip_grad_norm_'s does
     present = {g.dtype for g in grads}
@@ -162,7 +165,36 @@ def clip_grad_norm(
             "gradients is non-finite, so it cannot be clipped (error_if_nonfinite=True)"
         )
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    for same, batched in _batches([p.grad for p in params if p.grad is not None], foreach):
+        scale = coef.to(device=same[0].device, dtype=same[0].dtype)
+        if batched:
+            torch._foreach_mul_(same, scale)
+        else:
+            same[0].mul_(scale)
     return total.to(out_dtype)
+
+
+def _batches(grads: list[torch.Tensor], foreach: bool | None) -> list[tuple[list, bool]]:
+    """``grads`` as ``(tensors, batched)``: one batch per (device, dtype) of dense gradients
+    where ``foreach`` (``None``: CUDA ones) takes the ``torch._foreach_*`` kernels, else one
+    gradient each (sparse ones always)."""
+    batches: dict[tuple, list[torch.Tensor]] = {}
+    single = []
+    for g in grads:
+        if g.layout == torch.strided and (foreach or (foreach is None and g.is_cuda)):
+            batches.setdefault((g.device, g.dtype), []).append(g)
+        else:
+            single.append(([g], False))
+    return [(same, True) for same in batches.values()] + single
+
+
+def _grad_norms(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> list:
+    """Each gradient's norm of order ``norm_type`` (in some order: the total does not depend on
+    it), batched as :func:`_batches` says."""
+    norms = []
+    for same, batched in _batches(grads, foreach):
+        if batched:
+            norms += torch._foreach_norm(same, norm_type)
+        else:
+            norms.append(torch.linalg.vector_norm(same[0], norm_type))
+    return norms

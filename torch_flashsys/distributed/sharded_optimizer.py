@@ -522,7 +522,11 @@ class ShardedOptimizer(torch.optim.Optimizer, GroupJoinable):
                 g["params"] = params
 
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over all of this optimizer's parameters, for sharded
         gradients: each rank takes the norm of its own parameters' gradients, one all-reduce
@@ -531,12 +535,14 @@ class ShardedOptimizer(torch.optim.Optimizer, GroupJoinable):
         float64, returned in the gradients' promoted dtype, as torch's).
 
         Needed with ``shard_gradients=True``, where each rank holds only its own gradients; with
-        ZeRO-1 it gives the same result as ``torch.nn.utils.clip_grad_norm_``.
+        ZeRO-1 it gives the same result as ``torch.nn.utils.clip_grad_norm_``. ``foreach`` as
+        torch's: the multi-tensor kernels (``None``: for CUDA gradients) or a loop.
         """
         owned = [p for p, r in zip(self._params, self._owners, strict=True) if r == self.rank]
         return clip_grad_norm(
-            owned, self._params, max_norm, norm_type, error_if_nonfinite, self.process_group
-        )
+            owned, self._params, max_norm, norm_type, error_if_nonfinite, self.process_group,
+            foreach,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- checkpoints
     def _packed_groups(self) -> list[dict[str, Any]]:
