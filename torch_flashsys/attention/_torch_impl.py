@@ -203,30 +203,44 @@ def tiled_forward(
 def tiled_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, scale: float, ex: Extras = PLAIN,
-    block_m: int = BLOCK_M, block_n: int = BLOCK_N, bh_base: int = 0,
+    block_m: int = BLOCK_M, block_n: int = BLOCK_N, bh_base: int = 0, recorded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Returns ``(dq, dk, dv)``; dk/dv summed over the query heads of each GQA group."""
+    """Returns ``(dq, dk, dv)``; dk/dv summed over the query heads of each GQA group.
+
+    ``recorded``: autograd records these ops for a second backward (``out`` and ``lse`` the
+    forward's over the same keys). The values are the same; the recorded gradients stay in the
+    accumulation dtype up to q, k, v and dout (each cast once) and reach them through this
+    call's own score tiles (:func:`_recorded_rows`), not through ``out`` and ``lse``."""
     if ex.varlen:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for rq, rk, sub, base in _sequences(ex, q.shape[1]):
             d = None if dlse is None else dlse[:, :, rq]
             dq[:, :, rq], dk[:, :, rk], dv[:, :, rk] = tiled_backward(
                 dout[:, :, rq], q[:, :, rq], k[:, :, rk], v[:, :, rk], out[:, :, rq],
-                lse[:, :, rq], d, scale, sub, bh_base=base,
+                lse[:, :, rq], d, scale, sub, bh_base=base, recorded=recorded,
             )  # fmt: skip
         return dq, dk, dv
     tiles = _Tiles(q, k, scale, ex, bh_base)
     acc_t = _acc_dtype(q)
     n_kv = k.shape[-3]
     seq_q, seq_k = q.shape[-2], k.shape[-2]
-    delta = (dout.to(acc_t) * out.to(acc_t)).sum(-1)  # D = rowsum(dO * O)
+    ins = (q, k, v, dout)
+    if recorded:  # out, lse and D as values: _recorded_rows gives lse and D their gradients
+        out, lse = out.detach(), lse.detach()
+        # cast once: a second backward sums each input's gradient terms (in a penalty large
+        # ones that cancel) in acc_t, not tile by tile in the input's dtype
+        ins = tuple(t.to(acc_t) for t in ins)
+    delta = ((dout.detach() if recorded else dout).to(acc_t) * out.to(acc_t)).sum(-1)  # D
     if dlse is not None:
         delta = delta - dlse.to(acc_t)  # d lse / d S = P, folded into D
-    qg, dog, kg, vg = _grouped(q, n_kv), _grouped(dout, n_kv), _kv(k), _kv(v)
+    qg, kg, vg, dog = _grouped(ins[0], n_kv), _kv(ins[1]), _kv(ins[2]), _grouped(ins[3], n_kv)
     # A row that attended nothing has lse = -inf: +inf makes its recomputed P zero.
     lse_safe = lse.masked_fill(lse == float("-inf"), float("inf"))
     lseg = _grouped(lse_safe.unsqueeze(-1), n_kv).squeeze(-1)
     deltag = _grouped(delta.unsqueeze(-1), n_kv).squeeze(-1)
+    terms = {}  # recorded: each tile's (tanh, P, dP), made by _recorded_rows
+    if recorded:
+        lseg, deltag, terms = _recorded_rows(tiles, qg, dog, kg, vg, lseg, deltag, block_m, block_n)
     # Sums out of place, joined at the end: under vmap (vmap over grad) a term is batched even
     # where a buffer made from an unmapped input would not be (no in-place write into one).
     dq_rows: dict[int, torch.Tensor] = {}
@@ -234,23 +248,20 @@ def tiled_backward(
     for j0 in range(0, seq_k, block_n):
         kj = kg[..., j0 : j0 + block_n, :].to(acc_t)
         vj = vg[..., j0 : j0 + block_n, :].to(acc_t)
-        cols = kj.shape[-2]
         dkj = kj.new_zeros((*kj.shape[:2], *kj.shape[3:]))
         dvj = vj.new_zeros((*vj.shape[:2], *vj.shape[3:]))
-        # queries that may attend a key of this tile
-        lo = max(0, j0 - ex.right) if ex.right >= 0 else 0
-        hi = min(seq_q, j0 + cols + ex.left) if ex.left >= 0 else seq_q
-        for i0 in range((lo // block_m) * block_m, hi, block_m):
+        for i0 in _query_tiles(ex, j0, kj.shape[-2], seq_q, block_m):
             qi = qg[..., i0 : i0 + block_m, :].to(acc_t)
             doi = dog[..., i0 : i0 + block_m, :].to(acc_t)
             rows = qi.shape[-2]
-            s, t = tiles.scores(qi @ kj.transpose(-1, -2), i0, j0)
-            p = torch.exp(s - lseg[..., i0 : i0 + rows, None])
+            if recorded:
+                t, p, dp = terms[i0, j0]
+            else:
+                s, t = tiles.scores(qi @ kj.transpose(-1, -2), i0, j0)
+                p = torch.exp(s - lseg[..., i0 : i0 + rows, None])
+                dp = _dp(tiles, doi, vj, i0, j0)
             pd = tiles.dropout(p, i0, j0) * tiles.inv_keep if ex.dropout_p else p
             dvj = dvj + (pd.to(v.dtype).to(acc_t).transpose(-1, -2) @ doi).sum(2)
-            dp = doi @ vj.transpose(-1, -2)
-            if ex.dropout_p:
-                dp = tiles.dropout(dp, i0, j0) * tiles.inv_keep
             ds = p * (dp - deltag[..., i0 : i0 + rows, None])
             if t is not None:
                 ds = ds * (1 - t * t)  # through softcap * tanh(s / softcap)
@@ -267,6 +278,61 @@ def tiled_backward(
     dv = _joined(dv_tiles, v, acc_t)
     dq = (dq * scale).flatten(1, 2).reshape(q.shape).to(q.dtype)
     return dq, dk.reshape(k.shape).to(k.dtype), dv.reshape(v.shape).to(v.dtype)
+
+
+def _query_tiles(ex: Extras, j0: int, cols: int, seq_q: int, block_m: int) -> range:
+    """Starts of the query tiles that may attend a key of the tile ``[j0, j0 + cols)``."""
+    lo = max(0, j0 - ex.right) if ex.right >= 0 else 0
+    hi = min(seq_q, j0 + cols + ex.left) if ex.left >= 0 else seq_q
+    return range((lo // block_m) * block_m, hi, block_m)
+
+
+def _dp(tiles: _Tiles, doi: torch.Tensor, vj: torch.Tensor, i0: int, j0: int) -> torch.Tensor:
+    """``dP = dO V^T`` of one tile, dropped and rescaled as P was (float ``doi``, ``vj``)."""
+    dp = doi @ vj.transpose(-1, -2)
+    return tiles.dropout(dp, i0, j0) * tiles.inv_keep if tiles.ex.dropout_p else dp
+
+
+def _recorded_rows(tiles: _Tiles, qg, dog, kg, vg, lseg, deltag, block_m: int, block_n: int):
+    """``(lse rows, D rows, {(i0, j0): (tanh, P, dP)})``: the saved lse and D (grouped) plus
+    zero-valued terms that give them their gradients, of every order, through the score tiles in
+    the accumulation dtype (lse as ``logsumexp(S)``, D as ``rowsum(P * dP)``), and each tile's
+    terms made from them. Through the saved ``out`` and ``lse`` those gradients would reach q, k,
+    v by the forward's own backward, in the inputs' dtype (float16: out's gradient and that
+    backward's dS rounded to float16) while the terms they cancel stay float32 here: with one
+    key (P = 1) a penalty's dk came out 0.0165 off float64, PyTorch's own float16 error 0.0029."""
+    acc_t, ex = _acc_dtype(qg), tiles.ex
+    seq_q, seq_k = qg.shape[-2], kg.shape[-2]
+    pairs = [(i0, j0) for j0 in range(0, seq_k, block_n)
+             for i0 in _query_tiles(ex, j0, min(block_n, seq_k - j0), seq_q, block_m)]  # fmt: skip
+    scores, sums, deltas, terms = {}, {}, {}, {}
+    for i0, j0 in pairs:  # sums[i0] = rowsum(exp(S - lse)): 1 up to rounding
+        qi = qg[..., i0 : i0 + block_m, :].to(acc_t)
+        s, t = tiles.scores(qi @ kg[..., j0 : j0 + block_n, :].to(acc_t).transpose(-1, -2), i0, j0)
+        term = torch.exp(s - lseg[..., i0 : i0 + qi.shape[-2], None]).sum(-1)
+        scores[i0, j0] = s, t
+        sums[i0] = term if i0 not in sums else sums[i0] + term
+    logs = {}
+    for i0, total in sums.items():  # a row with no key: total 0, no term
+        log = torch.log(total.masked_fill(total.detach() == 0, 1.0))
+        logs[i0] = log - log.detach()
+    lse_rows = _rows(lseg, logs, block_m)
+    for i0, j0 in pairs:
+        s, t = scores[i0, j0]
+        p = torch.exp(s - lse_rows[..., i0 : i0 + s.shape[-2], None])
+        doi = dog[..., i0 : i0 + block_m, :].to(acc_t)
+        dp = _dp(tiles, doi, vg[..., j0 : j0 + block_n, :].to(acc_t), i0, j0)
+        terms[i0, j0] = t, p, dp
+        term = (p * dp - (p * dp).detach()).sum(-1)
+        deltas[i0] = term if i0 not in deltas else deltas[i0] + term
+    return lse_rows, _rows(deltag, deltas, block_m), terms
+
+
+def _rows(base: torch.Tensor, terms: dict[int, torch.Tensor], block_m: int) -> torch.Tensor:
+    """``base`` (..., L) plus each query tile's ``terms[i0]`` (none: nothing), out of place."""
+    parts = [base[..., i0 : i0 + block_m] + terms[i0] if i0 in terms else
+             base[..., i0 : i0 + block_m] for i0 in range(0, base.shape[-1], block_m)]  # fmt: skip
+    return torch.cat(parts, dim=-1) if parts else base
 
 
 def _joined(tiles: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -292,7 +358,9 @@ def forward(q, k, v, scale: float, ex: Extras):
 def differentiable_backward(dout, q, k, v, out, lse, dlse, scale: float, ex: Extras):
     """``(dq, dk, dv)`` through differentiable PyTorch ops, autocast off: under
     ``create_graph=True`` they record a graph, so a second backward (a gradient penalty) is exact.
-    ``out`` and ``lse`` are the forward's saved outputs: the graph reaches q, k, v through them
-    too (their gradients run the first-order backward again)."""
+    ``out`` and ``lse`` (the forward's saved outputs) enter that graph as values only: it reaches
+    q, k, v through its own score tiles in float32 (``recorded``), not through the forward's
+    node."""
     with _no_autocast(q.device):
-        return tiled_backward(dout, q, k, v, out, lse, dlse, scale, ex)
+        return tiled_backward(dout, q, k, v, out, lse, dlse, scale, ex,
+                              recorded=torch.is_grad_enabled())  # fmt: skip
