@@ -445,3 +445,46 @@ def reference_lm(rank: int, world: int, mode: str) -> dict[str, Any]:
                                                                     shard_sequence(targets)))  # fmt: skip
     return {"loss": (loss / world).item(), "want": want.item(), "grads": grads,
             "want_grads": want_grads, "naive": refused}  # fmt: skip
+
+
+# ---------------------------------------------- torch's attention modules under the SDPA router
+
+
+def torch_attention_modules(rank: int, world: int) -> dict[str, Any]:
+    """nn.MultiheadAttention and nn.TransformerEncoderLayer inside context_parallel_sdpa: each
+    scenario's largest difference from one process on the whole sequence, or what it raised.
+    (They reach SDPA only with need_weights=False and off their fused inference fast path.)"""
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=F64)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=F64)
+    x = torch.randn(2, 4 * world, 8, dtype=F64)
+    scenarios = {
+        "mha need_weights": (lambda t: mha(t, t, t)[0], True, torch.enable_grad),
+        "mha causal need_weights=False": (
+            lambda t: mha(t, t, t, need_weights=False, attn_mask=_causal(t), is_causal=True)[0],
+            True, torch.enable_grad,
+        ),
+        "mha fast path (eval, no_grad)": (lambda t: mha(t, t, t, need_weights=False)[0], False,
+                                          torch.no_grad),
+        "encoder layer fast path (eval, no_grad)": (layer, False, torch.no_grad),
+    }  # fmt: skip
+    state = (torch.nn.functional.multi_head_attention_forward,
+             torch.backends.mha.get_fastpath_enabled())  # fmt: skip
+    out: dict[str, Any] = {}
+    for name, (fn, train, grad_mode) in scenarios.items():
+        mha.train(train), layer.train(train)
+        with grad_mode():
+            want = fn(x)
+            local = shard_sequence(x)
+            with context_parallel_sdpa(backend="torch"):
+                out[name] = attempt(lambda fn=fn, local=local: out.update(got=fn(local)))
+            if out[name] == "no error":
+                out[name] = (gather_sequence(out.pop("got").detach()) - want).abs().max().item()
+    now = (torch.nn.functional.multi_head_attention_forward,
+           torch.backends.mha.get_fastpath_enabled())  # fmt: skip
+    out["restored"] = now == state
+    return out
+
+
+def _causal(t: torch.Tensor) -> torch.Tensor:
+    return torch.nn.Transformer.generate_square_subsequent_mask(t.shape[1], dtype=t.dtype)

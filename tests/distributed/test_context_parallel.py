@@ -193,3 +193,18 @@ def _cuda_world_one(rank: int, world: int) -> bool:
 def test_nccl_ring_and_ulysses_on_two_gpus():
     results = run_distributed(cp_cases.nccl_equivalence, 2, timeout=TIMEOUT, backend="nccl")
     assert results[0].keys() == results[1].keys() and len(results[0]) == 32
+
+
+def test_torch_attention_modules_attend_over_the_whole_sequence_or_raise():
+    """nn.MultiheadAttention with need_weights=True (its default) computes its weights itself,
+    and its and nn.TransformerEncoderLayer's fused inference fast path skips SDPA: both attended
+    to each rank's shard only, silently (differences of 0.3-0.6). Now the first raises on every
+    rank and context_parallel_sdpa turns the fast path off (restored on exit)."""
+    for rank, r in enumerate(run_distributed(cp_cases.torch_attention_modules, 2, timeout=TIMEOUT)):
+        assert r["mha need_weights"].startswith(
+            "NotImplementedError: context_parallel_sdpa: nn.MultiheadAttention with need_weights"
+        ), (rank, r["mha need_weights"])
+        for name in ("mha causal need_weights=False", "mha fast path (eval, no_grad)",
+                     "encoder layer fast path (eval, no_grad)"):  # fmt: skip
+            assert isinstance(r[name], float) and r[name] < 1e-12, (rank, name, r[name])
+        assert r["restored"], rank

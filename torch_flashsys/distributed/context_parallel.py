@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -346,6 +347,9 @@ def context_parallel_sdpa(
     ``(batch, heads, seq_local, head_dim)`` inputs; ``is_causal``, ``scale`` and ``enable_gqa``
     are passed on. A call it cannot serve (``attn_mask``, ``dropout_p > 0``, other shapes) raises
     ``NotImplementedError``: running it locally would silently attend to the local shard only.
+    For the same reason ``nn.MultiheadAttention`` with ``need_weights=True`` (its default; that
+    path does not call SDPA) raises inside, and torch's fused inference fast path of
+    ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` is off (restored on exit).
     On exit the function found on entry is put back (as :func:`~torch_flashsys.sdpa_override`);
     both nest either way.
 
@@ -358,11 +362,19 @@ def context_parallel_sdpa(
     _check_choice("context_parallel_sdpa", "mode", mode, MODES)
     _check_choice("context_parallel_sdpa", "layout", layout, LAYOUTS)
     previous = F.scaled_dot_product_attention
+    previous_mha = F.multi_head_attention_forward
+    fast_path = torch.backends.mha.get_fastpath_enabled()
     F.scaled_dot_product_attention = _make_router(previous, group, mode, layout, backend, verify)
+    # nn.MultiheadAttention (and the Transformer layers around it) reach SDPA only off their
+    # fused inference fast path and with need_weights=False; else they attend to the local shard.
+    F.multi_head_attention_forward = _refuse_weights(previous_mha)
+    torch.backends.mha.set_fastpath_enabled(False)
     try:
         yield
     finally:
         F.scaled_dot_product_attention = previous
+        F.multi_head_attention_forward = previous_mha
+        torch.backends.mha.set_fastpath_enabled(fast_path)
 
 
 def _make_router(original: Callable[..., Any], group, mode, layout, backend, verify):
@@ -387,6 +399,26 @@ def _make_router(original: Callable[..., Any], group, mode, layout, backend, ver
     # attention), which must reroute itself (functools.wraps copies it onto wrappers above).
     scaled_dot_product_attention.torch_flashsys_context_parallel = True
     return scaled_dot_product_attention
+
+
+def _refuse_weights(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``F.multi_head_attention_forward`` that raises for ``need_weights=True``: that path computes
+    the attention (and its weights) itself, without SDPA, so over this rank's shard only."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def multi_head_attention_forward(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        if call.arguments["need_weights"]:
+            raise NotImplementedError(
+                "context_parallel_sdpa: nn.MultiheadAttention with need_weights=True (its "
+                "default) computes the attention weights itself, over this rank's sequence shard "
+                "only; pass need_weights=False (it then calls scaled_dot_product_attention)"
+            )
+        return original(*args, **kwargs)
+
+    return multi_head_attention_forward
 
 
 def context_parallel_active() -> bool:
