@@ -488,3 +488,35 @@ def torch_attention_modules(rank: int, world: int) -> dict[str, Any]:
 
 def _causal(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.Transformer.generate_square_subsequent_mask(t.shape[1], dtype=t.dtype)
+
+
+def flash_attention_module(rank: int, world: int) -> dict[str, Any]:
+    """torch_flashsys.FlashAttention (what replace_attention installs) inside
+    context_parallel_sdpa: output and input gradient's largest difference from one process on
+    the whole sequence per form (seq-first / batch-first, causal, GQA), or what it raised."""
+    from torch_flashsys import FlashAttention
+
+    out: dict[str, Any] = {}
+    forms = {"seq-first": (False, False, 2), "batch-first causal": (True, True, 2),
+             "gqa causal": (True, True, 1)}  # fmt: skip
+    for name, (batch_first, causal, kv_heads) in forms.items():
+        torch.manual_seed(0)
+        attn = FlashAttention(8, 2, num_kv_heads=kv_heads, causal=causal, batch_first=batch_first,
+                              backend="torch").to(F64)  # fmt: skip
+        dim = 1 if batch_first else 0
+        x = torch.randn((2, 4 * world, 8) if batch_first else (4 * world, 2, 8), dtype=F64)
+        full = x.clone().requires_grad_()
+        want = attn(full)
+        want.backward(want.detach())
+        local = shard_sequence(x, dim=dim).requires_grad_()
+        with context_parallel_sdpa(backend="torch"):
+            got = attn(local)
+        got.backward(shard_sequence(want.detach(), dim=dim))
+        pairs = [(got.detach(), want.detach()), (local.grad, full.grad)]
+        out[name] = max((gather_sequence(a, dim=dim) - b).abs().max().item() for a, b in pairs)
+    attn = FlashAttention(8, 2, batch_first=True, backend="torch").to(F64)
+    x = shard_sequence(torch.randn(2, 4 * world, 8, dtype=F64))
+    with context_parallel_sdpa(backend="torch"):
+        out["padding mask"] = attempt(lambda: attn(x, x, x, key_padding_mask=x[..., 0] > 0))
+        out["kv cache"] = attempt(lambda: attn(x, kv_cache=attn.new_cache(2, x.shape[1])))
+    return out

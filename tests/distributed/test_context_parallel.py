@@ -208,3 +208,19 @@ def test_torch_attention_modules_attend_over_the_whole_sequence_or_raise():
                      "encoder layer fast path (eval, no_grad)"):  # fmt: skip
             assert isinstance(r[name], float) and r[name] < 1e-12, (rank, name, r[name])
         assert r["restored"], rank
+
+
+def test_flash_attention_module_runs_context_parallel():
+    """torch_flashsys.FlashAttention (replace_attention's module) calls flash_attention, which
+    the SDPA router cannot see: inside context_parallel_sdpa it attended to each rank's shard
+    only, silently (0.4-0.7 off). It now goes through the router: output and input gradient equal
+    one process's on the whole sequence; a mask raises as the router does, a KV cache raises."""
+    for rank, r in enumerate(run_distributed(cp_cases.flash_attention_module, 2, timeout=TIMEOUT)):
+        for name in ("seq-first", "batch-first causal", "gqa causal"):
+            assert isinstance(r[name], float) and r[name] < 1e-12, (rank, name, r[name])
+        assert r["padding mask"].startswith(
+            "NotImplementedError: context_parallel_sdpa: scaled_dot_product_attention"
+        ), (rank, r["padding mask"])
+        assert r["kv cache"].startswith(
+            "NotImplementedError: FlashAttention: kv_cache inside context_parallel_sdpa"
+        ), (rank, r["kv cache"])

@@ -14,6 +14,13 @@ from torch_flashsys.attention.functional import flash_attention
 
 _NAME = "FlashAttention"
 _WARNED: set[str] = set()  # one-time warnings already given in this process
+# Set on F.scaled_dot_product_attention by distributed.context_parallel_sdpa's router: the
+# sequence is then sharded across ranks (read here, as attention imports nothing from distributed).
+CONTEXT_PARALLEL_MARK = "torch_flashsys_context_parallel"
+
+
+def _context_parallel() -> bool:
+    return getattr(nn.functional.scaled_dot_product_attention, CONTEXT_PARALLEL_MARK, False)
 
 
 def _mha_unsupported_reason(mha: nn.MultiheadAttention) -> str | None:
@@ -138,6 +145,10 @@ class FlashAttention(nn.Module):
 
     Dropout on the attention weights (``dropout``, MHA's argument) applies in training mode only,
     as in nn.MultiheadAttention.
+
+    Inside :func:`~torch_flashsys.distributed.context_parallel_sdpa` (the sequence sharded across
+    ranks) the attention runs through its router, over the whole sequence on the router's
+    ``backend``; masks, dropout and ``kv_cache`` raise there.
 
     Generation with a KV cache: ``cache = attn.new_cache(batch, capacity)``, then
     ``attn(x, kv_cache=cache)`` for the prompt and for each new token (under ``torch.no_grad()``):
@@ -372,7 +383,20 @@ class FlashAttention(nn.Module):
         # (b, seq, heads, d) -> (b, heads, seq, d); seq-first: (seq, b, heads, d) -> the same
         order = (1, 2, 0, 3) if seq_first else (0, 2, 1, 3)
         q, k, v = (t.unflatten(-1, (-1, d)).permute(order) for t in (q, k, v))
-        if kv_cache is not None:  # generation: the new positions join the cache, then attend
+        dropout = self.dropout if self.training else 0.0
+        if _context_parallel():
+            # flash_attention would attend to this rank's sequence shard only; the router runs
+            # context-parallel attention (and refuses masks and dropout)
+            if kv_cache is not None:
+                raise NotImplementedError(
+                    f"{_NAME}: kv_cache inside context_parallel_sdpa is not supported (a cache "
+                    "holds one rank's keys only)"
+                )
+            out = nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                enable_gqa=h_kv != h,
+            )  # fmt: skip
+        elif kv_cache is not None:  # generation: the new positions join the cache, then attend
             kv_cache.append(k, v)
             out = flash_attention(
                 q, kv_cache.key, kv_cache.value, is_causal=causal, enable_gqa=h_kv != h,
@@ -380,8 +404,8 @@ class FlashAttention(nn.Module):
             )  # fmt: skip
         else:
             out = flash_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                is_causal=causal, enable_gqa=h_kv != h, backend=self.backend,
+                q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                enable_gqa=h_kv != h, backend=self.backend,
             )  # fmt: skip
         back = (2, 0, 1, 3) if seq_first else (0, 2, 1, 3)  # the inverse permutation of order
         return self.out_proj(out.permute(back).flatten(-2))

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch_flashsys.attention import flash_attention
 from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._dispatch import autocast_inputs
+from torch_flashsys.attention.module import CONTEXT_PARALLEL_MARK
 from torch_flashsys.distributed._cp_layout import LAYOUTS, chunk_ids, chunks_per_rank, shard_order
 from torch_flashsys.distributed._cp_ring import Ring, RingAttention
 from torch_flashsys.distributed._cp_ulysses import ulysses_attention
@@ -396,8 +397,8 @@ def _make_router(original: Callable[..., Any], group, mode, layout, backend, ver
         )  # fmt: skip
 
     # Found by code that calls attention other than through SDPA (the reference LM's "flash"
-    # attention), which must reroute itself (functools.wraps copies it onto wrappers above).
-    scaled_dot_product_attention.torch_flashsys_context_parallel = True
+    # attention, FlashAttention), which must reroute itself (functools.wraps copies it onto wrappers above).
+    setattr(scaled_dot_product_attention, CONTEXT_PARALLEL_MARK, True)
     return scaled_dot_product_attention
 
 
@@ -424,4 +425,4 @@ def _refuse_weights(original: Callable[..., Any]) -> Callable[..., Any]:
 def context_parallel_active() -> bool:
     """Whether ``torch.nn.functional.scaled_dot_product_attention`` is a
     :func:`context_parallel_sdpa` router now (directly or under another wrapper)."""
-    return getattr(F.scaled_dot_product_attention, "torch_flashsys_context_parallel", False)
+    return getattr(F.scaled_dot_product_attention, CONTEXT_PARALLEL_MARK, False)
