@@ -181,6 +181,14 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
         "shard_length": attempt(lambda: shard_sequence(torch.zeros(1, 6 * world - 1))),
         "bad_mode": attempt(lambda: cpa(g, g, g, mode="star")),
         "gather_mismatch": attempt(lambda: gather_sequence(mine)),
+        # equal shapes, but rank 1 gathers another dim / layout: each rank got a different tensor
+        "gather_dim_mismatch": attempt(lambda: gather_sequence(torch.zeros(4, 4), dim=rank % 2)),
+        "gather_layout_mismatch": attempt(
+            lambda: gather_sequence(torch.zeros(4, 4), layout=("zigzag", "contiguous")[rank % 2])
+        ),
+        "gather_negative_dim": attempt(
+            lambda: gather_sequence(torch.zeros(4, 4), dim=(1, -1)[rank % 2])
+        ),
         "sdpa_mask": attempt(lambda: _sdpa_with_mask(g)),
         "after_errors_still_works": attempt(lambda: cpa(g, g, g, is_causal=True)),
         # a backward on rank 0 only would leave rank 1 out of the ring: refused up front

@@ -99,7 +99,10 @@ def test_bad_inputs_raise_on_every_rank():
         "gqa_flag": "ValueError: context_parallel_attention: query has 4 heads and key/value 1",
         "shard_length": "ValueError: shard_sequence: the sequence length must be a multiple of 4",
         "bad_mode": "ValueError: context_parallel_attention: mode must be one of",
-        "gather_mismatch": "RuntimeError: gather_sequence: the shard differs across ranks",
+        "gather_mismatch": "RuntimeError: gather_sequence: the call differs across ranks",
+        "gather_dim_mismatch": "RuntimeError: gather_sequence: the call differs across ranks",
+        "gather_layout_mismatch": "RuntimeError: gather_sequence: the call differs across ranks",
+        "gather_negative_dim": "no error",  # the same dim
         "sdpa_mask": "NotImplementedError: context_parallel_sdpa: scaled_dot_product_attention",
         "after_errors_still_works": "no error",
         "requires_grad_one_rank": "RuntimeError: context_parallel_attention: the attention call "

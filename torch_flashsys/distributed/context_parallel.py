@@ -139,7 +139,8 @@ def gather_sequence(
 ) -> torch.Tensor:
     """The full sequence from every rank's shard (the inverse of :func:`shard_sequence`).
 
-    A collective (one all-gather on ``group``): every rank must call it with equal shapes. Not
+    A collective (one all-gather on ``group``): every rank must call it with equal shapes,
+    ``dim`` and ``layout`` (checked first: a mismatch raises the same error on every rank). Not
     differentiable (use it for outputs, logits to inspect, or gradients in tests).
 
     Example:
@@ -151,7 +152,9 @@ def gather_sequence(
     if world == 1:
         return tensor
     _check_dim(caller, tensor, dim)
-    verify_same_across_ranks(caller, [("shard", _describe(tensor))], group, what="the shard")
+    # equal shapes with another dim or layout on some rank would give each rank another tensor
+    items = [("shard", _describe(tensor)), ("dim", repr(dim % tensor.dim())), ("layout", layout)]
+    verify_same_across_ranks(caller, items, group, what="the call")
     per_rank = chunks_per_rank(layout)
     if tensor.shape[dim] % per_rank:
         raise ValueError(
