@@ -332,6 +332,9 @@ def dtensor_heads(rank: int, world: int) -> dict[str, Any]:
         "mask": lambda: flash_attention(
             heads_sharded, heads_sharded, heads_sharded, attn_mask=torch.ones(8, 8) > 0
         ),
+        "context_parallel": lambda: context_parallel_attention(
+            heads_sharded, heads_sharded, heads_sharded, backend="torch"
+        ),
     }
     for name, fn in bad.items():
         errors[name] = attempt(fn)

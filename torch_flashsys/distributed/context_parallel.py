@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch_flashsys.attention import flash_attention
 from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._dispatch import autocast_inputs
+from torch_flashsys.attention._dtensor import is_dtensor
 from torch_flashsys.attention.module import CONTEXT_PARALLEL_MARK
 from torch_flashsys.distributed._cp_layout import LAYOUTS, chunk_ids, chunks_per_rank, shard_order
 from torch_flashsys.distributed._cp_ring import Ring, RingAttention
@@ -203,6 +204,12 @@ def _describe(t: object) -> str:
 def _check_shards(q, k, v, world: int, mode: str, is_causal: bool, layout: str, gqa: bool) -> None:
     """Rules of the sharded problem (after the cross-rank check, so every rank agrees)."""
     for name, t in (("query", q), ("key", k), ("value", v)):
+        if is_dtensor(t):
+            raise TypeError(
+                f"{_NAME}: {name} is a DTensor; pass this rank's sequence shards as plain "
+                f"tensors (heads sharded for tensor parallelism: t.to_local(), then the "
+                f"context-parallel group)"
+            )
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(
                 f"{_NAME}: {name} must be a 4-D tensor (batch, heads, seq_local, head_dim), got "
@@ -349,8 +356,9 @@ def context_parallel_sdpa(
 
     Every call inside is taken to be self-attention over this rank's sequence shard: 4-D
     ``(batch, heads, seq_local, head_dim)`` inputs; ``is_causal``, ``scale`` and ``enable_gqa``
-    are passed on. A call it cannot serve (``attn_mask``, ``dropout_p > 0``, other shapes) raises
-    ``NotImplementedError``: running it locally would silently attend to the local shard only.
+    are passed on. A call it cannot serve (``attn_mask``, ``dropout_p > 0``) raises
+    ``NotImplementedError`` (other shapes ``ValueError``): running it locally would silently
+    attend to the local shard only.
     For the same reason ``nn.MultiheadAttention`` with ``need_weights=True`` (its default; that
     path does not call SDPA) raises inside, and torch's fused inference fast path of
     ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` is off (restored on exit).
