@@ -234,3 +234,31 @@ def test_value_head_dim_compiles_fullgraph_with_dynamic_lengths(layout, attn_bac
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
         for g, r in zip(grads, refs, strict=True):
             torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)
+
+
+def test_backward_compiles_after_dynamic_recompile_in_either_layout():
+    """3-D, then (B, H, L, E), then (B, L, H, E) memory viewed as (B, H, L, E): the rank change
+    turns the shapes dynamic, and Dynamo's backward graph of the Function read the head dim from
+    the gradient's stride (``sym_stride(dout, 2)``), which under AOTAutograd is the output's
+    layout: the third backward failed to compile ("size of tensor a (9*s3) must match ...")."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, backend="torch")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(4, 9, 16), (2, 4, 9, 16), (2, 9, 4, 16)]
+    for n, shape in enumerate(shapes):
+        q, k, v = (torch.randn(shape, generator=gen) for _ in range(3))
+        if n == 2:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.to(DEVICE).requires_grad_() for t in (q, k, v))
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))  # an expanded gradient: strides 0
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64)
+        refs = torch.autograd.grad(ref.sum(), (q64, k64, v64))
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+        for g, r in zip(grads, refs, strict=True):
+            torch.testing.assert_close(g.double(), r, atol=1e-4, rtol=1e-4)

@@ -248,8 +248,7 @@ def tiled_backward(
     for j0 in range(0, seq_k, block_n):
         kj = kg[..., j0 : j0 + block_n, :].to(acc_t)
         vj = vg[..., j0 : j0 + block_n, :].to(acc_t)
-        dkj = kj.new_zeros((*kj.shape[:2], *kj.shape[3:]))
-        dvj = vj.new_zeros((*vj.shape[:2], *vj.shape[3:]))
+        dkj, dvj = _zeros(kj.select(2, 0)), _zeros(vj.select(2, 0))
         for i0 in _query_tiles(ex, j0, kj.shape[-2], seq_q, block_m):
             qi = qg[..., i0 : i0 + block_m, :].to(acc_t)
             doi = dog[..., i0 : i0 + block_m, :].to(acc_t)
@@ -271,9 +270,8 @@ def tiled_backward(
             dkj = dkj + (ds.transpose(-1, -2) @ qi).sum(2)
         dk_tiles.append(dkj * scale)
         dv_tiles.append(dvj)
-    dq = _joined([dq_rows[i0] if i0 in dq_rows else qg.new_zeros(
-        (*qg.shape[:-2], min(block_m, seq_q - i0), qg.shape[-1]), dtype=acc_t)
-        for i0 in range(0, seq_q, block_m)], qg, acc_t)  # fmt: skip
+    dq = _joined([dq_rows[i0] if i0 in dq_rows else _zeros(qg[..., i0 : i0 + block_m, :], acc_t)
+                  for i0 in range(0, seq_q, block_m)], qg, acc_t)  # fmt: skip
     dk = _joined(dk_tiles, k, acc_t)
     dv = _joined(dv_tiles, v, acc_t)
     dq = (dq * scale).flatten(1, 2).reshape(q.shape).to(q.dtype)
@@ -338,7 +336,15 @@ def _rows(base: torch.Tensor, terms: dict[int, torch.Tensor], block_m: int) -> t
 def _joined(tiles: list[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Tiles' gradients (query rows or key tiles) joined along the sequence; zeros of ``like``'s
     shape for none (an empty sequence)."""
-    return torch.cat(tiles, dim=-2) if tiles else like.new_zeros(like.shape, dtype=dtype)
+    return torch.cat(tiles, dim=-2) if tiles else _zeros(like, dtype)
+
+
+def _zeros(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Contiguous zeros of ``like``'s shape, taken from the tensor, not from its sizes as ints:
+    in Dynamo's backward graph of the Function a head-dim size passed as an int is read from the
+    incoming gradient's stride (``sym_stride(dout, 2)``, a PyTorch bug), which is not the head
+    dim when the gradient arrives in another layout (expanded, or the output's (B, L, H, E))."""
+    return torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
