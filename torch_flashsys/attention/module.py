@@ -19,7 +19,9 @@ _WARNED: set[str] = set()  # one-time warnings already given in this process
 CONTEXT_PARALLEL_MARK = "torch_flashsys_context_parallel"
 
 
-def _context_parallel() -> bool:
+def context_parallel_routed() -> bool:
+    """Whether ``F.scaled_dot_product_attention`` is a context-parallel router now (directly or
+    under another wrapper: ``functools.wraps`` copies the mark)."""
     return getattr(nn.functional.scaled_dot_product_attention, CONTEXT_PARALLEL_MARK, False)
 
 
@@ -384,7 +386,7 @@ class FlashAttention(nn.Module):
         order = (1, 2, 0, 3) if seq_first else (0, 2, 1, 3)
         q, k, v = (t.unflatten(-1, (-1, d)).permute(order) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
-        if _context_parallel():
+        if context_parallel_routed():
             # flash_attention would attend to this rank's sequence shard only; the router runs
             # context-parallel attention (and refuses masks and dropout)
             if kv_cache is not None:

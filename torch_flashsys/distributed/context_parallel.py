@@ -39,7 +39,7 @@ from torch_flashsys.attention import flash_attention
 from torch_flashsys.attention._checks import check_inputs, softmax_scale
 from torch_flashsys.attention._dispatch import autocast_inputs
 from torch_flashsys.attention._dtensor import is_dtensor
-from torch_flashsys.attention.module import CONTEXT_PARALLEL_MARK
+from torch_flashsys.attention.module import CONTEXT_PARALLEL_MARK, context_parallel_routed
 from torch_flashsys.distributed._cp_layout import LAYOUTS, chunk_ids, chunks_per_rank, shard_order
 from torch_flashsys.distributed._cp_ring import Ring, RingAttention
 from torch_flashsys.distributed._cp_ulysses import ulysses_attention
@@ -436,4 +436,4 @@ def _refuse_weights(original: Callable[..., Any]) -> Callable[..., Any]:
 def context_parallel_active() -> bool:
     """Whether ``torch.nn.functional.scaled_dot_product_attention`` is a
     :func:`context_parallel_sdpa` router now (directly or under another wrapper)."""
-    return getattr(F.scaled_dot_product_attention, CONTEXT_PARALLEL_MARK, False)
+    return context_parallel_routed()
